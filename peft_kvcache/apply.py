@@ -1,0 +1,119 @@
+"""The one function that applies a fitted map to a source cache; calibration-time evaluation and inference
+both call it, so what was measured is what runs.
+
+Per target layer: gather the position-free features of its chosen source layers, one matmul for all its
+KV heads (plus bias), re-rotate keys at the target positions, cast and place on the target layer's device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .errors import CacheMismatchError, NumericalError
+from .positions import RotarySpec, remove_rotary, rotary_cos_sin, apply_rotary
+
+
+def layer_features(states: torch.Tensor) -> torch.Tensor:
+    """``[batch, kv_heads, seq, head_dim]`` -> ``[batch, seq, kv_heads * head_dim]`` (heads side by side)."""
+    batch, heads, seq, dim = states.shape
+    return states.transpose(1, 2).reshape(batch, seq, heads * dim)
+
+
+def position_free_keys(keys: torch.Tensor, spec: RotarySpec, positions: torch.Tensor) -> torch.Tensor:
+    """Remove RoPE from cached keys ``[batch, kv_heads, seq, head_dim]`` at ``positions`` ``[batch, seq]``,
+    in float32."""
+    cos, sin = rotary_cos_sin(spec, positions, device=keys.device)
+    return remove_rotary(keys.float(), cos, sin, spec.attention_scaling)
+
+
+class SourceFeatures:
+    """Position-free features of a source cache, computed lazily per source layer and kept only while a
+    mapping runs (several target layers may read one source layer)."""
+
+    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], spec: RotarySpec,
+                 positions: torch.Tensor, dtype: torch.dtype):
+        self.keys, self.values, self.spec, self.positions, self.dtype = keys, values, spec, positions, dtype
+        self._cache: dict[tuple[str, int], torch.Tensor] = {}
+
+    def get(self, kind: str, layer: int, device: torch.device) -> torch.Tensor:
+        """``[batch, seq, kv_heads * head_dim]`` features of one source layer, on ``device``."""
+        key = (kind, layer)
+        if key not in self._cache:
+            states = self.keys[layer] if kind == "keys" else self.values[layer]
+            if kind == "keys":
+                states = position_free_keys(states, self.spec, self.positions.to(states.device))
+            self._cache[key] = layer_features(states).to(self.dtype)
+        return self._cache[key].to(device, non_blocking=True)
+
+
+def map_layer(features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """All heads of one target layer in one matmul: ``[batch, seq, D_in] @ [D_in, kv*hd] + bias`` ->
+    ``[batch, kv_heads, seq, head_dim]``."""
+    batch, seq, _ = features.shape
+    mapped = torch.addmm(bias.to(features.dtype), features.reshape(batch * seq, -1), weight.to(features.dtype))
+    return mapped.view(batch, seq, -1, head_dim).transpose(1, 2)
+
+
+def map_cache(
+    kv_map,
+    source_keys: Sequence[torch.Tensor],
+    source_values: Sequence[torch.Tensor],
+    source_positions: torch.Tensor,
+    target_positions: torch.Tensor,
+    placements: Sequence[tuple[torch.device, torch.dtype]],
+    compute_dtype: torch.dtype | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Map a source cache into the target's KV space.
+
+    Args:
+        kv_map: a `KVMap`.
+        source_keys, source_values: per source layer ``[batch, kv_heads, seq, head_dim]`` (keys post-RoPE).
+        source_positions, target_positions: ``[batch, seq]`` absolute positions of each cached token.
+        placements: per target layer (device, dtype) the mapped tensors must have.
+        compute_dtype: dtype of the matmuls; float32 by default (bfloat16/float16 inputs are upcast per layer).
+
+    Returns:
+        Per target layer ``(keys, values)`` of shape ``[batch, kv_heads, seq, head_dim]``.
+    """
+    config = kv_map.config
+    if len(source_keys) != config.source_layout.num_layers:
+        raise CacheMismatchError(
+            f"the source cache has {len(source_keys)} layers but map {config.source_name!r} -> "
+            f"{config.target_name!r} expects {config.source_layout.num_layers}"
+        )
+    expected = (config.source_layout.kv_heads, config.source_layout.head_dim)
+    for i, k in enumerate(source_keys):
+        if tuple(k.shape[1:2]) + tuple(k.shape[3:]) != expected or k.shape != source_values[i].shape:
+            raise CacheMismatchError(
+                f"source cache layer {i} has keys {tuple(k.shape)} and values {tuple(source_values[i].shape)}; "
+                f"the map expects [batch, {expected[0]}, seq, {expected[1]}]"
+            )
+    compute_dtype = compute_dtype or torch.float32
+    features = SourceFeatures(source_keys, source_values, kv_map.source_rotary, source_positions, compute_dtype)
+    target_spec, head_dim = kv_map.target_rotary, config.target_layout.head_dim
+
+    mapped = []
+    for t, (device, dtype) in enumerate(placements):
+        cos, sin = rotary_cos_sin(target_spec, target_positions, device=device)
+        layer = []
+        for kind in ("keys", "values"):
+            sources = kv_map.source_layers(kind, t)
+            x = torch.cat([features.get(kind, s, device) for s in sources], dim=-1)
+            weight, bias = kv_map.layer_weights(kind, t, device, compute_dtype)
+            states = map_layer(x, weight, bias, head_dim)
+            if kind == "keys":
+                states = apply_rotary(states, cos, sin)
+            layer.append(_cast_checked(states, dtype, t, kind))
+        mapped.append((layer[0], layer[1]))
+    return mapped
+
+
+def _cast_checked(states: torch.Tensor, dtype: torch.dtype, layer: int, kind: str) -> torch.Tensor:
+    """Cast to the target dtype, refusing NaN/Inf (from a bad source cache or float16 overflow)."""
+    cast = states.to(dtype)
+    if not torch.isfinite(cast).all():
+        cause = "overflows " + str(dtype) if torch.isfinite(states).all() else "is NaN/Inf (check the source cache)"
+        raise NumericalError(f"mapped {kind} of target layer {layer} {cause}")
+    return cast

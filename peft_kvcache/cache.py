@@ -1,0 +1,149 @@
+"""`MappedCache`: a transformers `DynamicCache` pre-filled with a source model's context mapped into the
+target's KV space, handed to ``target_model.generate(past_key_values=...)`` in place of prefill."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache
+
+from .apply import map_cache
+from .capture import CapturedKV, cache_states, run_with_cache
+from .errors import CacheMismatchError
+from .kvmap import KVMap
+from .models import layer_placements, model_name
+from .positions import positions_from_mask
+
+logger = logging.getLogger(__name__)
+
+
+class MappedCache(DynamicCache):
+    """A `DynamicCache` whose context came from another model through a `KVMap`.
+
+    generate() extends it like any DynamicCache. It remembers the positions its context ends at, and the
+    first forward pass that extends it must continue right there: a prompt that repeats the cached
+    context (a cache as long as the prompt) raises `CacheMismatchError` instead of silently giving wrong
+    output.
+
+    Example:
+        >>> cache = MappedCache.from_source(source_model, kv_map, target_model, input_ids=prompt[:, :-1])  # doctest: +SKIP
+        >>> out = target_model.generate(input_ids=prompt, past_key_values=cache, max_new_tokens=32)           # doctest: +SKIP
+    """
+
+    def __init__(self, layers_kv: list[tuple[torch.Tensor, torch.Tensor]], next_positions: torch.Tensor | None = None,
+                 kv_map: KVMap | None = None):
+        super().__init__(layers_kv)
+        self.next_positions = next_positions
+        self.kv_map = kv_map
+        self._continuation_checked = next_positions is None
+
+    @classmethod
+    def from_source(
+        cls,
+        source: torch.nn.Module | Cache,
+        kv_map: KVMap,
+        target_model: torch.nn.Module,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_offset: int = 0,
+        sink_tokens: int | None = None,
+        verify_models: bool = True,
+    ) -> "MappedCache":
+        """Map a context into the target's KV space.
+
+        Args:
+            source: the source model (it is run over ``input_ids``) or a source `Cache` it already holds.
+            kv_map: the fitted map from the source to ``target_model``.
+            target_model: the model that will continue the conversation (a `PeftModel` works).
+            input_ids: ``[batch, seq]`` context token ids, i.e. the prompt without its last token. Required
+                with a source model; with a source cache they let the target compute the sink itself.
+            attention_mask: ``[batch, seq]`` mask for left-padded batches (positions come from it).
+            position_offset: place the mapped context this many positions later (e.g. after a prefix).
+            sink_tokens: leading tokens the target computes itself (default: the map's ``sink_tokens``).
+            verify_models: check the models' fingerprints against the map (cheap; memoized per model).
+
+        Returns:
+            A `MappedCache` with the target's layer count, shapes, dtypes and devices.
+        """
+        source_is_cache = isinstance(source, (Cache, tuple, list))
+        if verify_models:
+            kv_map.check_models(None if source_is_cache else source, target_model)
+        if source_is_cache:
+            captured = cache_states(source)
+        else:
+            if input_ids is None:
+                raise CacheMismatchError("from_source with a source model needs input_ids (the prompt minus its last token)")
+            captured = run_with_cache(source, input_ids, attention_mask)
+
+        batch, length = captured.keys[0].shape[0], captured.keys[0].shape[2]
+        if input_ids is not None and tuple(input_ids.shape) != (batch, length):
+            raise CacheMismatchError(
+                f"input_ids has shape {tuple(input_ids.shape)} but the source cache holds {batch} x {length} tokens"
+            )
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, length, dtype=torch.long)
+        elif tuple(attention_mask.shape) != (batch, length):
+            raise CacheMismatchError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but the cache holds {batch} x {length} tokens"
+            )
+        attention_mask = attention_mask.cpu()
+        source_positions = positions_from_mask(attention_mask)
+        target_positions = source_positions + position_offset
+
+        placements = layer_placements(target_model)
+        mapped = map_cache(kv_map, captured.keys, captured.values, source_positions, target_positions, placements)
+
+        sink_tokens = kv_map.config.sink_tokens if sink_tokens is None else sink_tokens
+        if sink_tokens > 0:
+            if input_ids is None:
+                logger.warning(
+                    "no input_ids given with the source cache: the first %d token(s) (the attention sink) are "
+                    "mapped instead of computed by the target, which costs quality; pass input_ids", sink_tokens)
+            else:
+                mapped = _with_target_sink(mapped, target_model, input_ids, attention_mask, sink_tokens,
+                                           position_offset)
+        next_positions = target_positions[:, -1] + 1 if length else torch.full((batch,), position_offset)
+        return cls(mapped, next_positions=next_positions, kv_map=kv_map)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if not self._continuation_checked and layer_idx == 0:
+            self._check_continuation(kwargs)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _check_continuation(self, kwargs: dict) -> None:
+        """The first tokens added must sit right after the mapped context (see API-NOTES: a cache as long
+        as the prompt otherwise gives wrong output with no error)."""
+        self._continuation_checked = True
+        position_ids = kwargs.get("position_ids", (kwargs.get("kwargs") or {}).get("position_ids"))
+        if position_ids is None:
+            return
+        first = position_ids[..., 0].reshape(-1).cpu()
+        expected = self.next_positions.reshape(-1)
+        if first.numel() == 1 and expected.numel() > 1:
+            first = first.expand_as(expected)
+        if first.numel() == expected.numel() and not torch.equal(first, expected):
+            raise CacheMismatchError(
+                f"the mapped cache covers positions up to {(expected - 1).tolist()}, but the next tokens start at "
+                f"positions {first.tolist()}: the prompt passed to generate() must extend the mapped context by "
+                "at least one token (build the cache from input_ids=prompt[:, :-1]), or pass position_ids that "
+                "continue a position_offset"
+            )
+
+
+@torch.no_grad()
+def _with_target_sink(mapped, target_model, input_ids, attention_mask, sink_tokens, position_offset):
+    """Replace the leading columns (left padding + ``sink_tokens`` real tokens) by the target's own KV:
+    those tokens attend only to themselves, so the target computes them exactly for a few tokens' cost."""
+    real_start = int((attention_mask.shape[1] - attention_mask.sum(1)).max())
+    columns = min(real_start + sink_tokens, attention_mask.shape[1])
+    if columns == 0:
+        return mapped
+    mask = attention_mask[:, :columns]
+    own: CapturedKV = run_with_cache(target_model, input_ids[:, :columns], mask,
+                                     position_ids=positions_from_mask(mask) + position_offset)
+    return [
+        (torch.cat([k_own.to(k.device, k.dtype), k[:, :, columns:]], dim=2),
+         torch.cat([v_own.to(v.device, v.dtype), v[:, :, columns:]], dim=2))
+        for (k, v), k_own, v_own in zip(mapped, own.keys, own.values)
+    ]

@@ -1,0 +1,35 @@
+"""The exception hierarchy: every error this library raises on bad input is a `PeftKVCacheError`."""
+
+from __future__ import annotations
+
+
+class PeftKVCacheError(Exception):
+    """Root of every error raised by peft-kvcache; catch this to handle them all."""
+
+
+class IncompatibleModelsError(PeftKVCacheError, ValueError):
+    """The source and target models cannot be paired (vocabulary, tokenizer or architecture)."""
+
+
+class UnsupportedPositionalSchemeError(PeftKVCacheError, ValueError):
+    """A model's positional scheme cannot be removed from its cached keys (ALiBi, sliding windows, ...)."""
+
+
+class FingerprintMismatchError(PeftKVCacheError, ValueError):
+    """A map is applied to models other than the ones it was fitted for."""
+
+
+class ArtifactError(PeftKVCacheError, ValueError):
+    """A map artifact on disk is missing, corrupted, tampered with or of an unknown format."""
+
+
+class CalibrationError(PeftKVCacheError, ValueError):
+    """Calibration cannot run on the data given (empty, too short, non-finite statistics)."""
+
+
+class CacheMismatchError(PeftKVCacheError, ValueError):
+    """A cache does not fit what it is used with: shapes, lengths, devices or the prompt it continues."""
+
+
+class NumericalError(PeftKVCacheError, ArithmeticError):
+    """NaN or Inf appeared in a cache or in statistics, or a value overflowed the target dtype."""

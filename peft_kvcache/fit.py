@@ -1,0 +1,233 @@
+"""Closed-form ridge maps from streaming sufficient statistics.
+
+Features are rows: source ``x`` ``[n, D]`` (all source layers side by side, position-free) and target
+``y`` ``[n, E]`` (all target layers side by side). Ridge needs only ``X^T X``, ``X^T Y``, column sums and
+column sums of squares, accumulated in float64: memory is O(D^2 + D E) whatever the number of tokens,
+and statistics of two shards add (`merge`), which is all distributed calibration needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import CalibrationError, NumericalError
+
+# Ridge strengths relative to the mean eigenvalue of the source Gram; the large end reaches the prior
+# (identity for same-shape pairs), the small end plain least squares.
+DEFAULT_LAMBDA_GRID = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0, 10.0, 100.0)
+
+
+@dataclass
+class SufficientStatistics:
+    """Streaming float64 sums for ridge from source features to one or more named targets.
+
+    The source part (``x_*``) is shared by every target: fitting one base model to several adapters
+    accumulates the expensive ``X^T X`` once.
+
+    Example:
+        >>> stats = SufficientStatistics.empty(3, {"target": 2})
+        >>> stats.update(torch.randn(5, 3), {"target": torch.randn(5, 2)})
+        >>> int(stats.count)
+        5
+    """
+
+    count: torch.Tensor
+    x_sum: torch.Tensor
+    x_gram: torch.Tensor
+    y_sum: dict[str, torch.Tensor] = field(default_factory=dict)
+    y_sumsq: dict[str, torch.Tensor] = field(default_factory=dict)
+    xy: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls, source_dim: int, target_dims: dict[str, int]) -> "SufficientStatistics":
+        f64 = torch.float64
+        return cls(
+            count=torch.zeros((), dtype=f64),
+            x_sum=torch.zeros(source_dim, dtype=f64),
+            x_gram=torch.zeros(source_dim, source_dim, dtype=f64),
+            y_sum={name: torch.zeros(dim, dtype=f64) for name, dim in target_dims.items()},
+            y_sumsq={name: torch.zeros(dim, dtype=f64) for name, dim in target_dims.items()},
+            xy={name: torch.zeros(source_dim, dim, dtype=f64) for name, dim in target_dims.items()},
+        )
+
+    def update(self, x: torch.Tensor, ys: dict[str, torch.Tensor]) -> None:
+        """Add rows: ``x`` ``[n, D]`` and each target's ``y`` ``[n, E]`` (same rows, any float dtype)."""
+        x = x.to(device="cpu", dtype=torch.float64)
+        if not torch.isfinite(x).all():
+            raise NumericalError("source features contain NaN or Inf; the source model's cache is not finite")
+        self.count += x.shape[0]
+        self.x_sum += x.sum(0)
+        self.x_gram.addmm_(x.T, x)
+        for name, y in ys.items():
+            y = y.to(device="cpu", dtype=torch.float64)
+            if y.shape[0] != x.shape[0]:
+                raise CalibrationError(f"target {name!r} has {y.shape[0]} rows for {x.shape[0]} source rows")
+            if not torch.isfinite(y).all():
+                raise NumericalError(f"target {name!r} features contain NaN or Inf")
+            self.y_sum[name] += y.sum(0)
+            self.y_sumsq[name] += y.square().sum(0)
+            self.xy[name].addmm_(x.T, y)
+
+    def merge(self, other: "SufficientStatistics") -> "SufficientStatistics":
+        """Sum of two sets of statistics (e.g. two chunks or two processes' shards)."""
+        merged = self.state_dict()
+        for key, value in other.state_dict().items():
+            merged[key] = merged[key] + value
+        return SufficientStatistics.from_state_dict(merged)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Flat name -> tensor dict (for safetensors checkpoints and all-reduce)."""
+        state = {"count": self.count, "x_sum": self.x_sum, "x_gram": self.x_gram}
+        for name in self.xy:
+            state[f"y_sum.{name}"] = self.y_sum[name]
+            state[f"y_sumsq.{name}"] = self.y_sumsq[name]
+            state[f"xy.{name}"] = self.xy[name]
+        return state
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, torch.Tensor]) -> "SufficientStatistics":
+        stats = cls(count=state["count"], x_sum=state["x_sum"], x_gram=state["x_gram"])
+        for key, value in state.items():
+            kind, _, name = key.partition(".")
+            if name:
+                getattr(stats, kind)[name] = value
+        return stats
+
+
+@dataclass
+class HeadFit:
+    """Ridge solution for the columns of some heads: ``y ~ x @ weight + bias``."""
+
+    weight: torch.Tensor  # [D_in, E_cols] float64
+    bias: torch.Tensor  # [E_cols]
+    lambdas: torch.Tensor  # [heads] absolute ridge strength chosen per head
+    r2: torch.Tensor  # [heads] held-out R^2 per head
+
+
+@dataclass
+class LayerFit:
+    """The fitted map of one target layer for keys or for values."""
+
+    source_layers: list[int]
+    fit: HeadFit
+    candidate_r2: list[float]  # held-out mean R^2 of each single source layer (layer-selection evidence)
+
+
+class _Centered:
+    """Train statistics centred at their means, held-out statistics centred at the *train* means (the
+    held-out error of a model with a bias fitted on train)."""
+
+    def __init__(self, train: SufficientStatistics, heldout: SufficientStatistics, target: str):
+        n, n_ho = float(train.count), float(heldout.count)
+        if n < 2 or n_ho < 1:
+            raise CalibrationError(
+                f"calibration kept {int(n)} train and {int(n_ho)} held-out tokens; give more or longer "
+                "sequences (the held-out split is whole sequences)"
+            )
+        mx, my = train.x_sum / n, train.y_sum[target] / n
+        self.mx, self.my = mx, my
+        self.sxx = train.x_gram - n * torch.outer(mx, mx)
+        self.sxy = train.xy[target] - n * torch.outer(mx, my)
+        sx_ho, sy_ho = heldout.x_sum, heldout.y_sum[target]
+        self.xx_ho = heldout.x_gram - torch.outer(sx_ho, mx) - torch.outer(mx, sx_ho) + n_ho * torch.outer(mx, mx)
+        self.xy_ho = heldout.xy[target] - torch.outer(sx_ho, my) - torch.outer(mx, sy_ho) + n_ho * torch.outer(mx, my)
+        self.yy_ho = heldout.y_sumsq[target] - 2 * my * sy_ho + n_ho * my.square()
+        self.sst_ho = (heldout.y_sumsq[target] - sy_ho.square() / n_ho).clamp_min(1e-30)
+        for label, value in (("train", self.sxx), ("held-out", self.xx_ho), ("held-out", self.yy_ho)):
+            if not torch.isfinite(value).all():
+                raise NumericalError(f"the {label} calibration statistics are not finite")
+
+
+def solve_ridge(
+    stats: _Centered,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    head_size: int,
+    prior: torch.Tensor | None = None,
+    lambda_grid: tuple[float, ...] = DEFAULT_LAMBDA_GRID,
+) -> HeadFit:
+    """Ridge ``argmin ||Y - X W||^2 + lam ||W - prior||^2`` for source features ``rows`` and target
+    columns ``cols``, with ``lam`` chosen per head (``head_size`` consecutive columns) on held-out error.
+
+    One eigendecomposition of the source Gram serves every lambda: in its eigenbasis the solution is
+    ``(Q^T B + lam Q^T P) / (eig + lam)``.
+    """
+    gram = stats.sxx[rows][:, rows]
+    eigvals, eigvecs = torch.linalg.eigh(gram)  # gram = Q diag(eig) Q^T
+    eigvals = eigvals.clamp_min(0)
+    scale = float(eigvals.mean()) if float(eigvals.mean()) > 0 else 1.0
+    lambdas = torch.tensor(lambda_grid, dtype=torch.float64) * scale  # [G]
+
+    b_eig = eigvecs.T @ stats.sxy[rows][:, cols]  # [D, E]
+    p_eig = eigvecs.T @ prior if prior is not None else torch.zeros_like(b_eig)
+    h_eig = eigvecs.T @ stats.xx_ho[rows][:, rows] @ eigvecs  # [D, D]
+    g_eig = eigvecs.T @ stats.xy_ho[rows][:, cols]  # [D, E]
+
+    w_eig = (b_eig + lambdas[:, None, None] * p_eig) / (eigvals[None, :, None] + lambdas[:, None, None])  # [G,D,E]
+    sse = stats.yy_ho[cols] - 2 * (w_eig * g_eig).sum(1) + (w_eig * (h_eig @ w_eig)).sum(1)  # [G, E]
+    heads = cols.numel() // head_size
+    sse_heads = sse.view(len(lambdas), heads, head_size).sum(-1)  # [G, heads]
+    best = sse_heads.argmin(0)  # [heads]
+    r2 = 1 - sse_heads[best, torch.arange(heads)] / stats.sst_ho[cols].view(heads, head_size).sum(-1)
+
+    col_lambda = best.repeat_interleave(head_size)  # [E]
+    weight = eigvecs @ w_eig[col_lambda, :, torch.arange(cols.numel())].T  # [D, E]
+    bias = stats.my[cols] - stats.mx[rows] @ weight
+    return HeadFit(weight=weight, bias=bias, lambdas=lambdas[best], r2=r2)
+
+
+def _block(layer: int, width: int) -> torch.Tensor:
+    return torch.arange(layer * width, (layer + 1) * width)
+
+
+def fit_layers(
+    train: SufficientStatistics,
+    heldout: SufficientStatistics,
+    target: str,
+    source_layout,
+    target_layout,
+    top_k: int = 1,
+    lambda_grid: tuple[float, ...] = DEFAULT_LAMBDA_GRID,
+    identity_prior: bool = False,
+    progress=None,
+) -> list[LayerFit]:
+    """Per target layer: score every source layer by held-out R^2, keep the best ``top_k`` and refit on
+    their concatenation, with a ridge per target KV head.
+
+    ``identity_prior`` (same-shape pairs, e.g. base -> adapter) shrinks toward copying the same layer's
+    heads instead of toward zero. ``progress`` is an optional callable advanced once per source layer.
+    """
+    if top_k < 1 or top_k > source_layout.num_layers:
+        raise CalibrationError(f"top_k must be in 1..{source_layout.num_layers}, got {top_k}")
+    stats = _Centered(train, heldout, target)
+    d_src, d_tgt, head = source_layout.layer_width, target_layout.layer_width, target_layout.head_dim
+    all_cols = torch.arange(target_layout.num_layers * d_tgt)
+
+    def prior_for(sources: list[int], target_layer: int | None) -> torch.Tensor | None:
+        if not identity_prior:
+            return None
+        targets = range(target_layout.num_layers) if target_layer is None else [target_layer]
+        prior = torch.zeros(len(sources) * d_src, len(targets) * d_tgt, dtype=torch.float64)
+        for i, s in enumerate(sources):
+            for j, t in enumerate(targets):
+                if s == t:
+                    prior[i * d_src : (i + 1) * d_src, j * d_tgt : (j + 1) * d_tgt] = torch.eye(d_src)
+        return prior
+
+    # Score each single source layer against all target layers at once: one eigendecomposition each.
+    scores = torch.empty(source_layout.num_layers, target_layout.num_layers, dtype=torch.float64)
+    for s in range(source_layout.num_layers):
+        single = solve_ridge(stats, _block(s, d_src), all_cols, head, prior_for([s], None), lambda_grid)
+        scores[s] = single.r2.view(target_layout.num_layers, target_layout.kv_heads).mean(-1)
+        if progress is not None:
+            progress()
+
+    fits = []
+    for t in range(target_layout.num_layers):
+        chosen = sorted(scores[:, t].topk(top_k).indices.tolist())
+        rows = torch.cat([_block(s, d_src) for s in chosen])
+        fit = solve_ridge(stats, rows, _block(t, d_tgt), head, prior_for(chosen, t), lambda_grid)
+        fits.append(LayerFit(source_layers=chosen, fit=fit, candidate_r2=scores[:, t].tolist()))
+    return fits

@@ -1,0 +1,194 @@
+"""Rotary position embeddings: reading a model's own rotary parameters, removing them from cached keys
+and applying them again at other positions.
+
+Keys in a transformers cache are post-RoPE: ``k = R(theta * p) k0 * s`` where ``s`` is the rotary
+``attention_scaling``. Removing the rotation makes keys position-independent, so a mapped cache can be
+placed at any offset. Values carry no position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UnsupportedPositionalSchemeError
+
+# Rope types whose inverse frequencies do not depend on the sequence length.
+STATIC_ROPE_TYPES = {"default", "linear", "yarn", "llama3", "proportional"}
+# Rope types that switch frequencies past the original context: usable only below it.
+LENGTH_DEPENDENT_ROPE_TYPES = {"dynamic", "longrope"}
+# Model types that always use ALiBi (Falcon says so with ``config.alibi``).
+ALIBI_MODEL_TYPES = {"bloom", "mpt"}
+
+
+@dataclass(frozen=True)
+class RotarySpec:
+    """Everything needed to rotate keys of one model: its frequencies and how much of a head they cover.
+
+    Attributes:
+        inv_freq: ``[rotary_dim // 2]`` float32 inverse frequencies, as the model's rotary module holds them.
+        attention_scaling: factor folded into cos/sin by the model (yarn, longrope); 1.0 otherwise.
+        head_dim: size of one key head.
+        rope_type: the config's ``rope_type``.
+        max_position: positions at or past this are refused (length-dependent rope types), or ``None``.
+    """
+
+    inv_freq: torch.Tensor
+    attention_scaling: float
+    head_dim: int
+    rope_type: str = "default"
+    max_position: int | None = None
+
+    @property
+    def rotary_dim(self) -> int:
+        """Number of leading dims of each head that are rotated (partial rotary rotates fewer than head_dim)."""
+        return 2 * self.inv_freq.numel()
+
+    def describe(self) -> dict:
+        """JSON-friendly summary stored in a map's config."""
+        return {
+            "rope_type": self.rope_type,
+            "head_dim": self.head_dim,
+            "rotary_dim": self.rotary_dim,
+            "attention_scaling": float(self.attention_scaling),
+            "max_position": self.max_position,
+        }
+
+
+def head_dim_of(config) -> int:
+    """Head size from a config, derived from hidden size and head count where the config leaves it unset
+    (GGUF-loaded Qwen configs have ``head_dim=None``)."""
+    head_dim = getattr(config, "head_dim", None)
+    return int(head_dim) if head_dim else config.hidden_size // config.num_attention_heads
+
+
+def check_positional_scheme(config) -> None:
+    """Refuse, naming the scheme, a model whose cached keys cannot be made position-independent.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> check_positional_scheme(LlamaConfig(num_hidden_layers=1))  # RoPE: accepted
+    """
+    model_type = getattr(config, "model_type", "unknown")
+    if getattr(config, "alibi", False) or model_type in ALIBI_MODEL_TYPES:
+        raise UnsupportedPositionalSchemeError(
+            f"model type {model_type!r} uses ALiBi attention biases, which live in the attention scores and "
+            "cannot be removed from cached keys; only RoPE models are supported"
+        )
+    pos_type = getattr(config, "position_embedding_type", None)
+    if pos_type not in (None, "rope", "rotary"):
+        raise UnsupportedPositionalSchemeError(
+            f"model type {model_type!r} uses position_embedding_type={pos_type!r}; only RoPE models are supported"
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    windowed = sorted({t for t in layer_types if t != "full_attention"})
+    if windowed or getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        raise UnsupportedPositionalSchemeError(
+            f"model type {model_type!r} has {windowed or ['sliding_attention']} layers: their caches keep only a "
+            "window of tokens, and mapped windows were measured to give wrong output; only full-attention "
+            "models are supported"
+        )
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope.get("mrope_section") or rope_type not in STATIC_ROPE_TYPES | LENGTH_DEPENDENT_ROPE_TYPES:
+        raise UnsupportedPositionalSchemeError(
+            f"model type {model_type!r} uses rope_type={rope_type!r}"
+            f"{' with multimodal sections' if rope.get('mrope_section') else ''}, which peft-kvcache cannot "
+            f"invert; supported: {sorted(STATIC_ROPE_TYPES | LENGTH_DEPENDENT_ROPE_TYPES)}"
+        )
+
+
+def find_rotary_embedding(model: torch.nn.Module) -> torch.nn.Module:
+    """The model's own rotary embedding module (the first module holding ``inv_freq``)."""
+    for module in model.modules():
+        if hasattr(module, "inv_freq") and hasattr(module, "attention_scaling"):
+            return module
+    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    raise UnsupportedPositionalSchemeError(
+        f"no rotary embedding module found in model {model_type!r}: its positional scheme (learned absolute, "
+        "ALiBi or none) cannot be removed from cached keys; only RoPE models are supported"
+    )
+
+
+def rotary_spec_of(model: torch.nn.Module) -> RotarySpec:
+    """Read a model's rotary parameters from its own rotary module, after checking the scheme is supported.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1,
+        ...                                      intermediate_size=64, vocab_size=32))
+        >>> rotary_spec_of(model).rotary_dim
+        16
+    """
+    config = model.config
+    check_positional_scheme(config)
+    rotary = find_rotary_embedding(model)
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    max_position = None
+    if rope_type in LENGTH_DEPENDENT_ROPE_TYPES:
+        max_position = int(getattr(rotary, "original_max_seq_len", None) or config.max_position_embeddings)
+    # original_inv_freq: dynamic rope mutates inv_freq after long inputs; below max_position both agree.
+    inv_freq = getattr(rotary, "original_inv_freq", rotary.inv_freq)
+    return RotarySpec(
+        inv_freq=inv_freq.detach().float().cpu().clone(),
+        attention_scaling=float(rotary.attention_scaling),
+        head_dim=head_dim_of(config),
+        rope_type=rope_type,
+        max_position=max_position,
+    )
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Absolute position of every token from a (left-padded) mask: ``cumsum - 1``, padding at 0.
+
+    Example:
+        >>> positions_from_mask(torch.tensor([[0, 0, 1, 1, 1]])).tolist()
+        [[0, 0, 0, 1, 2]]
+    """
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.clamp_min(0)
+
+
+def rotary_cos_sin(spec: RotarySpec, positions: torch.Tensor, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (``[batch, seq, rotary_dim]``, float32, scaled like the model's) at ``positions``."""
+    if spec.max_position is not None and positions.numel() and int(positions.max()) >= spec.max_position:
+        raise UnsupportedPositionalSchemeError(
+            f"rope_type={spec.rope_type!r} changes its frequencies past position {spec.max_position}, and this "
+            f"cache reaches position {int(positions.max())}; keep contexts below {spec.max_position} tokens"
+        )
+    device = positions.device if device is None else device
+    inv_freq = spec.inv_freq.to(device=device, dtype=torch.float32)
+    freqs = positions.to(device=device, dtype=torch.float32)[..., None] * inv_freq  # [batch, seq, rotary_dim/2]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos() * spec.attention_scaling, angles.sin() * spec.attention_scaling
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate position-free keys ``[batch, kv_heads, seq, head_dim]`` with cos/sin ``[batch, seq, rotary_dim]``.
+
+    Partial rotary: only the first ``rotary_dim`` dims rotate, the rest pass through (as the models do).
+    """
+    rotary_dim = cos.shape[-1]
+    cos, sin = cos[:, None].to(keys.dtype), sin[:, None].to(keys.dtype)
+    rotated, passed = keys[..., :rotary_dim], keys[..., rotary_dim:]
+    rotated = rotated * cos + _rotate_half(rotated) * sin
+    return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated
+
+
+def remove_rotary(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_scaling: float) -> torch.Tensor:
+    """Invert `apply_rotary`: rotate back by the same angles and divide out ``attention_scaling ** 2``.
+
+    With scaled ``c = s cos``, ``n = s sin``: ``k c - rot(k) n = s^2 R(-theta) k``; round-trips to float rounding.
+    """
+    rotary_dim = cos.shape[-1]
+    cos, sin = cos[:, None].to(keys.dtype), sin[:, None].to(keys.dtype)
+    rotated, passed = keys[..., :rotary_dim], keys[..., rotary_dim:]
+    rotated = (rotated * cos - _rotate_half(rotated) * sin) / attention_scaling**2
+    return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated
