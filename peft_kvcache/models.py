@@ -106,8 +106,9 @@ def fingerprint(model: torch.nn.Module) -> str:
                 continue
             name = name.replace(f".{adapter}.", ".adapter.")
         flat = param.detach().reshape(-1)
-        index = torch.linspace(0, flat.numel() - 1, min(_SAMPLES_PER_TENSOR, flat.numel()), device=flat.device)
-        sample = flat[index.long()].to(torch.bfloat16).cpu().view(torch.int16)
+        count = min(_SAMPLES_PER_TENSOR, flat.numel())
+        index = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)
+        sample = flat[index].to(torch.bfloat16).cpu().view(torch.int16)
         digest.update(_canonical_name(name).encode())
         digest.update(str(tuple(param.shape)).encode())
         digest.update(sample.numpy().tobytes())
