@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -27,9 +28,12 @@ FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 CARD_NAME = "README.md"
+CHART_NAME = "layer_r2.png"
 KINDS = ("keys", "values")
 # Refuse configs describing absurd models before allocating anything for them.
 _MAX_LAYERS, _MAX_HEADS, _MAX_HEAD_DIM = 1024, 1024, 4096
+_MAX_CONFIG_BYTES = 64 * 2**20
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 @dataclass
@@ -68,10 +72,12 @@ class KVMapConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "KVMapConfig":
+        """Build and validate a config read from ``config.json``; every problem is an `ArtifactError`
+        naming the field, so a tampered or truncated file never fails later inside the mapping path."""
         if not isinstance(data, dict):
             raise ArtifactError(f"{CONFIG_NAME} must hold a JSON object, got {type(data).__name__}")
         version = data.get("format_version")
-        if version != FORMAT_VERSION:
+        if type(version) is not int or version != FORMAT_VERSION:
             raise ArtifactError(
                 f"map format_version {version!r} is not supported by peft-kvcache {__version__} "
                 f"(expects {FORMAT_VERSION}); upgrade the library or re-calibrate the map"
@@ -82,15 +88,9 @@ class KVMapConfig:
         if missing:
             raise ArtifactError(f"{CONFIG_NAME} is missing keys {missing}")
         values = {k: v for k, v in data.items() if k in known}
-        try:
-            for key in ("source_layout", "target_layout"):
-                layout = KVLayout(**values[key])
-                if not (0 < layout.num_layers <= _MAX_LAYERS and 0 < layout.kv_heads <= _MAX_HEADS
-                        and 0 < layout.head_dim <= _MAX_HEAD_DIM and layout.head_dim % 2 == 0):
-                    raise ArtifactError(f"{CONFIG_NAME} has an implausible {key}: {values[key]}")
-                values[key] = layout
-        except TypeError as err:
-            raise ArtifactError(f"{CONFIG_NAME} has a malformed layout: {err}") from None
+        for key in ("source_layout", "target_layout"):
+            values[key] = _layout_from(key, values[key])
+        _check_types(values)
         config = cls(**values)
         config._validate_layers()
         return config
@@ -98,16 +98,101 @@ class KVMapConfig:
     def _validate_layers(self) -> None:
         for kind, layers in (("key_layers", self.key_layers), ("value_layers", self.value_layers)):
             ok = isinstance(layers, list) and len(layers) == self.target_layout.num_layers and all(
-                isinstance(group, list) and group and all(
-                    isinstance(s, int) and 0 <= s < self.source_layout.num_layers for s in group)
+                isinstance(group, list) and 0 < len(group) <= self.source_layout.num_layers and all(
+                    _is_int(s) and 0 <= s < self.source_layout.num_layers for s in group)
                 for group in layers)
             if not ok:
                 raise ArtifactError(
                     f"{CONFIG_NAME} field {kind} must list, for each of {self.target_layout.num_layers} target "
                     f"layers, source layers in 0..{self.source_layout.num_layers - 1}"
                 )
-        if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+        if not _is_int(self.sink_tokens) or self.sink_tokens < 0:
             raise ArtifactError(f"{CONFIG_NAME} field sink_tokens must be a non-negative integer")
+        for side, rotary, layout in (("source", self.source_rotary, self.source_layout),
+                                     ("target", self.target_rotary, self.target_layout)):
+            _check_rotary(f"{side}_rotary", rotary, layout)
+        for name, rows in (("key_r2", self.key_r2), ("value_r2", self.value_r2),
+                           ("key_lambdas", self.key_lambdas), ("value_lambdas", self.value_lambdas)):
+            # Optional per-head figures (the card plots them): absent, or one row of numbers per target layer.
+            ok = isinstance(rows, list) and (not rows or (
+                len(rows) == self.target_layout.num_layers and all(
+                    isinstance(row, list) and len(row) == self.target_layout.kv_heads
+                    and all(_is_number(v) for v in row) for row in rows)))
+            if not ok:
+                raise ArtifactError(
+                    f"{CONFIG_NAME} field {name} must be empty or list {self.target_layout.kv_heads} numbers for "
+                    f"each of {self.target_layout.num_layers} target layers"
+                )
+        for name, rows in (("key_candidate_r2", self.key_candidate_r2),
+                           ("value_candidate_r2", self.value_candidate_r2)):
+            ok = isinstance(rows, list) and (not rows or (
+                len(rows) == self.target_layout.num_layers and all(
+                    isinstance(row, list) and len(row) == self.source_layout.num_layers
+                    and all(_is_number(v) for v in row) for row in rows)))
+            if not ok:
+                raise ArtifactError(
+                    f"{CONFIG_NAME} field {name} must be empty or list, for each of {self.target_layout.num_layers} "
+                    f"target layers, one number per source layer ({self.source_layout.num_layers})"
+                )
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int  # JSON true/false are not layer indices
+
+
+def _is_number(value: Any) -> bool:
+    return type(value) in (int, float)
+
+
+def _layout_from(key: str, value: Any) -> KVLayout:
+    """A `KVLayout` from its JSON form, refusing non-integers and absurd sizes before anything is allocated."""
+    names = [f.name for f in fields(KVLayout)]
+    if not isinstance(value, dict) or sorted(value) != sorted(names) or not all(_is_int(value[n]) for n in names):
+        raise ArtifactError(f"{CONFIG_NAME} has a malformed {key}: {value!r} (expects integers {names})")
+    layout = KVLayout(**value)
+    if not (0 < layout.num_layers <= _MAX_LAYERS and 0 < layout.kv_heads <= _MAX_HEADS
+            and 0 < layout.head_dim <= _MAX_HEAD_DIM and layout.head_dim % 2 == 0):
+        raise ArtifactError(
+            f"{CONFIG_NAME} has an implausible {key}: {value} (at most {_MAX_LAYERS} layers, {_MAX_HEADS} KV heads "
+            f"and an even head_dim up to {_MAX_HEAD_DIM})"
+        )
+    return layout
+
+
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "source_name": (str,), "target_name": (str,), "source_fingerprint": (str,), "target_fingerprint": (str,),
+    "source_rotary": (dict,), "target_rotary": (dict,), "vocab_size": (int,), "pair_kind": (str,),
+    "key_layers": (list,), "value_layers": (list,), "key_r2": (list,), "value_r2": (list,),
+    "key_lambdas": (list,), "value_lambdas": (list,), "key_candidate_r2": (list,), "value_candidate_r2": (list,),
+    "sink_tokens": (int,), "calibration": (dict,), "quality": (dict,), "library_version": (str,),
+}
+PAIR_KINDS = ("same_shape", "cross_shape")
+
+
+def _check_types(values: dict[str, Any]) -> None:
+    for name, types in _FIELD_TYPES.items():
+        if name in values and (type(values[name]) not in types):
+            raise ArtifactError(
+                f"{CONFIG_NAME} field {name} must be a {' or '.join(t.__name__ for t in types)}, "
+                f"got {type(values[name]).__name__}"
+            )
+    if values["pair_kind"] not in PAIR_KINDS:
+        raise ArtifactError(f"{CONFIG_NAME} field pair_kind is {values['pair_kind']!r}; expected one of {PAIR_KINDS}")
+    if values["vocab_size"] <= 0:
+        raise ArtifactError(f"{CONFIG_NAME} field vocab_size must be positive, got {values['vocab_size']}")
+
+
+def _check_rotary(name: str, rotary: dict, layout: KVLayout) -> None:
+    head_dim, rotary_dim, scaling = rotary.get("head_dim"), rotary.get("rotary_dim"), rotary.get("attention_scaling")
+    ok = (_is_int(head_dim) and head_dim == layout.head_dim and _is_int(rotary_dim) and 0 < rotary_dim <= head_dim
+          and rotary_dim % 2 == 0 and _is_number(scaling) and 0 < scaling < float("inf")
+          and isinstance(rotary.get("rope_type", "default"), str)
+          and (rotary.get("max_position") is None or _is_int(rotary.get("max_position"))))
+    if not ok:
+        raise ArtifactError(
+            f"{CONFIG_NAME} field {name} is malformed: {rotary!r} (expects head_dim {layout.head_dim}, an even "
+            f"rotary_dim up to it and a positive attention_scaling)"
+        )
 
 
 class KVMap:
@@ -180,10 +265,20 @@ class KVMap:
 
     # ----- save / load -----
 
-    def save_pretrained(self, save_directory: str | os.PathLike, card: bool = True) -> Path:
-        """Write ``config.json``, ``model.safetensors`` and (``card=True``) ``README.md`` atomically: the
-        folder appears complete or not at all, never half-written."""
+    def save_pretrained(self, save_directory: str | os.PathLike, card: bool = True,
+                        repo_id: str | None = None) -> Path:
+        """Write ``config.json``, ``model.safetensors`` and (``card=True``) ``README.md`` with its chart.
+
+        A new folder appears complete or not at all. Into an existing folder each file is replaced
+        atomically and other files there are left alone. ``repo_id`` is what the card's usage snippet
+        loads (default: ``save_directory``).
+
+        Example:
+            >>> kv_map.save_pretrained("maps/qwen-0.5b-to-1.5b")   # doctest: +SKIP
+        """
         target = Path(save_directory)
+        if target.exists() and not target.is_dir():
+            raise ArtifactError(f"cannot save a map to {target}: it is a file, not a folder")
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
@@ -193,13 +288,14 @@ class KVMap:
             if card:
                 from .card import render_card  # card rendering needs the hub templates only when asked
 
-                (staging / CARD_NAME).write_text(render_card(self, staging, repo_hint=str(save_directory)))
+                (staging / CARD_NAME).write_text(render_card(self, staging, repo_hint=repo_id or str(save_directory)))
             if target.exists():
-                old = target.with_name(f".{target.name}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                target.rename(old)
-                staging.rename(target)
-                shutil.rmtree(old, ignore_errors=True)
+                # Weights before config: an interrupted save leaves a pair that fails validation, not a
+                # silently different map. Files that are not ours (benchmark plots, notes) stay.
+                for name in sorted(os.listdir(staging), key=lambda n: n == CONFIG_NAME):
+                    os.replace(staging / name, target / name)
+                if card and not (target / CARD_NAME).read_text().count(f"]({CHART_NAME})"):
+                    (target / CHART_NAME).unlink(missing_ok=True)  # a chart of an earlier map, no longer linked
             else:
                 staging.rename(target)
         finally:
@@ -219,17 +315,14 @@ class KVMap:
         """Load a map from a local folder or a Hub repo (resolved through huggingface_hub: its cache,
         revisions, offline mode and tokens). Only JSON and safetensors are read; nothing is executed.
 
+        A repo or file that cannot be found raises huggingface_hub's own error (``RepositoryNotFoundError``,
+        ``EntryNotFoundError``, ``LocalEntryNotFoundError`` offline); a damaged artifact an `ArtifactError`.
+
         Example:
             >>> kv_map = KVMap.from_pretrained("org/qwen-0.5b-to-1.5b-kvmap", revision="v1")  # doctest: +SKIP
         """
-        folder = Path(path_or_repo_id)
-        if not folder.is_dir():
-            from huggingface_hub import snapshot_download
-
-            folder = Path(snapshot_download(
-                str(path_or_repo_id), revision=revision, token=token, cache_dir=cache_dir,
-                local_files_only=local_files_only, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, CARD_NAME, "*.png"],
-            ))
+        folder = resolve_map_folder(path_or_repo_id, revision=revision, token=token, cache_dir=cache_dir,
+                                    local_files_only=local_files_only)
         return cls._load_folder(folder)
 
     @classmethod
@@ -238,11 +331,16 @@ class KVMap:
         for path in (config_path, weights_path):
             if not path.is_file():
                 raise ArtifactError(f"{folder} is not a KV map: {path.name} is missing")
+        if config_path.stat().st_size > _MAX_CONFIG_BYTES:
+            raise ArtifactError(f"{config_path} is {config_path.stat().st_size:,} bytes, too large for a map config")
         try:
-            data = json.loads(config_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            data = json.loads(config_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
             raise ArtifactError(f"{config_path} is not valid JSON: {err}") from None
-        config = KVMapConfig.from_dict(data)
+        try:
+            config = KVMapConfig.from_dict(data)
+        except ArtifactError as err:
+            raise ArtifactError(f"{config_path}: {err}") from None
         expected = _expected_shapes(config)
         tensors = {}
         try:
@@ -256,7 +354,7 @@ class KVMap:
                 for name, shape in expected.items():
                     # The header gives shapes before any tensor is read: refuse mismatches without allocating.
                     sliced = handle.get_slice(name)
-                    if tuple(sliced.get_shape()) != shape or sliced.get_dtype() not in ("F32", "F16", "BF16", "F64"):
+                    if tuple(sliced.get_shape()) != shape or sliced.get_dtype() not in _FLOAT_DTYPES:
                         raise ArtifactError(
                             f"tensor {name!r} in {weights_path} is {sliced.get_dtype()} {tuple(sliced.get_shape())}; "
                             f"config.json implies a float tensor of shape {shape}"
@@ -264,21 +362,32 @@ class KVMap:
                     tensors[name] = handle.get_tensor(name).float()
         except (SafetensorError, OSError, RuntimeError) as err:
             raise ArtifactError(f"{weights_path} is corrupted or truncated: {err}") from None
-        return cls(config, tensors)
+        try:
+            return cls(config, tensors)
+        except ArtifactError as err:
+            raise ArtifactError(f"{weights_path}: {err}") from None
 
     def push_to_hub(self, repo_id: str, private: bool | None = None, token: str | None = None,
                     commit_message: str = "Upload KV map", revision: str | None = None) -> str:
-        """Create (if needed) the Hub repo ``repo_id`` and upload this map's folder with its card.
-        Returns the commit URL."""
+        """Create (if needed) the Hub repo ``repo_id`` and upload this map's folder with its card (whose
+        usage snippet loads ``repo_id``). Returns the commit URL.
+
+        Example:
+            >>> kv_map.push_to_hub("my-org/qwen-0.5b-to-1.5b-kvmap", private=True)   # doctest: +SKIP
+        """
         from huggingface_hub import HfApi
 
         api = HfApi(token=token)
-        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        repo_id = getattr(repo_url, "repo_id", None) or repo_id  # the hub resolves a bare name to "user/name"
+        if revision is not None:
+            api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
         with tempfile.TemporaryDirectory() as tmp:
-            folder = self.save_pretrained(Path(tmp) / "map")
+            folder = self.save_pretrained(Path(tmp) / "map", repo_id=repo_id)
             info = api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message,
-                                     revision=revision)
-        return str(info)
+                                     revision=revision, repo_type="model")
+        logger.info("pushed map %s -> %s to %s", self.config.source_name, self.config.target_name, repo_id)
+        return str(getattr(info, "commit_url", None) or info)
 
     @classmethod
     def calibrate(cls, source_model, target_model, calibration_data, **kwargs) -> "KVMap":
@@ -302,6 +411,57 @@ class KVMap:
         c = self.config
         return (f"KVMap({c.source_name!r} -> {c.target_name!r}, {c.pair_kind}, "
                 f"{c.target_layout.num_layers} target layers, {self.num_parameters:,} parameters)")
+
+
+def resolve_map_folder(
+    path_or_repo_id: str | os.PathLike,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
+) -> Path:
+    """The local folder holding a map: ``path_or_repo_id`` itself when it is a folder, else the Hub cache
+    snapshot of repo ``path_or_repo_id`` at ``revision`` (``config.json`` and ``model.safetensors`` fetched
+    with ``hf_hub_download``, both from the same commit).
+
+    Example:
+        >>> resolve_map_folder("org/qwen-0.5b-to-1.5b-kvmap", local_files_only=True)   # doctest: +SKIP
+        PosixPath('~/.cache/huggingface/hub/models--org--qwen-0.5b-to-1.5b-kvmap/snapshots/<commit>')
+    """
+    path = Path(path_or_repo_id).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ArtifactError(f"{path} is a file; a KV map is a folder holding {CONFIG_NAME} and {WEIGHTS_NAME}")
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    repo_id = str(path_or_repo_id)
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise ArtifactError(f"{repo_id!r} is neither an existing folder nor a valid Hub repo id") from None
+    options = dict(token=token, cache_dir=cache_dir, local_files_only=local_files_only, repo_type="model")
+    try:
+        config_path = Path(hf_hub_download(repo_id, CONFIG_NAME, revision=revision, **options))
+        # The config lies in snapshots/<commit>/: fetch the weights from that very commit, even if the
+        # branch moves in between.
+        commit = config_path.parent.name
+        pinned = commit if _COMMIT_HASH.fullmatch(commit) else revision
+        weights_path = Path(hf_hub_download(repo_id, WEIGHTS_NAME, revision=pinned, **options))
+    except Exception as err:  # the hub's own not-found errors pass through, with a hint about local paths
+        if hasattr(err, "add_note") and not path.is_absolute():
+            err.add_note(f"peft-kvcache: there is no local folder {str(path)!r} either, so {repo_id!r} was "
+                         "looked up as a Hub repo id")
+        raise
+    if weights_path.parent != config_path.parent:
+        raise ArtifactError(f"{repo_id}: {CONFIG_NAME} and {WEIGHTS_NAME} resolved to different folders "
+                            f"({config_path.parent} and {weights_path.parent})")
+    return config_path.parent
+
+
+_COMMIT_HASH = re.compile(r"^[0-9a-f]{40}$")
 
 
 def _expected_shapes(config: KVMapConfig) -> dict[str, tuple[int, ...]]:

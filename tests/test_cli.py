@@ -1,0 +1,306 @@
+"""The ``peft-kvcache`` command line, end to end on tiny models saved to disk with their tokenizer: calibrate in
+a subprocess, then inspect, card, evaluate and push, the card's usage snippet run as written, bad arguments,
+library errors as one line on stderr with exit status 2, and ``--help`` at every level."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+import torch
+from huggingface_hub import ModelCard, constants
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+from peft_kvcache import KVMap
+from peft_kvcache.cli import build_parser, main
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+COMMANDS = ("calibrate", "evaluate", "card", "inspect", "push")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run ~50x faster on one thread than on two oversubscribed ones (shared 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer with one token per printable ASCII character (100 tokens), built offline."""
+    chars = [chr(c) for c in range(33, 127)] + ["Ġ", "Ċ", "ĉ"]  # byte-level spellings of space, \n, \t
+    vocab = {token: i for i, token in enumerate(["[UNK]", "[PAD]", "[EOS]"] + chars)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]",
+                                   eos_token="[EOS]")
+
+
+def save_tiny_model(folder: Path, layers: int, seed: int, license_: str = "mit") -> Path:
+    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    (folder / "README.md").write_text(f"---\nlicense: {license_}\n---\n# a tiny random model\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cli")
+    data = root / "data"
+    data.mkdir()
+    for f in range(3):
+        lines = [f"def f{f}_{i}(x, y):\n    return x * {i} + y - {f}\n" for i in range(14)]
+        (data / f"part{f}.py").write_text("".join(lines))
+    (data / "ignored.bin").write_bytes(b"\x00" * 10)
+    return {"root": root, "data": data, "source": save_tiny_model(root / "source", 2, 0),
+            "target": save_tiny_model(root / "target", 3, 1)}
+
+
+def _env(root: Path) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(root / "hub-cache"),
+               TRANSFORMERS_VERBOSITY="error")
+    return env
+
+
+def run_cli(args: list[str], root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "peft_kvcache", *args], capture_output=True, text=True,
+                          env=_env(root), cwd=root, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def calibrated(workspace) -> Path:
+    """``peft-kvcache calibrate`` run in a subprocess, as a user would."""
+    output = workspace["root"] / "map"
+    result = run_cli(["calibrate", "--source", str(workspace["source"]), "--target", str(workspace["target"]),
+                      "--data", str(workspace["data"]), "--output", str(output), "--max-length", "64",
+                      "--top-k", "2", "--sink-tokens", "2", "--heldout-fraction", "0.25", "--no-progress"],
+                     workspace["root"])
+    assert result.returncode == 0, result.stderr
+    assert f"to {output}" in result.stdout and "layers keys" in result.stdout
+    assert "Traceback" not in result.stderr
+    return output
+
+
+def cli(args: list[str]) -> tuple[int, str, str]:
+    """Run ``main`` in this process; returns (status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(args)
+        except SystemExit as exit_:
+            status = exit_.code
+    return status, out.getvalue(), err.getvalue()
+
+
+def test_calibrate_writes_a_complete_map(calibrated, workspace):
+    assert {"config.json", "model.safetensors", "README.md", "layer_r2.png"} <= {p.name for p in calibrated.iterdir()}
+    kv_map = KVMap.from_pretrained(calibrated)
+    c = kv_map.config
+    assert c.target_layout.num_layers == 3 and c.source_layout.num_layers == 2
+    assert all(len(group) == 2 for group in c.key_layers + c.value_layers)  # --top-k 2 of 2 source layers
+    assert c.sink_tokens == 2 and c.calibration["max_length"] == 64
+    assert c.calibration["source_spec"] == str(workspace["source"])
+    assert c.calibration["description"] == "3 .py/.txt files from the folder data"
+    assert c.calibration["train_tokens"] > 500
+    assert c.calibration["license"] == "mit"  # both models' cards say mit
+    assert ModelCard.load(calibrated / "README.md").data.license == "mit"
+
+
+def test_the_card_snippet_runs_as_written(calibrated, capsys):
+    readme = (calibrated / "README.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", readme, flags=re.S).group(1)
+    exec(compile(snippet, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert printed.strip(), "the snippet prints the generated continuation"
+
+
+def test_bad_arguments_exit_nonzero_and_name_the_argument(workspace):
+    result = run_cli(["calibrate", "--source", "s", "--target", "t", "--output", "o", "--top-k", "0"],
+                     workspace["root"])
+    assert result.returncode == 2
+    assert "--top-k" in result.stderr and "positive" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args, named", [
+    (["calibrate", "--source", "s", "--target", "t", "--output", "o", "--heldout-fraction", "1.5"],
+     "--heldout-fraction"),
+    (["calibrate", "--source", "s", "--target", "t"], "--output"),
+    (["evaluate", "m", "--context-length", "x"], "--context-length"),
+    (["inspect"], "MAP"),
+    (["push", "folder"], "REPO_ID"),
+    (["frobnicate"], "frobnicate"),
+])
+def test_argument_errors_in_process(args, named):
+    status, _, err = cli(args)
+    assert status == 2 and named in err
+
+
+def test_missing_data_is_a_one_line_error(workspace, tmp_path):
+    status, out, err = cli(["calibrate", "--source", str(workspace["source"]), "--target", str(workspace["target"]),
+                            "--data", str(tmp_path / "nowhere"), "--output", str(tmp_path / "map")])
+    assert status == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("peft-kvcache: error: --data") and "nowhere" in err
+    assert not (tmp_path / "map").exists()
+
+
+def test_an_unloadable_model_names_the_option(workspace, tmp_path):
+    status, _, err = cli(["calibrate", "--source", str(workspace["source"]), "--target", str(tmp_path),
+                          "--data", str(workspace["data"]), "--output", str(tmp_path / "map")])
+    assert status == 2 and "--target" in err and str(tmp_path) in err and "Traceback" not in err
+
+
+def test_inspect(calibrated):
+    status, out, _ = cli(["inspect", str(calibrated)])
+    kv_map = KVMap.from_pretrained(calibrated)
+    assert status == 0
+    assert kv_map.config.source_fingerprint in out and kv_map.config.target_fingerprint in out
+    assert "layers keys  0<-0+1 1<-0+1 2<-0+1" in out
+    assert f"{kv_map.num_parameters:,} parameters" in out and "model.safetensors (" in out
+    status, out, _ = cli(["inspect", str(calibrated), "--json"])
+    summary = json.loads(out)
+    assert summary["parameters"] == kv_map.num_parameters
+    assert summary["key_layers"] == kv_map.config.key_layers
+    assert summary["target"]["num_layers"] == 3
+    assert summary["files"]["model.safetensors"] == (calibrated / "model.safetensors").stat().st_size
+
+
+def test_a_corrupted_map_is_a_one_line_error(calibrated, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (broken / name).write_bytes((calibrated / name).read_bytes())
+    (broken / "model.safetensors").write_bytes((broken / "model.safetensors").read_bytes()[:100])
+    status, out, err = cli(["inspect", str(broken)])
+    assert status == 2 and out == ""
+    assert err.count("\n") == 1 and "model.safetensors" in err and "truncated" in err
+
+
+def test_a_missing_repo_is_the_hubs_error_on_one_line(monkeypatch, tmp_path):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    status, _, err = cli(["inspect", "org/no-such-map"])
+    assert status == 2 and err.count("\n") == 1 and "LocalEntryNotFoundError" in err
+
+
+def test_card_regenerates_the_readme(calibrated, tmp_path):
+    folder = tmp_path / "map"
+    folder.mkdir()
+    for path in calibrated.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    (folder / "README.md").write_text("stale")
+    weights = (folder / "model.safetensors").read_bytes()
+    status, out, _ = cli(["card", str(folder), "--repo-id", "my-org/tiny-kvmap"])
+    assert status == 0 and "README.md" in out
+    readme = (folder / "README.md").read_text()
+    assert 'KVMap.from_pretrained("my-org/tiny-kvmap")' in readme and "## Limitations" in readme
+    assert (folder / "model.safetensors").read_bytes() == weights
+    status, _, _ = cli(["card", str(folder), "--license", "apache-2.0"])
+    assert status == 0 and ModelCard.load(folder / "README.md").data.license == "apache-2.0"
+    assert KVMap.from_pretrained(folder).config.calibration["license"] == "apache-2.0"
+
+
+def test_card_refuses_a_repo_id(tmp_path):
+    status, _, err = cli(["card", "org/some-map"])
+    assert status == 2 and "not a local map folder" in err
+
+
+def test_evaluate_prints_a_table_and_records_figures(calibrated, workspace, tmp_path):
+    pytest.importorskip("peft_kvcache.evaluate")
+    folder = tmp_path / "map"
+    folder.mkdir()
+    for path in calibrated.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    status, out, err = cli(["evaluate", str(folder), "--data", str(workspace["data"]), "--context-length", "24",
+                            "--continuation-length", "8", "--max-examples", "2", "--no-progress"])
+    assert status == 0, err
+    assert "mapped@1" in out and "| variant |" in out
+    status, out, err = cli(["evaluate", str(folder), "--data", str(workspace["data"]), "--context-length", "24",
+                            "--continuation-length", "8", "--max-examples", "2", "--json", "--write",
+                            "--no-progress"])
+    assert status == 0, err
+    report = json.loads(out)
+    assert report["context_length"] == 24 and report["examples"] == 2
+    assert "mapped@1" in {row["variant"] for row in report["rows"]}
+    recorded = KVMap.from_pretrained(folder).config.quality["retention"]
+    assert recorded["rows"] == report["rows"]
+    assert "mapped@1" in (folder / "README.md").read_text()
+
+
+def test_evaluate_needs_enough_tokens(calibrated, workspace):
+    pytest.importorskip("peft_kvcache.evaluate")
+    status, _, err = cli(["evaluate", str(calibrated), "--data", str(workspace["data"]),
+                          "--context-length", "100000", "--no-progress"])
+    assert status == 2 and "--context-length 100000" in err
+
+
+def test_evaluate_write_refuses_a_repo_before_any_work(monkeypatch):
+    pytest.importorskip("peft_kvcache.evaluate")
+    monkeypatch.setattr("peft_kvcache.kvmap.resolve_map_folder",
+                        lambda *a, **k: pytest.fail("resolved the map before checking --write"))
+    status, _, err = cli(["evaluate", "org/some-map", "--write"])
+    assert status == 2 and "--write" in err
+
+
+def test_push_uploads_the_folder(calibrated, monkeypatch):
+    calls = {}
+
+    def create_repo(api, repo_id, **kwargs):
+        calls["create_repo"] = dict(kwargs, repo_id=repo_id)
+        return huggingface_hub.RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def upload_folder(api, **kwargs):
+        calls["upload_folder"] = dict(kwargs, files=sorted(p.name for p in Path(kwargs["folder_path"]).iterdir()))
+        return huggingface_hub.CommitInfo(commit_url="https://huggingface.co/org/tiny/commit/abc", commit_message="",
+                                          commit_description="", oid="abc")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
+    status, out, err = cli(["push", str(calibrated), "org/tiny", "--private", "--commit-message", "v1"])
+    assert status == 0, err
+    assert out.strip() == "https://huggingface.co/org/tiny/commit/abc"
+    assert calls["create_repo"]["private"] is True and calls["create_repo"]["repo_id"] == "org/tiny"
+    assert {"config.json", "model.safetensors", "README.md"} <= set(calls["upload_folder"]["files"])
+    assert calls["upload_folder"]["commit_message"] == "v1"
+
+
+def test_help_at_every_level():
+    status, out, _ = cli(["--help"])
+    assert status == 0 and all(command in out for command in COMMANDS) and "examples:" in out
+    for command in COMMANDS:
+        status, out, _ = cli([command, "--help"])
+        assert status == 0 and out.startswith(f"usage: peft-kvcache {command}") and "example:" in out
+    status, _, err = cli([])
+    assert status == 2 and "calibrate" in err
+
+
+def test_every_option_has_help_text():
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if a.choices and set(COMMANDS) <= set(a.choices)).choices
+    for name, sub in subparsers.items():
+        for action in sub._actions:
+            assert action.help, f"{name} {action.option_strings or action.dest} has no help"
+
+
+def test_the_console_script_points_at_main():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, function = scripts["peft-kvcache"].partition(":")
+    assert (module, function) == ("peft_kvcache.cli", "main")
+    status, out, _ = cli(["--version"])
+    assert status == 0 and re.fullmatch(r"peft-kvcache \d+\.\d+\.\d+\S*\n", out)
