@@ -304,3 +304,16 @@ def test_the_console_script_points_at_main():
     assert (module, function) == ("peft_kvcache.cli", "main")
     status, out, _ = cli(["--version"])
     assert status == 0 and re.fullmatch(r"peft-kvcache \d+\.\d+\.\d+\S*\n", out)
+
+
+def test_stdlib_data_reads_the_split_asked_for():
+    corpus = pytest.importorskip("peft_kvcache.corpus")
+    from peft_kvcache.cli import read_texts
+
+    texts, description = read_texts("stdlib", "calibration", 2)
+    assert texts == corpus.calibration_texts(2) and "calibration split" in description
+    texts, description = read_texts("stdlib", "evaluation", 1)
+    assert texts == corpus.evaluation_texts(1) and "evaluation split" in description
+    status, _, err = cli(["calibrate", "--source", "s", "--target", "t", "--output", "o", "--data", "stdlib",
+                          "--num-files", "100000"])
+    assert status == 2 and err.startswith("peft-kvcache: error: --data stdlib")
