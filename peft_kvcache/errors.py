@@ -33,3 +33,7 @@ class CacheMismatchError(PeftKVCacheError, ValueError):
 
 class NumericalError(PeftKVCacheError, ArithmeticError):
     """NaN or Inf appeared in a cache or in statistics, or a value overflowed the target dtype."""
+
+
+class EvaluationError(PeftKVCacheError, ValueError):
+    """An evaluation cannot run on the data or options given."""

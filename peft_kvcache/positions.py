@@ -83,7 +83,9 @@ def check_positional_scheme(config) -> None:
         )
     layer_types = getattr(config, "layer_types", None) or []
     windowed = sorted({t for t in layer_types if t != "full_attention"})
-    if windowed or getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+    # Mistral-style configs slide whenever sliding_window is set; Qwen2-style ones only with use_sliding_window.
+    slides = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False
+    if windowed or slides:
         raise UnsupportedPositionalSchemeError(
             f"model type {model_type!r} has {windowed or ['sliding_attention']} layers: their caches keep only a "
             "window of tokens, and mapped windows were measured to give wrong output; only full-attention "

@@ -1,0 +1,223 @@
+"""Retention metrics (DESIGN.md, "the retention protocol").
+
+Each example is ``context (C tokens) + continuation (M tokens)``; the target predicts every continuation
+token teacher-forced. Variants differ only in what the target knows of the context:
+
+- ``full``: the target's own prefill of the whole context;
+- ``mapped@W``: the source's cache mapped by the KV map, with the target computing the last W context
+  tokens itself (W=1: only the last one, the plain switch) and the sink;
+- ``window@W``: control at equal target compute: the target keeps only the sink and the last W context
+  tokens, at their true positions, and drops the middle (no mapped cache at all);
+- ``naive``: the source's cache used unmapped (same-shape pairs: what a prefix cache ignoring the adapter does);
+- ``no_context``: only the last context token.
+
+Normalized retention = (acc - acc_no_context) / (acc_full - acc_no_context); intervals come from a paired
+bootstrap over examples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+from transformers.cache_utils import DynamicCache
+
+from .cache import MappedCache
+from .capture import run_with_cache
+from .errors import EvaluationError
+
+
+def token_sequences(texts: Sequence[str], tokenizer, length: int) -> list[torch.Tensor]:
+    """The first ``length`` tokens of every text that has that many (shorter texts are skipped)."""
+    sequences = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+        if ids.numel() >= length:
+            sequences.append(ids[:length])
+    return sequences
+
+
+@torch.no_grad()
+def _logits(model, ids: torch.Tensor, positions: torch.Tensor, cache=None, keep: int = 0) -> torch.Tensor:
+    device = next(model.parameters()).device
+    out = model(input_ids=ids[None].to(device), position_ids=positions[None].to(device), past_key_values=cache,
+                use_cache=cache is not None, logits_to_keep=keep)
+    return out.logits[0].float().cpu()
+
+
+def full_logits(target, ids: torch.Tensor, context: int) -> torch.Tensor:
+    """``[M, vocab]`` logits of the continuation with the target's own prefill."""
+    inputs = ids[:-1]
+    return _logits(target, inputs, torch.arange(inputs.numel()), keep=ids.numel() - context)
+
+
+def window_logits(target, ids: torch.Tensor, context: int, window: int, sink: int) -> torch.Tensor:
+    """Continuation logits when the target keeps only ``sink`` leading and ``window`` trailing context tokens."""
+    keep = torch.cat([torch.arange(min(sink, context - window)), torch.arange(context - window, ids.numel() - 1)])
+    return _logits(target, ids[keep], keep, keep=ids.numel() - context)
+
+
+def cached_logits(target, cache, ids: torch.Tensor, context: int, window: int) -> torch.Tensor:
+    """Continuation logits with a cache covering the first ``context - window`` tokens."""
+    start = context - window
+    return _logits(target, ids[start:-1], torch.arange(start, ids.numel() - 1), cache=cache,
+                   keep=ids.numel() - context)
+
+
+@dataclass
+class VariantScores:
+    """Per-example, per-token scores of one variant (lists over examples of ``[M]`` tensors)."""
+
+    correct: list[torch.Tensor] = field(default_factory=list)
+    kl: list[torch.Tensor] = field(default_factory=list)
+    agree: list[torch.Tensor] = field(default_factory=list)
+
+    def add(self, logits: torch.Tensor, full: torch.Tensor, labels: torch.Tensor) -> None:
+        self.correct.append((logits.argmax(-1) == labels).float())
+        log_full, log_variant = F.log_softmax(full, -1), F.log_softmax(logits, -1)
+        self.kl.append((log_full.exp() * (log_full - log_variant)).sum(-1))
+        self.agree.append((logits.argmax(-1) == full.argmax(-1)).float())
+
+
+def _per_example(values: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([v.mean() for v in values])
+
+
+@dataclass
+class RetentionReport:
+    """Scores of every variant on the same examples, with paired bootstrap intervals."""
+
+    scores: dict[str, VariantScores]
+    context_length: int
+    continuation_length: int
+    bootstrap: int = 1000
+    seed: int = 0
+
+    def _resamples(self) -> torch.Tensor:
+        count = len(self.scores["full"].correct)
+        generator = torch.Generator().manual_seed(self.seed)
+        return torch.randint(0, count, (self.bootstrap, count), generator=generator)
+
+    def normalized(self, name: str, index: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalized retention of ``name``: a point estimate, or one per bootstrap resample in ``index``."""
+        def mean(variant: str) -> torch.Tensor:
+            per_example = _per_example(self.scores[variant].correct)
+            return per_example.mean() if index is None else per_example[index].mean(-1)
+
+        full, none = mean("full"), mean("no_context")
+        return (mean(name) - none) / (full - none)
+
+    def interval(self, statistic: Callable[[torch.Tensor | None], torch.Tensor]) -> tuple[float, float]:
+        """95% paired bootstrap interval of ``statistic(index)`` over examples."""
+        values = statistic(self._resamples())
+        values = values[torch.isfinite(values)]
+        if values.numel() == 0:
+            return float("nan"), float("nan")
+        return float(values.quantile(0.025)), float(values.quantile(0.975))
+
+    def paired_difference(self, a: str, b: str, metric: str = "normalized") -> dict:
+        """Difference ``a - b`` of normalized retention (or of mean KL with ``metric='kl'``) with its paired
+        95% interval: above zero means ``a`` is better (for KL, below zero)."""
+        if metric == "kl":
+            diff = _per_example(self.scores[a].kl) - _per_example(self.scores[b].kl)
+            point = float(diff.mean())
+            low, high = self.interval(lambda idx: diff[idx].mean(-1))
+        else:
+            point = float(self.normalized(a) - self.normalized(b))
+            low, high = self.interval(lambda idx: self.normalized(a, idx) - self.normalized(b, idx))
+        return {"a": a, "b": b, "metric": metric, "difference": point, "low": low, "high": high}
+
+    def rows(self) -> list[dict]:
+        full_acc = float(torch.cat(self.scores["full"].correct).mean())
+        rows = []
+        for name, s in self.scores.items():
+            acc = float(torch.cat(s.correct).mean())
+            kl = _per_example(s.kl)
+            low, high = self.interval(lambda idx, n=name: self.normalized(n, idx))
+            rows.append({
+                "variant": name, "accuracy": acc, "raw_retention": acc / full_acc if full_acc else float("nan"),
+                "normalized_retention": float(self.normalized(name)), "normalized_low": low, "normalized_high": high,
+                "kl": float(kl.mean()), "greedy_agreement": float(torch.cat(s.agree).mean()),
+            })
+        return rows
+
+    def table(self) -> str:
+        """A markdown table of every variant."""
+        lines = [f"context {self.context_length} tokens, continuation {self.continuation_length}, "
+                 f"{len(self.scores['full'].correct)} examples",
+                 "| variant | accuracy | raw retention | normalized [95% CI] | KL(full‖variant) | greedy agreement |",
+                 "|---|---|---|---|---|---|"]
+        for r in self.rows():
+            lines.append(f"| {r['variant']} | {r['accuracy']:.3f} | {r['raw_retention']:.3f} | "
+                         f"{r['normalized_retention']:.3f} [{r['normalized_low']:.2f}, {r['normalized_high']:.2f}] | "
+                         f"{r['kl']:.4f} | {r['greedy_agreement']:.3f} |")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"context_length": self.context_length, "continuation_length": self.continuation_length,
+                "examples": len(self.scores["full"].correct), "rows": self.rows()}
+
+
+@torch.no_grad()
+def evaluate_retention(
+    source_model,
+    target_model,
+    kv_map,
+    sequences: Sequence[torch.Tensor],
+    context_length: int,
+    continuation_length: int = 64,
+    windows: Sequence[int] = (1,),
+    window_control: bool = True,
+    naive_reuse: bool | None = None,
+    progress: bool = True,
+) -> RetentionReport:
+    """Score the mapped cache against full prefill, no context, the window-only control and (same-shape
+    pairs) naive reuse, on ``sequences`` of at least ``context_length + continuation_length`` tokens.
+
+    Args:
+        windows: W values: the target computes the last W context tokens itself on top of the mapped cache
+            (and the window-only control keeps the same W, at equal target compute).
+        naive_reuse: score the unmapped source cache; by default only when the pair has the same shape.
+
+    Example:
+        >>> report = evaluate_retention(src, tgt, kv_map, seqs, context_length=256)  # doctest: +SKIP
+        >>> print(report.table())                                                     # doctest: +SKIP
+    """
+    if naive_reuse is None:
+        naive_reuse = kv_map.config.pair_kind == "same_shape"
+    total = context_length + continuation_length
+    usable = [s[:total] for s in sequences if s.numel() >= total]
+    if not usable:
+        raise EvaluationError(f"no sequence has the {total} tokens an example needs")
+    if min(windows) < 1 or max(windows) >= context_length:
+        raise EvaluationError(f"windows must be in 1..{context_length - 1}, got {list(windows)}")
+    kv_map.check_models(source_model, target_model)
+    sink = kv_map.config.sink_tokens
+    names = ["full", "no_context"] + [f"mapped@{w}" for w in windows]
+    names += [f"window@{w}" for w in windows] if window_control else []
+    names += [f"naive@{w}" for w in windows] if naive_reuse else []
+    scores = {name: VariantScores() for name in names}
+    for ids in tqdm(usable, desc="retention", disable=not progress):
+        labels = ids[context_length:]
+        full = full_logits(target_model, ids, context_length)
+        scores["full"].add(full, full, labels)
+        scores["no_context"].add(window_logits(target_model, ids, context_length, 1, sink=0), full, labels)
+        for w in windows:
+            prefix = ids[None, : context_length - w]
+            source_cache = run_with_cache(source_model, prefix)
+            mapped = MappedCache.from_source(_as_cache(source_cache), kv_map, target_model, input_ids=prefix,
+                                             verify_models=False)
+            scores[f"mapped@{w}"].add(cached_logits(target_model, mapped, ids, context_length, w), full, labels)
+            if window_control:
+                scores[f"window@{w}"].add(window_logits(target_model, ids, context_length, w, sink), full, labels)
+            if naive_reuse:
+                naive = _as_cache(source_cache)
+                scores[f"naive@{w}"].add(cached_logits(target_model, naive, ids, context_length, w), full, labels)
+    return RetentionReport(scores, context_length, continuation_length)
+
+
+def _as_cache(captured) -> DynamicCache:
+    return DynamicCache(list(zip(captured.keys, captured.values)))
