@@ -64,6 +64,8 @@ def map_cache(
     target_positions: torch.Tensor,
     placements: Sequence[tuple[torch.device, torch.dtype]],
     compute_dtype: torch.dtype | None = None,
+    source_rotary: RotarySpec | None = None,
+    target_rotary: RotarySpec | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Map a source cache into the target's KV space.
 
@@ -73,6 +75,8 @@ def map_cache(
         source_positions, target_positions: ``[batch, seq]`` absolute positions of each cached token.
         placements: per target layer (device, dtype) the mapped tensors must have.
         compute_dtype: dtype of the matmuls; float32 by default (bfloat16/float16 inputs are upcast per layer).
+        source_rotary, target_rotary: the models' own rotary parameters when the models are at hand (a model
+            cast to bfloat16 rotates with rounded frequencies); the map's stored ones otherwise.
 
     Returns:
         Per target layer ``(keys, values)`` of shape ``[batch, kv_heads, seq, head_dim]``.
@@ -91,8 +95,9 @@ def map_cache(
                 f"the map expects [batch, {expected[0]}, seq, {expected[1]}]"
             )
     compute_dtype = compute_dtype or torch.float32
-    features = SourceFeatures(source_keys, source_values, kv_map.source_rotary, source_positions, compute_dtype)
-    target_spec, head_dim = kv_map.target_rotary, config.target_layout.head_dim
+    features = SourceFeatures(source_keys, source_values, source_rotary or kv_map.source_rotary, source_positions,
+                              compute_dtype)
+    target_spec, head_dim = target_rotary or kv_map.target_rotary, config.target_layout.head_dim
 
     mapped = []
     for t, (device, dtype) in enumerate(placements):

@@ -13,7 +13,7 @@ from .capture import CapturedKV, cache_states, run_with_cache
 from .errors import CacheMismatchError
 from .kvmap import KVMap
 from .models import layer_placements, model_name
-from .positions import positions_from_mask
+from .positions import positions_from_mask, rotary_spec_of
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,9 @@ class MappedCache(DynamicCache):
         target_positions = source_positions + position_offset
 
         placements = layer_placements(target_model)
-        mapped = map_cache(kv_map, captured.keys, captured.values, source_positions, target_positions, placements)
+        mapped = map_cache(kv_map, captured.keys, captured.values, source_positions, target_positions, placements,
+                           source_rotary=None if source_is_cache else rotary_spec_of(source),
+                           target_rotary=rotary_spec_of(target_model))
 
         sink_tokens = kv_map.config.sink_tokens if sink_tokens is None else sink_tokens
         if sink_tokens > 0:

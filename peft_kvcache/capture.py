@@ -45,8 +45,14 @@ def cache_states(cache: Cache) -> CapturedKV:
 @torch.no_grad()
 def run_with_cache(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    position_ids: torch.Tensor | None = None) -> CapturedKV:
-    """One forward pass (logits for the last position only) that returns the model's KV cache."""
+    """One forward pass (logits for the last position only) that returns the model's KV cache.
+
+    Positions default to those of the attention mask (as generate() computes them), not ``arange``: a
+    forward pass without position_ids would rotate left-padded rows' keys at the wrong positions.
+    """
     device = next(model.parameters()).device
+    if position_ids is None and attention_mask is not None:
+        position_ids = positions_from_mask(attention_mask)
     out = model(
         input_ids=input_ids.to(device),
         attention_mask=None if attention_mask is None else attention_mask.to(device),

@@ -1,0 +1,173 @@
+"""MappedCache end to end through generate() (issue 2's must-shows)."""
+
+import warnings
+
+import pytest
+import torch
+
+from conftest import random_ids, tiny_model
+from peft_kvcache import (
+    CacheMismatchError, CalibrationError, FingerprintMismatchError, IncompatibleModelsError, KVMap, MappedCache,
+    UnsupportedPositionalSchemeError,
+)
+
+
+@pytest.fixture
+def identity(same_model):
+    return same_model, KVMap.calibrate(same_model, same_model, random_ids(10, 40), progress=False)
+
+
+def _relative_error(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@torch.no_grad()
+def test_same_model_reproduces_next_token_logits_batch_of_one(identity):
+    model, kv_map = identity
+    prompt = torch.randint(0, 128, (1, 30))
+    cache = MappedCache.from_source(model, kv_map, model, input_ids=prompt[:, :-1])
+    full = model(prompt).logits[:, -1]
+    mapped = model(prompt[:, -1:], past_key_values=cache, position_ids=torch.tensor([[29]])).logits[:, -1]
+    assert _relative_error(mapped, full) < 1e-3
+
+
+@torch.no_grad()
+def test_same_model_reproduces_logits_and_greedy_output_left_padded_batch(identity):
+    model, kv_map = identity
+    prompt = torch.randint(0, 128, (2, 24))
+    mask = torch.ones_like(prompt)
+    mask[0, :7] = 0  # row 0 is left-padded
+    full = model.generate(prompt, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    cache = MappedCache.from_source(model, kv_map, model, input_ids=prompt[:, :-1], attention_mask=mask[:, :-1])
+    mapped = model.generate(prompt, attention_mask=mask, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    assert torch.equal(mapped, full)
+
+    cache = MappedCache.from_source(model, kv_map, model, input_ids=prompt[:, :-1], attention_mask=mask[:, :-1])
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    logits = model(prompt[:, -1:], attention_mask=mask, past_key_values=cache, position_ids=positions[:, -1:]).logits
+    reference = model(prompt, attention_mask=mask, position_ids=positions).logits
+    assert _relative_error(logits[:, -1], reference[:, -1]) < 1e-3
+
+
+def test_generate_accepts_both_cache_spellings(identity):
+    model, kv_map = identity
+    prompt = torch.randint(0, 128, (1, 20))
+    expected = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    for spelling in ("past_key_values", "cache"):
+        cache = MappedCache.from_source(model, kv_map, model, input_ids=prompt[:, :-1])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            out = model.generate(prompt, max_new_tokens=6, do_sample=False, **{spelling: cache})
+        assert torch.equal(out, expected), spelling
+
+
+def test_a_source_cache_can_be_mapped_directly(identity):
+    model, kv_map = identity
+    prompt = torch.randint(0, 128, (1, 20))
+    source_cache = model(prompt[:, :-1], use_cache=True).cache
+    cache = MappedCache.from_source(source_cache, kv_map, model, input_ids=prompt[:, :-1])
+    out = model.generate(prompt, past_key_values=cache, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, model.generate(prompt, max_new_tokens=6, do_sample=False))
+
+
+def test_cache_as_long_as_the_prompt_is_refused(identity):
+    model, kv_map = identity
+    prompt = torch.randint(0, 128, (1, 20))
+    cache = MappedCache.from_source(model, kv_map, model, input_ids=prompt)
+    with pytest.raises(CacheMismatchError, match=r"prompt\[:, :-1\]"):
+        model.generate(prompt, past_key_values=cache, max_new_tokens=3, do_sample=False)
+
+
+def test_differently_shaped_pair_gives_the_targets_shapes_dtype_and_length(sibling_pair, sibling_map):
+    source, target = sibling_pair
+    assert sibling_map.config.pair_kind == "cross_shape"
+    prompt = torch.randint(0, 128, (2, 33))
+    target16 = target.to(torch.bfloat16)
+    try:
+        cache = MappedCache.from_source(source, sibling_map, target16, input_ids=prompt[:, :-1])
+        assert len(cache.layers) == target.config.num_hidden_layers == 3
+        for layer in cache.layers:
+            assert layer.keys.shape == layer.values.shape == (2, 3, 32, 32)  # target: 3 KV heads x head_dim 32
+            assert layer.keys.dtype == torch.bfloat16 and layer.keys.device == target16.device
+        assert cache.get_seq_length() == 32
+        out = target16.generate(prompt, past_key_values=cache, max_new_tokens=5, do_sample=False)
+        assert out.shape == (2, 38)
+    finally:
+        target.to(torch.float32)
+
+
+@torch.no_grad()
+def test_position_offset_gives_the_same_continuation(sibling_pair, sibling_map):
+    source, target = sibling_pair
+    prompt = torch.randint(0, 128, (1, 25))
+    logits = []
+    for offset in (0, 37):
+        cache = MappedCache.from_source(source, sibling_map, target, input_ids=prompt[:, :-1], position_offset=offset)
+        out = target(prompt[:, -1:], past_key_values=cache, position_ids=torch.tensor([[24 + offset]]))
+        logits.append(out.logits[:, -1])
+    assert _relative_error(logits[1], logits[0]) < 1e-4
+
+    # generate() with default positions would continue at 24, not 61: the cache refuses that.
+    cache = MappedCache.from_source(source, sibling_map, target, input_ids=prompt[:, :-1], position_offset=37)
+    with pytest.raises(CacheMismatchError):
+        target.generate(prompt, past_key_values=cache, max_new_tokens=2)
+
+
+def test_sink_is_computed_by_the_target_itself(sibling_pair, sibling_map):
+    source, target = sibling_pair
+    prompt = torch.randint(0, 128, (1, 20))
+    own = target(prompt[:, :1], use_cache=True).cache
+    with_sink = MappedCache.from_source(source, sibling_map, target, input_ids=prompt)
+    without = MappedCache.from_source(source, sibling_map, target, input_ids=prompt, sink_tokens=0)
+    for layer, mine, bare in zip(own.layers, with_sink.layers, without.layers):
+        torch.testing.assert_close(mine.keys[:, :, :1], layer.keys)
+        assert not torch.allclose(bare.keys[:, :, :1], layer.keys)
+        torch.testing.assert_close(mine.keys[:, :, 1:], bare.keys[:, :, 1:])
+
+
+def test_wrong_models_for_the_map_are_refused_naming_both(sibling_pair, sibling_map):
+    source, target = sibling_pair
+    other = tiny_model("qwen2", seed=5, hidden_size=96, num_hidden_layers=3, num_attention_heads=3,
+                       num_key_value_heads=3, intermediate_size=160)
+    prompt = torch.randint(0, 128, (1, 10))
+    with pytest.raises(FingerprintMismatchError, match="tiny-qwen2-1.*tiny-qwen2-5"):
+        MappedCache.from_source(source, sibling_map, other, input_ids=prompt)
+    with pytest.raises(FingerprintMismatchError, match="source"):
+        MappedCache.from_source(target, sibling_map, target, input_ids=prompt)
+
+
+def test_source_cache_of_the_wrong_shape_is_refused(sibling_pair, sibling_map):
+    _, target = sibling_pair
+    wrong = target(torch.randint(0, 128, (1, 10)), use_cache=True).cache  # a target cache, not a source one
+    with pytest.raises(CacheMismatchError, match="layers|expects"):
+        MappedCache.from_source(wrong, sibling_map, target)
+
+
+def test_mismatched_vocabularies_are_refused():
+    with pytest.raises(IncompatibleModelsError, match="vocabulary"):
+        KVMap.calibrate(tiny_model("qwen2"), tiny_model("qwen2", vocab_size=200), random_ids(4, 20), progress=False)
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_refused():
+    class FakeTokenizer:
+        def __len__(self):
+            return 5000
+
+    with pytest.raises(IncompatibleModelsError, match="tokenizer"):
+        KVMap.calibrate(tiny_model(), tiny_model(), ["some text"], tokenizer=FakeTokenizer(), progress=False)
+
+
+@pytest.mark.parametrize("data,match", [([], "empty"), ([torch.tensor([1, 2])], "empty"),
+                                        ([torch.arange(20)], "at least 2 sequences"),
+                                        (["text without tokenizer"], "tokenizer"),
+                                        ([torch.full((20,), 999)], "outside the vocabulary")])
+def test_bad_calibration_sets_are_refused(data, match):
+    model = tiny_model()
+    with pytest.raises(CalibrationError, match=match):
+        KVMap.calibrate(model, model, data, progress=False)
+
+
+def test_unsupported_positional_scheme_is_refused_at_calibration():
+    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    with pytest.raises(UnsupportedPositionalSchemeError, match="sliding"):
+        KVMap.calibrate(model, model, random_ids(4, 20), progress=False)

@@ -1,0 +1,105 @@
+import pytest
+import torch
+
+from peft_kvcache import CalibrationError, NumericalError
+from peft_kvcache.fit import SufficientStatistics, _Centered, fit_layers, solve_ridge
+from peft_kvcache.models import KVLayout
+
+
+def _stats(x, y):
+    stats = SufficientStatistics.empty(x.shape[1], {"t": y.shape[1]})
+    stats.update(x, {"t": y})
+    return stats
+
+
+def test_statistics_over_two_chunks_equal_statistics_over_the_whole():
+    x, y = torch.randn(300, 6), torch.randn(300, 4)
+    whole = _stats(x, y)
+    chunked = SufficientStatistics.empty(6, {"t": 4})
+    chunked.update(x[:120], {"t": y[:120]})
+    chunked.update(x[120:], {"t": y[120:]})
+    merged = _stats(x[:120], y[:120]).merge(_stats(x[120:], y[120:]))
+    for other in (chunked, merged):
+        for key, value in whole.state_dict().items():
+            torch.testing.assert_close(other.state_dict()[key], value, rtol=1e-12, atol=1e-9)
+    # Memory is fixed by the feature sizes, not by the number of rows.
+    assert {k: tuple(v.shape) for k, v in chunked.state_dict().items()} == {
+        k: tuple(v.shape) for k, v in SufficientStatistics.empty(6, {"t": 4}).state_dict().items()}
+
+
+def test_non_finite_features_are_refused():
+    stats = SufficientStatistics.empty(3, {"t": 2})
+    with pytest.raises(NumericalError):
+        stats.update(torch.tensor([[1.0, float("nan"), 0.0]]), {"t": torch.zeros(1, 2)})
+
+
+@pytest.mark.parametrize("with_prior", [False, True])
+def test_ridge_matches_a_direct_least_squares_solution(with_prior):
+    """Closed form from statistics == lstsq on the centred, lambda-augmented system built from raw rows."""
+    torch.manual_seed(0)
+    n, d, e = 400, 8, 8
+    x = torch.randn(n, d, dtype=torch.float64) * torch.linspace(0.1, 3, d) + 2.0
+    true = torch.randn(d, e, dtype=torch.float64)
+    y = x @ true + 0.5 * torch.randn(n, e, dtype=torch.float64) + 1.0
+    train, heldout = _stats(x[:300], y[:300]), _stats(x[300:], y[300:])
+    stats = _Centered(train, heldout, "t")
+    prior = torch.eye(d, dtype=torch.float64) if with_prior else None
+    fit = solve_ridge(stats, torch.arange(d), torch.arange(e), head_size=e, prior=prior, lambda_grid=(0.5,))
+    lam = float(fit.lambdas[0])
+
+    xc, yc = x[:300] - x[:300].mean(0), y[:300] - y[:300].mean(0)
+    p = prior if prior is not None else torch.zeros(d, e, dtype=torch.float64)
+    # ||Y - XW||^2 + lam ||W - P||^2 as one least-squares problem on stacked rows.
+    a = torch.cat([xc, lam**0.5 * torch.eye(d, dtype=torch.float64)])
+    b = torch.cat([yc, lam**0.5 * p])
+    direct = torch.linalg.lstsq(a, b).solution
+    torch.testing.assert_close(fit.weight, direct, rtol=1e-8, atol=1e-8)
+    torch.testing.assert_close(fit.bias, y[:300].mean(0) - x[:300].mean(0) @ direct, rtol=1e-8, atol=1e-8)
+
+    pred = x[300:] @ direct + fit.bias
+    r2 = 1 - ((y[300:] - pred) ** 2).sum() / ((y[300:] - y[300:].mean(0)) ** 2).sum()
+    torch.testing.assert_close(fit.r2[0], r2, rtol=1e-8, atol=1e-8)
+
+
+def test_lambda_is_chosen_per_head_on_held_out_error():
+    """A noisy head needs strong shrinkage, a clean one almost none."""
+    torch.manual_seed(1)
+    n, d = 200, 30
+    x = torch.randn(n, d, dtype=torch.float64)
+    clean = x @ torch.randn(d, 2, dtype=torch.float64)
+    noisy = 0.05 * x[:, :1].repeat(1, 2) + 3 * torch.randn(n, 2, dtype=torch.float64)
+    y = torch.cat([clean, noisy], dim=1)
+    stats = _Centered(_stats(x[:60], y[:60]), _stats(x[60:], y[60:]), "t")
+    fit = solve_ridge(stats, torch.arange(d), torch.arange(4), head_size=2)
+    assert fit.lambdas[0] < fit.lambdas[1]
+    assert fit.r2[0] > 0.99
+
+
+def test_identity_prior_recovers_the_identity_for_identical_features():
+    x = torch.randn(50, 6, dtype=torch.float64)
+    stats = _Centered(_stats(x[:40], x[:40]), _stats(x[40:], x[40:]), "t")
+    fit = solve_ridge(stats, torch.arange(6), torch.arange(6), head_size=3, prior=torch.eye(6, dtype=torch.float64))
+    torch.testing.assert_close(fit.weight, torch.eye(6, dtype=torch.float64), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_layer_selection_finds_the_source_layers_that_predict_each_target_layer(top_k):
+    torch.manual_seed(2)
+    src, tgt = KVLayout(4, 2, 4), KVLayout(3, 1, 6)
+    n = 600
+    x = torch.randn(n, src.num_layers * src.layer_width, dtype=torch.float64)
+    drivers = {0: [3], 1: [0], 2: [2]} if top_k == 1 else {0: [1, 3], 1: [0, 2], 2: [2, 3]}
+    ys = []
+    for t in range(tgt.num_layers):
+        inputs = torch.cat([x[:, s * 8:(s + 1) * 8] for s in drivers[t]], dim=1)
+        ys.append(inputs @ torch.randn(inputs.shape[1], 6, dtype=torch.float64) + 0.01 * torch.randn(n, 6))
+    y = torch.cat(ys, dim=1)
+    fits = fit_layers(_stats(x[:450], y[:450]), _stats(x[450:], y[450:]), "t", src, tgt, top_k=top_k)
+    assert [f.source_layers for f in fits] == [sorted(drivers[t]) for t in range(3)]
+    assert all(float(f.fit.r2.min()) > 0.99 for f in fits)
+
+
+def test_too_few_tokens_for_a_held_out_split_is_a_calibration_error():
+    x = torch.randn(5, 4)
+    with pytest.raises(CalibrationError, match="held-out"):
+        _Centered(_stats(x, x), SufficientStatistics.empty(4, {"t": 4}), "t")
