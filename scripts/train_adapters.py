@@ -1,0 +1,186 @@
+"""Train small real LoRA adapters for SmolLM2-135M-Instruct on tasks built from the Python standard library.
+
+Tasks (chat format, SmolLM2's own template; the loss covers the assistant's answer only):
+
+- ``docstring``: the user gives a stdlib function with its docstring removed; the assistant writes the
+  docstring's first paragraph.
+- ``shout``: the same prompts; the assistant answers with the docstring in UPPERCASE.
+- ``shout_alora`` (``--alora``): the ``shout`` task trained as an Activated LoRA (PEFT
+  ``alora_invocation_tokens`` = the assistant header), which leaves the base KV of the prompt untouched.
+
+Training uses calibration-split files only; the reported effect (mean answer NLL, base vs adapter) is
+measured on functions from evaluation-split files. Adapters go to ``adapters/<name>/`` (PEFT's
+``adapter_config.json`` + ``adapter_model.safetensors``) with ``training.json`` holding the figures.
+
+    PYTHONPATH=. python scripts/train_adapters.py                # docstring + shout, ~4 min each, 1 thread
+    PYTHONPATH=. python scripts/train_adapters.py --only shout_alora     # names ending in _alora train as aLoRA
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import json
+import random
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+
+from peft_kvcache.corpus import stdlib_files
+
+MODEL = "gguf:smollm2-135m-instruct"
+TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+INSTRUCTION = "Write the docstring of this Python function:\n```python\n{code}\n```"
+ASSISTANT_HEADER = "<|im_start|>assistant\n"
+
+
+def functions_with_docstrings(split: str, limit: int, max_code_chars: int = 400,
+                              max_doc_chars: int = 200) -> list[tuple[str, str]]:
+    """``(code without its docstring, first docstring paragraph)`` pairs from the stdlib files of ``split``."""
+    pairs = []
+    for path in stdlib_files(split):
+        source = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        lines = source.splitlines()
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            doc = ast.get_docstring(node)
+            first = node.body[0]
+            if not doc or len(node.body) < 2:
+                continue
+            paragraph = " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
+            if len(paragraph) < 30:
+                continue
+            body = lines[node.lineno - 1 : first.lineno - 1] + lines[first.end_lineno : node.end_lineno]
+            code = textwrap.dedent("\n".join(body)).strip()[:max_code_chars]
+            pairs.append((code, paragraph[:max_doc_chars]))
+            if len(pairs) >= limit:
+                return pairs
+    return pairs
+
+
+def answer_for(task: str, docstring: str) -> str:
+    return docstring.upper() if task.startswith("shout") else docstring
+
+
+def encode(tokenizer, code: str, answer: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids of the whole chat and labels that cover only the assistant's answer (and its end token)."""
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": INSTRUCTION.format(code=code)}],
+                                           tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
+    answer_ids = tokenizer(answer + "<|im_end|>", add_special_tokens=False).input_ids
+    ids = torch.tensor(prompt_ids + answer_ids)
+    labels = ids.clone()
+    labels[: len(prompt_ids)] = -100
+    return ids, labels
+
+
+def collate(examples: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int):
+    length = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), length), pad_id)
+    labels = torch.full((len(examples), length), -100)
+    mask = torch.zeros((len(examples), length), dtype=torch.long)
+    for row, (i, l) in enumerate(examples):
+        ids[row, : len(i)], labels[row, : len(l)], mask[row, : len(i)] = i, l, 1
+    return ids, labels, mask
+
+
+@torch.no_grad()
+def answer_nll(model, examples, pad_id: int, batch_size: int = 8) -> float:
+    """Mean negative log-likelihood per answer token."""
+    total, count = 0.0, 0
+    for start in range(0, len(examples), batch_size):
+        ids, labels, mask = collate(examples[start : start + batch_size], pad_id)
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        target = labels[:, 1:]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100, reduction="sum")
+        total, count = total + float(nll), count + int((target != -100).sum())
+    return total / count
+
+
+def train(name: str, task: str, args, train_pairs, eval_pairs) -> dict:
+    from peft import LoraConfig, get_peft_model
+
+    from peft_kvcache.fixtures import load_model
+
+    model, tokenizer = load_model(MODEL)  # fresh base weights for every adapter
+
+    alora = args.alora or name.endswith("_alora")
+
+    torch.manual_seed(args.seed)
+    options = dict(task_type="CAUSAL_LM", r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
+                   target_modules=TARGET_MODULES)
+    if alora:
+        options["alora_invocation_tokens"] = tokenizer(ASSISTANT_HEADER, add_special_tokens=False).input_ids
+    peft_model = get_peft_model(model, LoraConfig(**options))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    train_examples = [encode(tokenizer, c, answer_for(task, d)) for c, d in train_pairs]
+    eval_examples = [encode(tokenizer, c, answer_for(task, d)) for c, d in eval_pairs]
+
+    peft_model.eval()
+    with peft_model.disable_adapter():
+        base_nll = answer_nll(peft_model, eval_examples, pad_id)
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / 3) * max(0.1, 1 - step / args.steps))
+    rng = random.Random(args.seed)
+    started = time.perf_counter()
+    peft_model.train()
+    for step in range(args.steps):
+        batch = rng.sample(train_examples, args.batch_size)
+        ids, labels, mask = collate(batch, pad_id)
+        loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step(), schedule.step(), optimizer.zero_grad()
+        if step % 5 == 0 or step == args.steps - 1:
+            print(f"[{name}] step {step:3d} loss {loss.item():.3f} ({time.perf_counter() - started:.0f}s)", flush=True)
+    seconds = time.perf_counter() - started
+    peft_model.eval()
+    adapter_nll = answer_nll(peft_model, eval_examples, pad_id)
+    folder = Path(args.out) / name
+    peft_model.save_pretrained(folder)
+    report = {"adapter": name, "task": task, "alora": alora, "rank": args.rank, "steps": args.steps,
+              "batch_size": args.batch_size, "lr": args.lr, "train_examples": len(train_examples),
+              "train_seconds": round(seconds, 1), "threads": torch.get_num_threads(),
+              "eval_examples": len(eval_examples), "base_answer_nll": round(base_nll, 4),
+              "adapter_answer_nll": round(adapter_nll, 4),
+              "data": "Python stdlib functions: train from the calibration split, eval from the evaluation split"}
+    (folder / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"[{name}] answer NLL on held-out functions: base {base_nll:.3f} -> adapter {adapter_nll:.3f} "
+          f"({seconds:.0f}s training)", flush=True)
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="*", default=["docstring", "shout"],
+                        help="adapters to train (docstring, shout, shout_alora)")
+    parser.add_argument("--alora", action="store_true", help="train as Activated LoRA (invocation: assistant header)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default="adapters")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    train_pairs = functions_with_docstrings("calibration", 400)
+    eval_pairs = functions_with_docstrings("evaluation", 400)[::12][:32]
+    print(f"{len(train_pairs)} training functions, {len(eval_pairs)} held-out functions", flush=True)
+    for name in args.only:
+        train(name, name.removesuffix("_alora"), args, train_pairs, eval_pairs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Base <-> adapter maps of a PeftModel (peft_maps.py), on tiny random models with random LoRA adapters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from conftest import random_ids, tiny_model
+from peft_kvcache import FingerprintMismatchError, MappedCache
+from peft_kvcache.capture import run_with_cache
+from peft_kvcache.peft_maps import AdapterMaps, adapter_active, calibrate_adapters, folder_name
+from transformers.cache_utils import DynamicCache
+
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora(seed: int, scale: float = 1.0, r: int = 8) -> LoraConfig:
+    """A random adapter with a real effect (``init_lora_weights=False`` makes B nonzero)."""
+    torch.manual_seed(seed)
+    return LoraConfig(task_type="CAUSAL_LM", r=r, lora_alpha=r * scale, target_modules=MODULES,
+                      init_lora_weights=False)
+
+
+def peft_with_adapters(scales=(("strong", 1.0), ("mild", 0.3)), seed: int = 0):
+    base = tiny_model("llama", seed=seed)
+    (first, s0), *rest = scales
+    model = get_peft_model(base, lora(10, s0), adapter_name=first)
+    for i, (name, scale) in enumerate(rest):
+        model.add_adapter(name, lora(11 + i, scale))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def peft_pair():
+    model = peft_with_adapters()
+    maps = calibrate_adapters(model, random_ids(16, 48, seed=3), progress=False)
+    return model, maps
+
+
+def _continuation_kl(model, cache, ids: torch.Tensor, context: int) -> float:
+    """KL(full || cached) of the next-token distributions over ``ids[context:]``, adapter as active now."""
+    with torch.no_grad():
+        full = model(input_ids=ids[None]).logits[0, context:]
+        out = model(input_ids=ids[None, context:], position_ids=torch.arange(context, len(ids))[None],
+                    past_key_values=cache, use_cache=True).logits[0]
+    p, q = full.log_softmax(-1), out.log_softmax(-1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def test_one_pass_fits_both_directions_with_adapter_names(peft_pair):
+    model, maps = peft_pair
+    assert set(maps.to_adapter) == set(maps.to_base) == {"strong", "mild"}
+    forward, backward = maps.to_adapter["strong"].config, maps.to_base["strong"].config
+    assert forward.target_name.endswith("+strong") and "+" not in forward.source_name
+    assert backward.source_name.endswith("+strong") and "+" not in backward.target_name
+    assert forward.calibration["target_adapter"] == "strong" and backward.calibration["source_adapter"] == "strong"
+    assert forward.pair_kind == "same_shape"
+    assert forward.key_layers == [[0], [1]]  # the identity prior makes the same layer win
+    # The base side of every map carries the base fingerprint; the adapter side its own.
+    assert forward.source_fingerprint == maps.to_adapter["mild"].config.source_fingerprint
+    assert forward.target_fingerprint != maps.to_adapter["mild"].config.target_fingerprint
+    assert model.active_adapter == "strong"  # calibration restored PEFT's state
+
+
+@pytest.mark.parametrize("adapter", ["strong", "mild"])
+def test_mapped_base_cache_beats_naive_reuse(peft_pair, adapter):
+    model, maps = peft_pair
+    ids = random_ids(1, 40, seed=99)[0]
+    context = 32
+    with adapter_active(model, None):
+        base = run_with_cache(model, ids[None, :context])
+    with adapter_active(model, adapter):
+        mapped = MappedCache.from_source(DynamicCache(list(zip(base.keys, base.values))), maps.to_adapter[adapter],
+                                         model, input_ids=ids[None, :context])
+        kl_mapped = _continuation_kl(model, mapped, ids, context)
+        kl_naive = _continuation_kl(model, DynamicCache(list(zip(base.keys, base.values))), ids, context)
+    assert kl_mapped < 0.7 * kl_naive, (kl_mapped, kl_naive)
+
+
+def test_reverse_map_beats_naive_reuse(peft_pair):
+    model, maps = peft_pair
+    ids = random_ids(1, 40, seed=98)[0]
+    with adapter_active(model, "strong"):
+        own = run_with_cache(model, ids[None, :32])
+    with adapter_active(model, None):
+        mapped = MappedCache.from_source(DynamicCache(list(zip(own.keys, own.values))), maps.to_base["strong"],
+                                         model, input_ids=ids[None, :32])
+        kl_mapped = _continuation_kl(model, mapped, ids, 32)
+        kl_naive = _continuation_kl(model, DynamicCache(list(zip(own.keys, own.values))), ids, 32)
+    assert kl_mapped < 0.7 * kl_naive, (kl_mapped, kl_naive)
+
+
+def test_fingerprint_validation_follows_the_active_adapter(peft_pair):
+    model, maps = peft_pair
+    ids = random_ids(1, 16, seed=5)[0][None]
+    with adapter_active(model, None):
+        base = run_with_cache(model, ids)
+    cache = lambda: DynamicCache(list(zip(base.keys, base.values)))  # noqa: E731
+    with adapter_active(model, "mild"):
+        MappedCache.from_source(cache(), maps.to_adapter["mild"], model, input_ids=ids)  # right adapter: fine
+        with pytest.raises(FingerprintMismatchError, match="strong"):
+            MappedCache.from_source(cache(), maps.to_adapter["strong"], model, input_ids=ids)
+    with adapter_active(model, None), pytest.raises(FingerprintMismatchError):
+        MappedCache.from_source(cache(), maps.to_adapter["mild"], model, input_ids=ids)
+
+
+def test_save_and_load_round_trip(peft_pair, tmp_path):
+    _, maps = peft_pair
+    folders = maps.save_pretrained(tmp_path, prefix="tiny")
+    assert {f.name for f in folders} == {folder_name("tiny", a, r) for a in ("strong", "mild") for r in (False, True)}
+    assert all((f / "README.md").is_file() for f in folders)
+    loaded = AdapterMaps.from_pretrained(tmp_path, "tiny", ["strong", "mild"])
+    for a in ("strong", "mild"):
+        for name, tensor in maps.to_adapter[a].tensors.items():
+            assert torch.equal(loaded.to_adapter[a].tensors[name], tensor)
+        assert loaded.to_base[a].config.calibration["source_adapter"] == a
+
+
+def test_calibrate_adapters_refuses_a_plain_model():
+    from peft_kvcache import CalibrationError
+
+    with pytest.raises(CalibrationError, match="PeftModel"):
+        calibrate_adapters(tiny_model("llama"), random_ids(4, 16))
+
+
+def _real_model_available() -> bool:
+    from peft_kvcache.fixtures import fixture_available
+
+    return fixture_available("gguf:smollm2-135m-instruct")
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(not _real_model_available(), reason="SmolLM2 fixture not available locally")
+def test_committed_smollm2_maps_are_close_to_full_prefill():
+    """The committed adapters and published maps: the mapped cache is much closer to the adapter's own
+    prefill than the base cache reused as is."""
+    from pathlib import Path
+
+    from peft import PeftModel
+
+    from peft_kvcache.corpus import evaluation_texts
+    from peft_kvcache.fixtures import load_model
+
+    root = Path(__file__).resolve().parents[1]
+    adapters = [a for a in ("shout", "docstring") if (root / "adapters" / a).is_dir()]
+    if not adapters:
+        pytest.skip("no committed adapters")
+    maps = AdapterMaps.from_pretrained(root / "hub_cards", "smollm2-135m-instruct", adapters, reverse=False,
+                                       missing_ok=True)
+    if set(maps.to_adapter) != set(adapters):
+        pytest.skip("published maps are missing")
+    base, tokenizer = load_model("gguf:smollm2-135m-instruct")
+    model = PeftModel.from_pretrained(base, str(root / "adapters" / adapters[0]), adapter_name=adapters[0])
+    for a in adapters[1:]:
+        model.load_adapter(str(root / "adapters" / a), adapter_name=a)
+    model.eval()
+    ids = tokenizer(evaluation_texts(1)[0], return_tensors="pt").input_ids[0, :160]
+    with adapter_active(model, None):
+        base_kv = run_with_cache(model, ids[None, :128])
+    for a in adapters:
+        with adapter_active(model, a):
+            mapped = MappedCache.from_source(DynamicCache(list(zip(base_kv.keys, base_kv.values))),
+                                             maps.to_adapter[a], model, input_ids=ids[None, :128])
+            kl_mapped = _continuation_kl(model, mapped, ids, 128)
+            kl_naive = _continuation_kl(model, DynamicCache(list(zip(base_kv.keys, base_kv.values))), ids, 128)
+        assert kl_mapped < 0.05 and kl_mapped < 0.7 * kl_naive, (a, kl_mapped, kl_naive)

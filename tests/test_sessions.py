@@ -1,0 +1,128 @@
+"""Adapter-switching sessions (sessions.py) on tiny random models."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from conftest import random_ids, tiny_model
+from peft_kvcache.models import unwrap_peft
+from peft_kvcache.peft_maps import adapter_active, calibrate_adapters
+from peft_kvcache.sessions import AdapterSession, SessionError, SharedPeftModel
+from test_peft import MODULES, peft_with_adapters
+
+GEN = dict(max_new_tokens=6, eos_token_id=None, pad_token_id=0)  # fixed reply length: no early stop
+
+
+def zero_adapters():
+    """Two adapters with no effect (LoRA B = 0): the exact maps are identities."""
+    model = get_peft_model(tiny_model("llama", seed=2), LoraConfig(task_type="CAUSAL_LM", target_modules=MODULES),
+                           adapter_name="first")
+    model.add_adapter("second", LoraConfig(task_type="CAUSAL_LM", target_modules=MODULES))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def zero_shared():
+    model = zero_adapters()
+    return SharedPeftModel(model, calibrate_adapters(model, random_ids(8, 32, seed=4), progress=False))
+
+
+@pytest.fixture(scope="module")
+def real_shared():
+    model = peft_with_adapters()
+    return SharedPeftModel(model, calibrate_adapters(model, random_ids(16, 48, seed=3), progress=False))
+
+
+SCRIPT = [(20, "first"), (5, "second"), (7, None), (4, "first"), (3, "first"), (6, "second")]
+STRONG_MILD = {"first": "strong", "second": "mild", None: None}
+
+
+def _messages(seed: int) -> list[torch.Tensor]:
+    return [ids[None] for ids in random_ids(len(SCRIPT), 20, seed=seed)]
+
+
+def _full_reprefill(model, ids: torch.Tensor, adapter) -> torch.Tensor:
+    with adapter_active(model, adapter), torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, **GEN)
+    return out[:, ids.shape[1]:]
+
+
+@pytest.mark.parametrize("keep_base", ["prefill", "reverse_map"])
+def test_switching_matches_full_reprefill_when_maps_are_exact(zero_shared, keep_base):
+    session = AdapterSession(zero_shared, keep_base=keep_base, **GEN)
+    sources = []
+    for (length, adapter), message in zip(SCRIPT, _messages(7)):
+        before = session.ids
+        turn = session.turn(message[:, :length], adapter=adapter)
+        expected = _full_reprefill(zero_shared.model, torch.cat([before, message[:, :length]], 1), adapter)
+        assert torch.equal(turn.new_ids, expected), (adapter, turn.cache_source)
+        sources.append(turn.cache_source)
+    assert sources == ["empty", "mapped", "base", "mapped", "same_adapter", "mapped"]
+    assert session.base_cached_tokens == session.ids.shape[1] - 1
+
+
+def test_a_switch_never_prefills_the_history(real_shared):
+    counted = []
+    hook = unwrap_peft(real_shared.model).model.register_forward_pre_hook(
+        lambda module, args, kwargs: counted.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        session = AdapterSession(real_shared, **GEN)
+        session.turn(random_ids(1, 60, seed=1)[0], adapter="strong")  # a long first turn: the history
+        for adapter in ("mild", "strong", None, "mild"):
+            m, counted[:] = 5, []
+            turn = session.turn(random_ids(1, m, seed=2)[0], adapter=adapter)
+            g = turn.new_ids.shape[1]
+            # sink (mapped turns) + the new message and the last reply token + decode steps + base catch-up
+            sink = 1 if turn.cache_source == "mapped" else 0
+            catch_up = m + g if adapter is not None else 0
+            assert sum(counted) == sink + (m + 1) + (g - 1) + catch_up, (adapter, counted)
+            assert max(counted) <= m + g < 60
+    finally:
+        hook.remove()
+
+
+def test_reverse_map_policy_catches_up_without_the_model(real_shared):
+    session = AdapterSession(real_shared, keep_base="reverse_map", **GEN)
+    session.turn(random_ids(1, 30, seed=1)[0], adapter="strong")  # first turn: prefilled (it holds the sink)
+    turn = session.turn(random_ids(1, 5, seed=2)[0], adapter="mild")
+    assert turn.model_tokens["keep_base"] == 0
+    assert session.base_cached_tokens == session.ids.shape[1] - 1
+
+
+def test_sessions_in_threads_match_their_solo_runs(real_shared):
+    scripts = {seed: list(zip([STRONG_MILD[a] for _, a in SCRIPT], _messages(seed))) for seed in (11, 12, 13, 14)}
+
+    def run(seed: int) -> list[torch.Tensor]:
+        session = AdapterSession(real_shared, **GEN)
+        return [session.turn(message[:, :8], adapter=adapter).new_ids for adapter, message in scripts[seed]]
+
+    solo = {seed: run(seed) for seed in scripts}
+    threaded, errors = {}, []
+
+    def worker(seed: int) -> None:
+        try:
+            threaded[seed] = run(seed)
+        except Exception as err:  # surfaced below
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in scripts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for seed in scripts:
+        assert all(torch.equal(a, b) for a, b in zip(solo[seed], threaded[seed])), seed
+    assert real_shared.model.active_adapter == "strong"  # every turn restored PEFT's active adapter
+
+
+def test_unknown_adapter_and_empty_turn_are_refused(real_shared):
+    session = AdapterSession(real_shared, **GEN)
+    with pytest.raises(SessionError, match="unknown adapter"):
+        session.turn(torch.tensor([[1, 2]]), adapter="nope")
+    with pytest.raises(SessionError, match="at least one"):
+        session.turn(torch.zeros((1, 0), dtype=torch.long), adapter=None)
