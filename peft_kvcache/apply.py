@@ -105,20 +105,30 @@ def map_cache(
         layer = []
         for kind in ("keys", "values"):
             sources = kv_map.source_layers(kind, t)
-            x = torch.cat([features.get(kind, s, device) for s in sources], dim=-1)
+            inputs = [features.get(kind, s, device) for s in sources]
+            x = torch.cat(inputs, dim=-1)
             weight, bias = kv_map.layer_weights(kind, t, device, compute_dtype)
             states = map_layer(x, weight, bias, head_dim)
             if kind == "keys":
                 states = apply_rotary(states, cos, sin)
-            layer.append(_cast_checked(states, dtype, t, kind))
+            layer.append(_cast_checked(states, dtype, t, kind, dict(zip(sources, inputs))))
         mapped.append((layer[0], layer[1]))
     return mapped
 
 
-def _cast_checked(states: torch.Tensor, dtype: torch.dtype, layer: int, kind: str) -> torch.Tensor:
-    """Cast to the target dtype, refusing NaN/Inf (from a bad source cache or float16 overflow)."""
+def _cast_checked(states: torch.Tensor, dtype: torch.dtype, layer: int, kind: str,
+                  inputs: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """Cast to the target dtype, refusing NaN/Inf (from a bad source cache or float16 overflow); the error
+    names the source layers whose features were not finite (``inputs``: source layer -> its features)."""
     cast = states.to(dtype)
     if not torch.isfinite(cast).all():
-        cause = "overflows " + str(dtype) if torch.isfinite(states).all() else "is NaN/Inf (check the source cache)"
+        bad_sources = [s for s, f in (inputs or {}).items() if not torch.isfinite(f).all()]
+        if bad_sources:
+            cause = f"is NaN/Inf: the source cache's {kind} of layer(s) {list(bad_sources)} contain NaN or Inf"
+        elif torch.isfinite(states).all():
+            largest = float(states.abs().max())
+            cause = f"overflows {dtype} (largest magnitude {largest:.3g}); load the target in bfloat16 or float32"
+        else:
+            cause = "is NaN/Inf although the source cache is finite (overflow in the mapping's compute dtype)"
         raise NumericalError(f"mapped {kind} of target layer {layer} {cause}")
     return cast

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from .capture import CapturedKV, TargetRun, accumulate, batches, run_with_cache
+from .checkpoint import CalibrationCheckpoint, Progress, run_digest
 from .errors import CalibrationError
-from .fit import DEFAULT_LAMBDA_GRID, SufficientStatistics, fit_layers
+from .fit import DEFAULT_LAMBDA_GRID, SufficientStatistics, all_reduce_statistics, fit_layers
 from .kvmap import KVMap, KVMapConfig
 from .models import KVLayout, check_pair, fingerprint, model_name, vocab_size_of
 from .positions import RotarySpec, rotary_spec_of
 
 logger = logging.getLogger(__name__)
+
+SPLITS = ("train", "heldout")
 
 
 @dataclass(frozen=True)
@@ -83,21 +88,72 @@ def collect_statistics(
     sink_tokens: int = 1,
     batch_size: int = 1,
     progress: bool = True,
+    *,
+    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_every: int = 50,
+    checkpoint_key: str = "",
+    rank: int | None = None,
+    world_size: int | None = None,
 ) -> dict[str, dict[str, SufficientStatistics]]:
     """Run the source once and every target over the sequences; return
-    ``{"train"|"heldout": {"keys"|"values": statistics}}``, one statistics entry per target name."""
-    flags = heldout_flags(len(sequences), heldout_fraction)
+    ``{"train"|"heldout": {"keys"|"values": statistics}}``, one statistics entry per target name.
+
+    Args:
+        checkpoint_dir: write the statistics there every ``checkpoint_every`` batches (atomically, see
+            `peft_kvcache.checkpoint`) and resume from what is there: an interrupted run started again with
+            the same arguments continues where it stopped and returns the same statistics. A checkpoint of
+            other sequences or options is refused with a `CalibrationError`.
+        checkpoint_key: extra text the checkpoint must match (e.g. the models' fingerprints).
+        rank, world_size: this process's shard: it runs sequences ``rank::world_size`` of each split. Both
+            default to torch.distributed's when it is initialized, in which case the shards' statistics are
+            summed with `all_reduce_statistics` before returning, so every process gets the statistics
+            of all the sequences.
+
+    Example:
+        >>> stats = collect_statistics(src_run, {"target": tgt_run}, src_spec, {"target": tgt_spec}, 256,
+        ...                            {"target": 384}, sequences, checkpoint_dir="ckpt")  # doctest: +SKIP
+    """
+    distributed = dist.is_available() and dist.is_initialized()
+    if rank is None:
+        rank = dist.get_rank() if distributed else 0
+    if world_size is None:
+        world_size = dist.get_world_size() if distributed else 1
+    if not 0 <= rank < world_size:
+        raise CalibrationError(f"rank must be in 0..{world_size - 1}, got {rank}")
+    if checkpoint_every < 1:
+        raise CalibrationError(f"checkpoint_every must be at least 1 batch, got {checkpoint_every}")
+    flags = heldout_flags(len(sequences), heldout_fraction)  # over all sequences: same split on every rank
     stats = {split: {kind: SufficientStatistics.empty(source_width, target_widths) for kind in ("keys", "values")}
-             for split in ("train", "heldout")}
-    for split in ("train", "heldout"):
-        chosen = [s for s, heldout in zip(sequences, flags) if heldout == (split == "heldout")]
+             for split in SPLITS}
+    checkpoint, done = None, Progress()
+    if checkpoint_dir is not None:
+        digest = run_digest(sequences, {
+            "heldout_fraction": heldout_fraction, "sink_tokens": sink_tokens, "batch_size": batch_size,
+            "source_width": source_width, "target_widths": target_widths, "rank": rank,
+            "world_size": world_size, "key": checkpoint_key})
+        checkpoint = CalibrationCheckpoint(checkpoint_dir, digest, rank)
+        done = checkpoint.load(stats) or done
+    for index, split in enumerate(SPLITS):
+        chosen = [s for s, heldout in zip(sequences, flags) if heldout == (split == "heldout")][rank::world_size]
+        skip = done.batches if index == done.split else (0 if index > done.split else None)
+        if done.complete or skip is None:
+            continue
         total = sum(len(s) for s in chosen)
         with tqdm(total=total, desc=f"calibration ({split})", unit="tok", disable=not progress) as bar:
-            for ids, mask in batches(chosen, batch_size):
+            bar.update(sum(len(s) for s in chosen[: skip * batch_size]))
+            for count, (ids, mask) in enumerate(batches(chosen, batch_size), start=1):
+                if count <= skip:
+                    continue
                 source = source_run(ids, mask)
                 targets = {name: (run(ids, mask), target_specs[name]) for name, run in target_runs.items()}
                 accumulate(stats[split], source, source_spec, targets, mask, sink_tokens)
                 bar.update(int(mask.sum()))
+                if checkpoint is not None and count % checkpoint_every == 0:
+                    checkpoint.save(stats, Progress(index, count))
+        if checkpoint is not None:
+            checkpoint.save(stats, Progress(index + 1, 0, complete=index + 1 == len(SPLITS)))
+    if distributed and world_size > 1:
+        all_reduce_statistics(stats)
     return stats
 
 
@@ -158,6 +214,8 @@ def calibrate(
     batch_size: int = 1,
     description: str = "",
     progress: bool = True,
+    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_every: int = 50,
 ) -> KVMap:
     """Fit a KV map from ``source_model`` to ``target_model``.
 
@@ -169,6 +227,10 @@ def calibrate(
         sink_tokens: leading tokens excluded from the fit; the target computes them itself at inference.
         max_length: longer sequences are split into chunks of this many tokens.
         progress: show tqdm bars.
+        checkpoint_dir: checkpoint the statistics there every ``checkpoint_every`` batches; a calibration
+            interrupted (crash, Ctrl-C) and started again with the same arguments resumes where it stopped
+            and gives the same map. Under ``torchrun`` each process calibrates its shard of the sequences and
+            the statistics are summed before fitting (see `collect_statistics`).
 
     Example:
         >>> kv_map = calibrate(small_model, large_model, [torch.randint(0, 100, (256,)) for _ in range(10)])  # doctest: +SKIP
@@ -184,6 +246,8 @@ def calibrate(
         source.rotary, {"target": target.rotary}, source.layout.num_layers * source.layout.layer_width,
         {"target": target.layout.num_layers * target.layout.layer_width}, sequences,
         heldout_fraction, sink_tokens, batch_size, progress,
+        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+        checkpoint_key=f"{source.fingerprint}->{target.fingerprint}",
     )
     kv_map = build_map(stats, "target", source, target, vocab_size_of(source_model), top_k, lambda_grid,
                        sink_tokens, {"description": description, "sequences": len(sequences),

@@ -96,6 +96,34 @@ class SufficientStatistics:
         return stats
 
 
+def all_reduce_statistics(stats: dict[str, dict[str, SufficientStatistics]]) -> None:
+    """Sum every process's statistics in place with one ``torch.distributed.all_reduce`` (gloo on the CPU,
+    NCCL on GPUs); a no-op when torch.distributed is not initialized or runs a single process.
+
+    Statistics add exactly, so fitting the summed statistics gives the map one process would fit over all
+    the sequences.
+
+    Example:
+        >>> stats = {"train": {"keys": SufficientStatistics.empty(3, {"target": 2})}}
+        >>> all_reduce_statistics(stats)  # outside torchrun: nothing to do
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    tensors = [t for split in stats.values() for entry in split.values() for t in entry.state_dict().values()]
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to(device)  # one collective for all the sums
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat = flat.cpu()
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 @dataclass
 class HeadFit:
     """Ridge solution for the columns of some heads: ``y ~ x @ weight + bias``."""

@@ -270,14 +270,20 @@ class KVMap:
                         repo_id: str | None = None) -> Path:
         """Write ``config.json``, ``model.safetensors`` and (``card=True``) ``README.md`` with its chart.
 
-        A new folder appears complete or not at all. Into an existing folder each file is replaced
-        atomically and other files there are left alone. ``repo_id`` is what the card's usage snippet
-        loads (default: ``save_directory``).
+        The folder appears complete or not at all: everything is written into a staging folder beside it,
+        which then takes the folder's place. Saving over an existing map keeps the files there that are
+        not ours (benchmark tables, notes) by linking them into the staging folder, moves the old folder
+        aside and renames the staging folder in; a crash between those two renames leaves no folder
+        (loading fails with `ArtifactError`) and the old map intact in ``.<name>.old-*`` beside it — never
+        new weights with an old config, which could load as a silently wrong map. ``repo_id`` is what the
+        card's usage snippet loads (default: ``save_directory``).
 
         Example:
             >>> kv_map.save_pretrained("maps/qwen-0.5b-to-1.5b")   # doctest: +SKIP
         """
         target = Path(save_directory)
+        if target.is_symlink():
+            target = target.resolve()
         if target.exists() and not target.is_dir():
             raise ArtifactError(f"cannot save a map to {target}: it is a file, not a folder")
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -291,12 +297,7 @@ class KVMap:
 
                 (staging / CARD_NAME).write_text(render_card(self, staging, repo_hint=repo_id or str(save_directory)))
             if target.exists():
-                # Weights before config: an interrupted save leaves a pair that fails validation, not a
-                # silently different map. Files that are not ours (benchmark plots, notes) stay.
-                for name in sorted(os.listdir(staging), key=lambda n: n == CONFIG_NAME):
-                    os.replace(staging / name, target / name)
-                if card and not (target / CARD_NAME).read_text().count(f"]({CHART_NAME})"):
-                    (target / CHART_NAME).unlink(missing_ok=True)  # a chart of an earlier map, no longer linked
+                _swap_in(staging, target, drop_stale_chart=card)
             else:
                 staging.rename(target)
         finally:
@@ -460,6 +461,41 @@ def resolve_map_folder(
         raise ArtifactError(f"{repo_id}: {CONFIG_NAME} and {WEIGHTS_NAME} resolved to different folders "
                             f"({config_path.parent} and {weights_path.parent})")
     return config_path.parent
+
+
+def _swap_in(staging: Path, target: Path, drop_stale_chart: bool) -> None:
+    """Replace folder ``target`` by ``staging``, carrying over ``target``'s files that ``staging`` lacks.
+
+    Two renames (old folder aside, staging in): between them there is no folder at ``target``, so an
+    interruption can never leave a mix of old and new map files there.
+    """
+    for entry in os.listdir(target):
+        if (staging / entry).exists() or (entry == CHART_NAME and drop_stale_chart):
+            continue  # ours, rewritten; or the chart of an earlier card (a new card brings its own)
+        source = target / entry
+        if source.is_dir() and not source.is_symlink():
+            shutil.copytree(source, staging / entry, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(source, staging / entry)
+    backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    os.replace(target, backup)  # onto the empty folder just made
+    try:
+        os.replace(staging, target)
+    except BaseException:
+        os.replace(backup, target)  # put the old map back
+        raise
+    shutil.rmtree(backup, ignore_errors=True)
+
+
+def _link_or_copy(source, destination) -> None:
+    """Hard-link a file (no copy of large unrelated files), copying where links are not possible."""
+    if os.path.islink(source):
+        os.symlink(os.readlink(source), destination)
+        return
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
 
 
 _COMMIT_HASH = re.compile(r"^[0-9a-f]{40}$")
