@@ -167,6 +167,35 @@ class AdapterSession:
         with self._lock, self.shared.lock:
             return self._turn(new_ids, adapter, {**self.generation_kwargs, **generation_kwargs})
 
+    def feed(self, new_ids: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
+        """Append ``new_ids`` without generating (a known reply, a system prompt, teacher forcing) and return
+        ``adapter``'s logits ``[1, m, vocab]`` at the new tokens' positions (each predicts the token after it).
+
+        Example:
+            >>> logits = session.feed(reply_ids, adapter="docstring")   # doctest: +SKIP
+        """
+        new_ids = torch.as_tensor(new_ids, dtype=torch.long).reshape(1, -1).cpu()
+        if new_ids.numel() == 0:
+            raise SessionError("feed needs at least one new token")
+        if adapter is not None and adapter not in self.shared.adapters:
+            raise SessionError(f"unknown adapter {adapter!r}; the model has {self.shared.adapters}")
+        with self._lock, self.shared.lock, torch.no_grad():
+            model = self.shared.model
+            prompt = torch.cat([self.ids, new_ids], dim=1)
+            cache, _, _ = self._cache_for(adapter, prompt)
+            cached, device = cache.get_seq_length(), _device(model)
+            with adapter_active(model, adapter):
+                logits = model(input_ids=prompt[:, cached:].to(device),
+                               position_ids=torch.arange(cached, prompt.shape[1])[None].to(device),
+                               past_key_values=cache, use_cache=True).logits[:, -new_ids.shape[1]:]
+            self.ids = prompt
+            if adapter is None:
+                self._base_cache, self._last = cache, None
+            else:
+                self._last = (adapter, cache)
+                self._catch_up_base(adapter, cache)
+            return logits.float().cpu()
+
     def reset(self) -> None:
         """Forget the conversation."""
         with self._lock:
@@ -221,7 +250,7 @@ class AdapterSession:
 
     def _catch_up_base(self, adapter: str, adapter_cache: DynamicCache) -> int:
         """Bring the base cache up to ``ids[:, :-1]`` after ``adapter``'s turn; returns model tokens used."""
-        start, end = self._base_cache.get_seq_length(), self.ids.shape[1] - 1
+        start, end = self._base_cache.get_seq_length(), min(self.ids.shape[1], adapter_cache.get_seq_length())
         if end <= start:
             return 0
         model = self.shared.model

@@ -126,3 +126,14 @@ def test_unknown_adapter_and_empty_turn_are_refused(real_shared):
         session.turn(torch.tensor([[1, 2]]), adapter="nope")
     with pytest.raises(SessionError, match="at least one"):
         session.turn(torch.zeros((1, 0), dtype=torch.long), adapter=None)
+
+
+def test_feed_gives_the_full_prefill_logits_when_maps_are_exact(zero_shared):
+    session = AdapterSession(zero_shared, **GEN)
+    model = zero_shared.model
+    for (length, adapter), message in zip(SCRIPT, _messages(8)):
+        logits = session.feed(message[:, :length], adapter=adapter)
+        with adapter_active(model, adapter), torch.no_grad():
+            full = model(input_ids=session.ids).logits[:, -length:]
+        torch.testing.assert_close(logits, full, atol=2e-4, rtol=1e-3)
+    assert session.base_cached_tokens == session.ids.shape[1]

@@ -1,0 +1,323 @@
+"""Base -> adapter KV maps on SmolLM2-135M-Instruct with the committed adapters (issue 3).
+
+1. Retention per adapter on held-out stdlib files (evaluation split): context C, continuation M,
+   teacher-forced; full prefill under the adapter, mapped base cache (sink computed by the adapter),
+   naive reuse of the unmapped base cache, window-only control, no context; KL(full || variant).
+2. The adapters' own task (held-out docstring prompts, evaluation split): answer NLL when the prompt's
+   KV comes from the adapter's own prefill, the mapped base cache, or the base cache reused as is; and the
+   Activated LoRA adapter (if trained) reusing the base cache exactly.
+3. Session policy after an adapter's turn: base prefill of the new tokens vs the reverse map (quality of
+   every later turn and cost), over a scripted chat that switches adapters.
+4. TTFT of a switch (map + sink + one target step) vs full target prefill at 1k and 4k tokens of history.
+
+    PYTHONPATH=. python benchmarks/adapters.py          # ~10-15 min on 1 thread
+
+Writes benchmarks/results/adapters.md and adapters.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicCache
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from calibrate_adapter_maps import MODEL, ensure_maps, load_peft_smollm2  # noqa: E402
+from train_adapters import encode, functions_with_docstrings  # noqa: E402
+
+from peft_kvcache import MappedCache  # noqa: E402
+from peft_kvcache.capture import run_with_cache  # noqa: E402
+from peft_kvcache.corpus import corpus_description, evaluation_texts  # noqa: E402
+from peft_kvcache.evaluate import evaluate_retention, token_sequences  # noqa: E402
+from peft_kvcache.fixtures import load_model  # noqa: E402
+from peft_kvcache.peft_maps import adapter_active, is_activated_lora  # noqa: E402
+from peft_kvcache.sessions import AdapterSession, SharedPeftModel  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def as_cache(captured) -> DynamicCache:
+    return DynamicCache(list(zip(captured.keys, captured.values)))
+
+
+def kl_rows(full: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    p, q = F.log_softmax(full.float(), -1), F.log_softmax(other.float(), -1)
+    return (p.exp() * (p - q)).sum(-1)
+
+
+# ----- 1. retention -----
+
+def retention(model, base, adapters, maps, sequences, context, continuation) -> dict:
+    out = {}
+    for adapter in adapters:
+        model.set_adapter(adapter)
+        started = time.perf_counter()
+        report = evaluate_retention(base, model, maps.to_adapter[adapter], sequences, context, continuation)
+        out[adapter] = {"table": report.table(), **report.to_dict(),
+                        "mapped_minus_naive_kl": report.paired_difference("mapped@1", "naive@1", metric="kl"),
+                        "mapped_minus_naive_normalized": report.paired_difference("mapped@1", "naive@1"),
+                        "seconds": round(time.perf_counter() - started, 1)}
+        print(f"\n## {adapter}\n{report.table()}", flush=True)
+    return out
+
+
+# ----- 2. task answers -----
+
+@torch.no_grad()
+def answer_nll(model, adapter, ids, labels, prompt_cache=None, cached=0) -> tuple[float, int]:
+    with adapter_active(model, adapter):
+        logits = model(input_ids=ids[None, cached:], position_ids=torch.arange(cached, len(ids))[None],
+                       past_key_values=prompt_cache, use_cache=prompt_cache is not None).logits[0]
+    target = labels[cached + 1:]
+    return float(F.cross_entropy(logits[:-1], target, ignore_index=-100, reduction="sum")), int((target != -100).sum())
+
+
+@torch.no_grad()
+def task_answers(model, tokenizer, adapters, maps, examples: int) -> dict:
+    """Answer NLL per adapter when the prompt (all but its last token) comes from various caches."""
+    pairs = functions_with_docstrings("evaluation", 400)[::12][:examples]
+    out = {}
+    for adapter in adapters:
+        task = adapter.removesuffix("_alora")
+        sums: dict[str, list[float]] = {}
+        for code, doc in pairs:
+            ids, labels = encode(tokenizer, code, doc.upper() if task == "shout" else doc)
+            prompt_len = int((labels == -100).sum())
+            cut = prompt_len - 1  # cached prefix; the model computes the last prompt token itself
+            if is_activated_lora(model, adapter):
+                cut = prompt_len - 4  # the invocation tokens (assistant header) must be computed by the aLoRA
+            variants = {"full prefill": (None, 0)}
+            with adapter_active(model, None):
+                base_kv = run_with_cache(model, ids[None, :cut])
+            if adapter in maps.to_adapter:
+                with adapter_active(model, adapter):
+                    variants["mapped base cache"] = (
+                        MappedCache.from_source(as_cache(base_kv), maps.to_adapter[adapter], model,
+                                                input_ids=ids[None, :cut]), cut)
+            variants["base cache reused as is"] = (as_cache(base_kv), cut)
+            for name, (cache, cached) in variants.items():
+                total, count = answer_nll(model, adapter, ids, labels, cache, cached)
+                sums.setdefault(name, [0.0, 0])
+                sums[name][0] += total
+                sums[name][1] += count
+            total, count = answer_nll(model, None, ids, labels)
+            sums.setdefault("base model (no adapter)", [0.0, 0])
+            sums["base model (no adapter)"][0] += total
+            sums["base model (no adapter)"][1] += count
+        out[adapter] = {name: round(t / c, 4) for name, (t, c) in sums.items()}
+        out[adapter]["examples"] = len(pairs)
+        print(adapter, out[adapter], flush=True)
+    return out
+
+
+# ----- 3. session policy -----
+
+def chat_script(tokenizer, turns: int):
+    """A fixed chat: held-out docstring prompts as user turns, each with a reply, alternating adapters."""
+    pairs = functions_with_docstrings("evaluation", 400)[5::12][:turns]
+    order = ["docstring", "shout", None, "shout", "docstring", "shout", "docstring", None]
+    script = []
+    for i, (code, doc) in enumerate(pairs):
+        user = tokenizer.apply_chat_template([{"role": "user", "content": f"Write the docstring of this Python "
+                                                                          f"function:\n```python\n{code}\n```"}],
+                                             tokenize=False, add_generation_prompt=True)
+        if i:
+            user = user.split("<|im_end|>\n", 1)[1]  # the system prompt only once, at the start
+        adapter = order[i % len(order)]
+        reply = (doc.upper() if adapter == "shout" else doc) + "<|im_end|>\n"
+        script.append((tokenizer(user, add_special_tokens=False, return_tensors="pt").input_ids,
+                       tokenizer(reply, add_special_tokens=False, return_tensors="pt").input_ids, adapter))
+    return script
+
+
+@torch.no_grad()
+def session_policies(model, tokenizer, maps, turns: int) -> dict:
+    shared = SharedPeftModel(model, maps)
+    script = chat_script(tokenizer, turns)
+    out = {}
+    for policy in ("prefill", "reverse_map"):
+        session = AdapterSession(shared, keep_base=policy)
+        kls, agree, keep_seconds, per_turn = [], [], [], []
+        for user, reply, adapter in script:
+            message = torch.cat([user, reply], 1)
+            before = session.base_cached_tokens
+            logits = session.feed(message, adapter=adapter)
+            with adapter_active(model, adapter):
+                full = model(input_ids=session.ids).logits[:, -message.shape[1]:]
+            kl = kl_rows(full[0], logits[0])
+            kls.append(float(kl.mean()))
+            agree.append(float((full[0].argmax(-1) == logits[0].argmax(-1)).float().mean()))
+            per_turn.append({"adapter": adapter, "history": before, "new_tokens": message.shape[1],
+                             "kl": round(kls[-1], 5), "top1_agreement": round(agree[-1], 4)})
+        out[policy] = {"mean_kl": round(statistics.mean(kls), 5), "mean_top1_agreement": round(statistics.mean(agree), 4),
+                       "turns": per_turn}
+    # cost: catch up a 96-token turn after a 1k history, both ways
+    out["catch_up_seconds"] = catch_up_cost(model, maps, tokenizer)
+    print(json.dumps({k: (v if k == "catch_up_seconds" else {kk: vv for kk, vv in v.items() if kk != "turns"})
+                      for k, v in out.items()}, indent=1), flush=True)
+    return out
+
+
+@torch.no_grad()
+def catch_up_cost(model, maps, tokenizer, history: int = 1024, new: int = 96, repeats: int = 3) -> dict:
+    from peft_kvcache.apply import map_cache
+    from peft_kvcache.models import layer_placements
+
+    ids = long_ids(tokenizer, history + new)
+    adapter = "shout" if "shout" in maps.to_base else next(iter(maps.to_base))
+    with adapter_active(model, None):
+        base_kv = run_with_cache(model, ids[None, :history])
+    with adapter_active(model, adapter):
+        adapter_kv = run_with_cache(model, ids[None])
+    prefill, reverse = [], []
+    for _ in range(repeats):
+        cache = as_cache(base_kv)
+        started = time.perf_counter()
+        with adapter_active(model, None):
+            model(input_ids=ids[None, history:], position_ids=torch.arange(history, history + new)[None],
+                  past_key_values=cache, use_cache=True, logits_to_keep=1)
+        prefill.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        positions = torch.arange(history, history + new)[None]
+        map_cache(maps.to_base[adapter], [k[:, :, history:] for k in adapter_kv.keys],
+                  [v[:, :, history:] for v in adapter_kv.values], positions, positions, layer_placements(model))
+        reverse.append(time.perf_counter() - started)
+    return {"history": history, "new_tokens": new, "base_prefill_of_new_tokens": round(min(prefill), 4),
+            "reverse_map_of_new_tokens": round(min(reverse), 4)}
+
+
+# ----- 4. TTFT -----
+
+def long_ids(tokenizer, length: int) -> torch.Tensor:
+    ids = torch.cat([tokenizer(t, add_special_tokens=False, return_tensors="pt").input_ids[0]
+                     for t in evaluation_texts(40)])
+    return ids[:length]
+
+
+@torch.no_grad()
+def ttft(model, tokenizer, maps, adapter: str, lengths, repeats: int = 2) -> list[dict]:
+    rows = []
+    for length in lengths:
+        ids = long_ids(tokenizer, length)
+        with adapter_active(model, None):
+            base_kv = run_with_cache(model, ids[None, :-1])  # what a session holds
+        mapped_times, full_times = [], []
+        for _ in range(repeats + 1):  # the first round warms up
+            with adapter_active(model, adapter):
+                started = time.perf_counter()
+                cache = MappedCache.from_source(as_cache(base_kv), maps.to_adapter[adapter], model,
+                                                input_ids=ids[None, :-1])
+                mapped_logits = model(input_ids=ids[None, -1:], position_ids=torch.tensor([[length - 1]]),
+                                      past_key_values=cache, use_cache=True).logits[0, -1]
+                mapped_times.append(time.perf_counter() - started)
+                started = time.perf_counter()
+                full_logits = model(input_ids=ids[None], use_cache=True, logits_to_keep=1).logits[0, -1]
+                full_times.append(time.perf_counter() - started)
+        row = {"adapter": adapter, "history_tokens": length, "mapped_seconds": round(min(mapped_times[1:]), 4),
+               "full_prefill_seconds": round(min(full_times[1:]), 4),
+               "first_token_agrees": bool(mapped_logits.argmax() == full_logits.argmax()),
+               "kl_first_token": round(float(kl_rows(full_logits[None], mapped_logits[None])[0]), 5)}
+        row["speedup"] = round(row["full_prefill_seconds"] / row["mapped_seconds"], 2)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def markdown(results: dict) -> str:
+    lines = ["# Base -> adapter KV maps: SmolLM2-135M-Instruct with real LoRA adapters", "",
+             f"Machine: {results['machine']}. Model {results['model']} (float32). Maps: "
+             f"hub_cards/smollm2-135m-instruct-base-to-<adapter> (top_k=1, identity-prior ridge, sink computed "
+             f"by the target). Evaluation text: {results['evaluation_corpus']}.", ""]
+    lines += ["## Adapters (held-out answer NLL, base vs adapter, from adapters/<name>/training.json)", "",
+              "| adapter | task | aLoRA | base NLL | adapter NLL | train time |", "|---|---|---|---|---|---|"]
+    for name, t in results["adapters"].items():
+        lines.append(f"| {name} | {t['task']} | {t['alora']} | {t['base_answer_nll']:.3f} | "
+                     f"{t['adapter_answer_nll']:.3f} | {t['train_seconds']:.0f} s ({t['threads']} thread) |")
+    lines += ["", "## Retention on held-out stdlib files (teacher-forced)", ""]
+    for adapter, r in results["retention"].items():
+        d, n = r["mapped_minus_naive_kl"], r["mapped_minus_naive_normalized"]
+        lines += [f"### {adapter}", "", r["table"], "",
+                  f"mapped - naive: KL {d['difference']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}], normalized "
+                  f"retention {n['difference']:+.3f} [{n['low']:+.3f}, {n['high']:+.3f}] (paired 95% bootstrap).", ""]
+    lines += ["## The adapters' own task: answer NLL on held-out docstring prompts", "",
+              "The prompt's KV (all but its last token; for the aLoRA all but the invocation tokens) comes from "
+              "each source; the adapter computes the rest.", ""]
+    names = ["full prefill", "mapped base cache", "base cache reused as is", "base model (no adapter)"]
+    lines += ["| adapter | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for adapter, row in results["task"].items():
+        lines.append(f"| {adapter} | " + " | ".join(f"{row[n]:.4f}" if n in row else "n/a" for n in names) + " |")
+    s = results["session_policy"]
+    lines += ["", "## Session policy: keeping the base cache after an adapter's turn", "",
+              f"A scripted chat of {len(s['prefill']['turns'])} turns switching adapters (teacher-forced); every "
+              "turn's logits with the session's cache vs full prefill under that turn's adapter.", "",
+              "| policy | mean KL | mean top-1 agreement |", "|---|---|---|"]
+    for policy in ("prefill", "reverse_map"):
+        lines.append(f"| {policy} | {s[policy]['mean_kl']:.5f} | {s[policy]['mean_top1_agreement']:.4f} |")
+    c = s["catch_up_seconds"]
+    lines += ["", f"Cost of catching up {c['new_tokens']} new tokens after {c['history']} tokens of history: base "
+              f"prefill {c['base_prefill_of_new_tokens']:.3f} s, reverse map {c['reverse_map_of_new_tokens']:.3f} s.",
+              "", "Per turn (KL):", "", "| turn | adapter | history | new | KL prefill | KL reverse_map |",
+              "|---|---|---|---|---|---|"]
+    for i, (a, b) in enumerate(zip(s["prefill"]["turns"], s["reverse_map"]["turns"])):
+        lines.append(f"| {i} | {a['adapter'] or 'base'} | {a['history']} | {a['new_tokens']} | {a['kl']:.5f} | "
+                     f"{b['kl']:.5f} |")
+    lines += ["", f"## TTFT of a switch vs full prefill ({results['threads']} CPU thread, warm, best of repeats)", "",
+              "| adapter | history | mapped (map + sink + 1 step) | full prefill | speedup | same first token | KL |",
+              "|---|---|---|---|---|---|---|"]
+    for r in results["ttft"]:
+        lines.append(f"| {r['adapter']} | {r['history_tokens']} | {r['mapped_seconds']:.3f} s | "
+                     f"{r['full_prefill_seconds']:.3f} s | {r['speedup']:.1f}x | {r['first_token_agrees']} | "
+                     f"{r['kl_first_token']:.5f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--examples", type=int, default=16)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--continuation", type=int, default=64)
+    parser.add_argument("--task-examples", type=int, default=24)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--ttft", type=int, nargs="*", default=[1024, 4096])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--skip", nargs="*", default=[], help="sections to skip: retention task session ttft")
+    parser.add_argument("--out", default=str(RESULTS / "adapters"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    model, tokenizer, names = load_peft_smollm2(extra=("shout_alora",))
+    mapped = [n for n in names if not is_activated_lora(model, n)]
+    maps = ensure_maps(model, tokenizer, mapped)
+    base, _ = load_model(MODEL)
+    results = {"machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
+               "threads": args.threads, "model": MODEL, "evaluation_corpus": corpus_description("evaluation"),
+               "adapters": {n: json.loads((ROOT / "adapters" / n / "training.json").read_text()) for n in names}}
+    if "retention" not in args.skip:
+        sequences = token_sequences(evaluation_texts(60), tokenizer, args.context + args.continuation)[: args.examples]
+        results["retention"] = retention(model, base, mapped, maps, sequences, args.context, args.continuation)
+    if "task" not in args.skip:
+        results["task"] = task_answers(model, tokenizer, names, maps, args.task_examples)
+    if "session" not in args.skip:
+        results["session_policy"] = session_policies(model, tokenizer, maps, args.turns)
+    if "ttft" not in args.skip:
+        results["ttft"] = ttft(model, tokenizer, maps, mapped[-1], args.ttft)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    if not args.skip:
+        out.with_suffix(".md").write_text(markdown(results))
+    print("wrote", out.with_suffix(".json"))
+
+
+if __name__ == "__main__":
+    main()
