@@ -181,3 +181,18 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, **kwargs):
     tokenizer = AutoTokenizer.from_pretrained(path)
     model.config._name_or_path = name
     return model, tokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m peft_kvcache.fixtures NAME...``: fetch, verify and convert fixtures ahead of time."""
+    names = (argv if argv is not None else sys.argv[1:]) or ["gguf:smollm2-135m-instruct"]
+    for name in names:
+        if name not in FIXTURES:
+            print(f"unknown fixture {name!r}; known: {', '.join(sorted(FIXTURES))}", file=sys.stderr)
+            return 2
+        print(f"{name}: {converted_path(name)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
