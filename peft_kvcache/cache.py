@@ -12,7 +12,7 @@ from .apply import map_cache
 from .capture import CapturedKV, cache_states, run_with_cache
 from .errors import CacheMismatchError
 from .kvmap import KVMap
-from .models import layer_placements, model_name
+from .models import active_adapters, layer_placements
 from .positions import positions_from_mask, rotary_spec_of
 
 logger = logging.getLogger(__name__)
@@ -142,10 +142,26 @@ def _with_target_sink(mapped, target_model, input_ids, attention_mask, sink_toke
     if columns == 0:
         return mapped
     mask = attention_mask[:, :columns]
-    own: CapturedKV = run_with_cache(target_model, input_ids[:, :columns], mask,
-                                     position_ids=positions_from_mask(mask) + position_offset)
+    own = _target_sink(target_model, input_ids[:, :columns].cpu(), mask, position_offset)
     return [
         (torch.cat([k_own.to(k.device, k.dtype), k[:, :, columns:]], dim=2),
          torch.cat([v_own.to(v.device, v.dtype), v[:, :, columns:]], dim=2))
         for (k, v), k_own, v_own in zip(mapped, own.keys, own.values)
     ]
+
+
+# The sink's KV depends only on its token ids, their positions and the target's weights, and a chat
+# template starts every conversation with the same tokens: memoize it instead of paying a full pass over
+# the target's weights (one decode step) at every switch.
+_SINK_MEMO_SIZE = 16
+
+
+def _target_sink(target_model, ids: torch.Tensor, mask: torch.Tensor, position_offset: int) -> CapturedKV:
+    memo = target_model.__dict__.setdefault("_peft_kvcache_sink_memo", {})
+    key = (tuple(sorted(active_adapters(target_model))), ids.tolist(), mask.tolist(), position_offset)
+    key = repr(key)
+    if key not in memo:
+        if len(memo) >= _SINK_MEMO_SIZE:
+            memo.pop(next(iter(memo)))
+        memo[key] = run_with_cache(target_model, ids, mask, position_ids=positions_from_mask(mask) + position_offset)
+    return memo[key]
