@@ -32,7 +32,7 @@ from train_adapters import INSTRUCTION, functions_with_docstrings  # noqa: E402
 
 from peft_kvcache.corpus import evaluation_texts  # noqa: E402
 from peft_kvcache.peft_maps import adapter_active  # noqa: E402
-from peft_kvcache.sessions import AdapterSession, SharedPeftModel, _FirstToken  # noqa: E402
+from peft_kvcache.sessions import AdapterSession, SharedPeftModel, FirstTokenTimer  # noqa: E402
 
 COMPARE = 8  # first tokens compared between the mapped cache and a full re-prefill
 
@@ -67,7 +67,7 @@ def user_ids(tokenizer, message: str, history: torch.Tensor) -> torch.Tensor:
 def full_reprefill(model, prompt: torch.Tensor, adapter: str | None, **generation) -> tuple[torch.Tensor, float]:
     """What a serving stack keyed by adapter does on a switch: prefill the whole conversation again."""
     started = time.perf_counter()
-    streamer = _FirstToken(started)
+    streamer = FirstTokenTimer(started)
     with adapter_active(model, adapter):
         out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), streamer=streamer, **generation)
     return out[:, prompt.shape[1]:], streamer.seconds

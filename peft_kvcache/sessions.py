@@ -98,8 +98,14 @@ class TurnResult:
     model_tokens: dict[str, int] = field(default_factory=dict)  # tokens the model ran over, per phase
 
 
-class _FirstToken(BaseStreamer):
-    """Records when generate() emits its first new token (the first put() is the prompt)."""
+class FirstTokenTimer(BaseStreamer):
+    """A generate() streamer that records the seconds from ``started`` to the first new token (the first
+    put() is the prompt).
+
+    Example:
+        >>> timer = FirstTokenTimer(time.perf_counter())                          # doctest: +SKIP
+        >>> model.generate(input_ids, streamer=timer); timer.seconds               # doctest: +SKIP
+    """
 
     def __init__(self, started: float):
         self.started, self.seconds, self._puts = started, float("nan"), 0
@@ -212,7 +218,7 @@ class AdapterSession:
         cache, source, prepared = self._cache_for(adapter, prompt)
         prepare_seconds = time.perf_counter() - started
         cached = cache.get_seq_length()
-        streamer = _FirstToken(started)
+        streamer = FirstTokenTimer(started)
         with adapter_active(model, adapter):
             output = model.generate(input_ids=prompt.to(_device(model)), attention_mask=torch.ones_like(prompt),
                                     past_key_values=cache, streamer=streamer, **generation_kwargs)
@@ -282,4 +288,4 @@ def _copy(cache: DynamicCache) -> DynamicCache:
     return DynamicCache([(k.clone(), v.clone()) for k, v in zip(captured.keys, captured.values)])
 
 
-__all__ = ["AdapterSession", "SharedPeftModel", "SessionError", "TurnResult", "KeepBase"]
+__all__ = ["AdapterSession", "SharedPeftModel", "SessionError", "TurnResult", "KeepBase", "FirstTokenTimer"]

@@ -45,7 +45,7 @@ def load_peft_smollm2(adapters=ADAPTERS, extra: tuple[str, ...] = ()):
     return model.eval(), tokenizer, names
 
 
-def calibration_ids(tokenizer, files: int = 32, tokens: int = 256, chats: int = 8) -> list[torch.Tensor]:
+def calibration_ids(tokenizer, files: int = 32, tokens: int = 512, chats: int = 8) -> list[torch.Tensor]:
     """The first ``tokens`` tokens of ``files`` calibration-split stdlib files, and ``chats`` chat-formatted
     calibration-split docstring prompts with their answers."""
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -84,7 +84,7 @@ def ensure_maps(model, tokenizer, adapters, root: Path = HUB_CARDS, save: bool =
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--files", type=int, default=32)
-    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--chats", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(HUB_CARDS))

@@ -56,7 +56,7 @@ def test_one_pass_fits_both_directions_with_adapter_names(peft_pair):
     assert backward.source_name.endswith("+strong") and "+" not in backward.target_name
     assert forward.calibration["target_adapter"] == "strong" and backward.calibration["source_adapter"] == "strong"
     assert forward.pair_kind == "same_shape"
-    assert forward.key_layers == [[0], [1]]  # the identity prior makes the same layer win
+    assert forward.key_layers == [[0], [1]]
     # The base side of every map carries the base fingerprint; the adapter side its own.
     assert forward.source_fingerprint == maps.to_adapter["mild"].config.source_fingerprint
     assert forward.target_fingerprint != maps.to_adapter["mild"].config.target_fingerprint
@@ -165,3 +165,27 @@ def test_committed_smollm2_maps_are_close_to_full_prefill():
             kl_mapped = _continuation_kl(model, mapped, ids, 128)
             kl_naive = _continuation_kl(model, DynamicCache(list(zip(base_kv.keys, base_kv.values))), ids, 128)
         assert kl_mapped < 0.05 and kl_mapped < 0.7 * kl_naive, (a, kl_mapped, kl_naive)
+
+
+def test_the_plain_base_model_is_a_valid_source(peft_pair):
+    """A serving stack may hold the base as a separate model: its fingerprint is the map's source's."""
+    model, maps = peft_pair
+    with adapter_active(model, "mild"):
+        maps.to_adapter["mild"].check_models(tiny_model("llama", seed=0), model)
+        with pytest.raises(FingerprintMismatchError):
+            maps.to_adapter["mild"].check_models(tiny_model("llama", seed=1), model)
+
+
+def test_same_layer_statistics_give_the_maps_of_full_layer_selection(peft_pair):
+    """Where the full cross-layer selection picks the same layer, the cheap block-diagonal statistics
+    (the default) give the same fit."""
+    model, maps = peft_pair
+    full = calibrate_adapters(model, random_ids(16, 48, seed=3), adapters=["strong"], reverse=False,
+                              same_layer=False, progress=False).to_adapter["strong"]
+    same = [(kind, t) for kind in ("keys", "values") for t in range(2) if full.source_layers(kind, t) == [t]]
+    assert len(same) >= 3
+    for kind, t in same:
+        for part in ("weight", "bias"):
+            name = f"{kind}.{t}.{part}"
+            torch.testing.assert_close(full.tensors[name], maps.to_adapter["strong"].tensors[name], atol=1e-4,
+                                       rtol=1e-4)
