@@ -99,9 +99,11 @@ def map_cache(
                               compute_dtype)
     target_spec, head_dim = target_rotary or kv_map.target_rotary, config.target_layout.head_dim
 
-    mapped = []
+    mapped, rotations = [], {}
     for t, (device, dtype) in enumerate(placements):
-        cos, sin = rotary_cos_sin(target_spec, target_positions, device=device)
+        if device not in rotations:  # one cos/sin per device, shared by the layers placed there
+            rotations[device] = rotary_cos_sin(target_spec, target_positions, device=device)
+        cos, sin = rotations[device]
         layer = []
         for kind in ("keys", "values"):
             sources = kv_map.source_layers(kind, t)
