@@ -6,7 +6,7 @@ import torch
 from peft_kvcache import KVMap
 from peft_kvcache.corpus import calibration_texts, evaluation_texts
 from peft_kvcache.evaluate import evaluate_retention, token_sequences
-from peft_kvcache.fixtures import fixture_available, load_model
+from peft_kvcache.fixtures import fetch_gguf, fixture_available, load_model
 from peft_kvcache.models import fingerprint
 
 SMOLLM = "gguf:smollm2-135m-instruct"
@@ -29,6 +29,15 @@ def test_fixture_loads_as_an_ordinary_model_and_fingerprints_like_its_bf16_copy(
     assert model.generate(ids, max_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
     bf16, _ = load_model(SMOLLM, dtype=torch.bfloat16)
     assert fingerprint(bf16) == fingerprint(model)
+
+
+def test_gguf_load_fingerprints_like_the_converted_copy(smollm):
+    """The same weights straight from the GGUF file (dequantized on load) identify as the same model."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = fetch_gguf(SMOLLM)
+    from_gguf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    assert fingerprint(from_gguf) == fingerprint(smollm[0])
 
 
 def test_calibrated_real_map_retains_the_context(smollm):

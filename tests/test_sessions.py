@@ -74,6 +74,7 @@ def test_a_switch_never_prefills_the_history(real_shared):
         session.turn(random_ids(1, 60, seed=1)[0], adapter="strong")  # a long first turn: the history
         for adapter in ("mild", "strong", None, "mild"):
             m, counted[:] = 5, []
+            real_shared.model.__dict__.pop("_peft_kvcache_sink_memo", None)  # count the sink's own pass
             turn = session.turn(random_ids(1, m, seed=2)[0], adapter=adapter)
             g = turn.new_ids.shape[1]
             # sink (mapped turns) + the new message and the last reply token + decode steps + base catch-up
