@@ -48,11 +48,28 @@ class SourceFeatures:
         return self._cache[key].to(device, non_blocking=True)
 
 
-def map_layer(features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, head_dim: int) -> torch.Tensor:
+def mlp_residual(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+                 b2: torch.Tensor) -> torch.Tensor:
+    """The residual a nonlinear head adds to the linear map's output ``x`` ``[n, E]``:
+    ``gelu(x @ w1 + b1) @ w2 + b2`` (see `peft_kvcache.nonlinear`).
+
+    Example:
+        >>> E, H = 4, 8
+        >>> mlp_residual(torch.randn(3, E), torch.randn(E, H), torch.zeros(H), torch.zeros(H, E), torch.zeros(E)).abs().max().item()
+        0.0
+    """
+    return torch.addmm(b2, torch.nn.functional.gelu(torch.addmm(b1, x, w1)), w2)
+
+
+def map_layer(features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, head_dim: int,
+              mlp: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """All heads of one target layer in one matmul: ``[batch, seq, D_in] @ [D_in, kv*hd] + bias`` ->
-    ``[batch, kv_heads, seq, head_dim]``."""
+    ``[batch, kv_heads, seq, head_dim]``; ``mlp`` (w1, b1, w2, b2), where the layer has a residual MLP head,
+    adds ``gelu(lin @ w1 + b1) @ w2 + b2`` to the linear output ``lin`` (all heads at once)."""
     batch, seq, _ = features.shape
     mapped = torch.addmm(bias.to(features.dtype), features.reshape(batch * seq, -1), weight.to(features.dtype))
+    if mlp is not None:
+        mapped = mapped + mlp_residual(mapped, *(p.to(features.dtype) for p in mlp))
     return mapped.view(batch, seq, -1, head_dim).transpose(1, 2)
 
 
@@ -110,7 +127,7 @@ def map_cache(
             inputs = [features.get(kind, s, device) for s in sources]
             x = torch.cat(inputs, dim=-1)
             weight, bias = kv_map.layer_weights(kind, t, device, compute_dtype)
-            states = map_layer(x, weight, bias, head_dim)
+            states = map_layer(x, weight, bias, head_dim, kv_map.layer_mlp(kind, t, device, compute_dtype))
             if kind == "keys":
                 states = apply_rotary(states, cos, sin)
             layer.append(_cast_checked(states, dtype, t, kind, dict(zip(sources, inputs))))

@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from .apply import map_cache
 from .capture import CapturedKV, cache_states, run_with_cache
-from .errors import CacheMismatchError
+from .errors import CacheMismatchError, QualityError
 from .kvmap import KVMap
 from .models import active_adapters, layer_placements
 from .positions import positions_from_mask, rotary_spec_of
@@ -37,6 +37,9 @@ class MappedCache(DynamicCache):
         self.next_positions = next_positions
         self.kv_map = kv_map
         self._continuation_checked = next_positions is None
+        self.fallback: str | None = None  # why the target prefilled instead ("min_quality", "bad_context")
+        self.context_check: dict | None = None  # the per-request check's losses (check_tokens > 0)
+        self.kept_positions: torch.Tensor | None = None  # drop_middle: the context columns kept
 
     @classmethod
     def from_source(
@@ -49,6 +52,10 @@ class MappedCache(DynamicCache):
         position_offset: int = 0,
         sink_tokens: int | None = None,
         verify_models: bool = True,
+        min_quality: float | None = None,
+        check_tokens: int = 0,
+        on_bad_context: str = "prefill",
+        check_margin: float = 0.25,
     ) -> "MappedCache":
         """Map a context into the target's KV space.
 
@@ -62,6 +69,20 @@ class MappedCache(DynamicCache):
             position_offset: place the mapped context this many positions later (e.g. after a prefix).
             sink_tokens: leading tokens the target computes itself (default: the map's ``sink_tokens``).
             verify_models: check the models' fingerprints against the map (cheap; memoized per model).
+            min_quality: the bar for the map's ``predicted_retention`` (``kv_map.config.quality``, written by
+                `peft_kvcache.quality.measure_quality`): below it the target prefills ``input_ids`` itself
+                (ordinary prefill; a warning is logged and ``cache.fallback == "min_quality"``). A map without
+                a predicted retention, or no ``input_ids`` to prefill, raises `QualityError`.
+            check_tokens: W > 0 turns on the per-request check: the target recomputes the last W context tokens
+                on top of the mapped prefix (those W tokens then hold the target's own keys/values) and on top
+                of the sink only, and compares their teacher-forced next-token loss. Cost: two target passes
+                over W tokens. Needs ``input_ids`` and an unpadded batch.
+            on_bad_context: what a flagged context (mapped loss above window-only loss + ``check_margin``
+                nats, in any row) does, always with a warning: ``"prefill"`` (the target prefills the whole
+                context), ``"drop_middle"`` (the cache holds only the target's own sink + last W tokens at
+                their true positions, ``cache.kept_positions``; continue with explicit ``position_ids``
+                starting at ``cache.next_positions``) or ``"raise"`` (`QualityError`).
+            check_margin: nats of mean loss the mapped prefix may cost before the context is flagged.
 
         Returns:
             A `MappedCache` with the target's layer count, shapes, dtypes and devices.
@@ -69,6 +90,20 @@ class MappedCache(DynamicCache):
         source_is_cache = isinstance(source, (Cache, tuple, list))
         if verify_models:
             kv_map.check_models(None if source_is_cache else source, target_model)
+        if on_bad_context not in ("prefill", "drop_middle", "raise"):
+            raise QualityError(f"on_bad_context must be 'prefill', 'drop_middle' or 'raise', got {on_bad_context!r}")
+        if min_quality is not None:
+            predicted = kv_map.config.quality.get("predicted_retention")
+            if predicted is None:
+                raise QualityError(
+                    f"min_quality={min_quality} was asked but map {kv_map.config.source_name!r} -> "
+                    f"{kv_map.config.target_name!r} records no predicted_retention: measure it with "
+                    "peft_kvcache.quality.measure_quality(kv_map, source, target, heldout_ids) and save the map")
+            if predicted < min_quality:
+                logger.warning("map %s -> %s predicts retention %.3f < min_quality %.3f: the target prefills the "
+                               "context itself instead", kv_map.config.source_name, kv_map.config.target_name,
+                               predicted, min_quality)
+                return cls._target_prefill(target_model, input_ids, attention_mask, position_offset, "min_quality")
         if source_is_cache:
             captured = cache_states(source)
         else:
@@ -106,7 +141,63 @@ class MappedCache(DynamicCache):
                 mapped = _with_target_sink(mapped, target_model, input_ids, attention_mask, sink_tokens,
                                            position_offset)
         next_positions = target_positions[:, -1] + 1 if length else torch.full((batch,), position_offset)
+        if check_tokens:
+            return cls._checked(mapped, kv_map, target_model, input_ids, attention_mask, target_positions,
+                                next_positions, check_tokens, sink_tokens, on_bad_context, check_margin,
+                                position_offset)
         return cls(mapped, next_positions=next_positions, kv_map=kv_map)
+
+    @classmethod
+    def _target_prefill(cls, target_model, input_ids, attention_mask, position_offset, reason) -> "MappedCache":
+        """The fallback: the target's own prefill of ``input_ids`` (at the same positions a mapped cache takes)."""
+        if input_ids is None:
+            raise QualityError(f"the map was refused ({reason}) and the target cannot prefill the context itself: "
+                               "no input_ids were given; pass input_ids (the prompt minus its last token)")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        attention_mask = attention_mask.cpu()
+        positions = positions_from_mask(attention_mask) + position_offset
+        own = run_with_cache(target_model, input_ids, attention_mask, position_ids=positions)
+        cache = cls(list(zip(own.keys, own.values)), next_positions=positions[:, -1] + 1)
+        cache.fallback = reason
+        return cache
+
+    @classmethod
+    def _checked(cls, mapped, kv_map, target_model, input_ids, attention_mask, positions, next_positions, window,
+                 sink_tokens, on_bad_context, margin, position_offset) -> "MappedCache":
+        """The per-request check (`peft_kvcache.quality.check_context`) and the fallback it may trigger."""
+        from .quality import check_context
+
+        length = positions.shape[1]
+        if input_ids is None:
+            raise QualityError("check_tokens needs input_ids: the target recomputes the last context tokens")
+        if not bool(attention_mask.bool().all()):
+            raise CacheMismatchError("check_tokens does not support left-padded batches; check rows one at a time")
+        if not 2 <= window <= length - sink_tokens:
+            raise CacheMismatchError(f"check_tokens must be in 2..{length - sink_tokens} for a context of {length} "
+                                     f"tokens with {sink_tokens} sink token(s), got {window}")
+        report, recomputed, (window_only, keep) = check_context(target_model, mapped, input_ids, positions, window,
+                                                                sink_tokens, margin)
+        if not report["flagged"]:
+            cache = cls([(layer.keys, layer.values) for layer in recomputed.layers], next_positions=next_positions,
+                        kv_map=kv_map)
+            cache.context_check = report
+            return cache
+        logger.warning("the mapped context raised the loss of its last %d tokens from %s (window only) to %s "
+                       "nats: taking the %r fallback", window, [round(v, 3) for v in report["window_loss"]],
+                       [round(v, 3) for v in report["mapped_loss"]], on_bad_context)
+        if on_bad_context == "raise":
+            raise QualityError(f"the mapped context failed the per-request check: next-token loss of the last "
+                               f"{window} context tokens {report['mapped_loss']} with the mapped prefix vs "
+                               f"{report['window_loss']} without it (margin {margin})")
+        if on_bad_context == "prefill":
+            cache = cls._target_prefill(target_model, input_ids, attention_mask, position_offset, "bad_context")
+        else:
+            cache = cls([(layer.keys, layer.values) for layer in window_only.layers], next_positions=next_positions,
+                        kv_map=kv_map)
+            cache.fallback, cache.kept_positions = "bad_context", keep
+        cache.context_check = report
+        return cache
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if not self._continuation_checked and layer_idx == 0:

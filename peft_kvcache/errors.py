@@ -37,3 +37,8 @@ class NumericalError(PeftKVCacheError, ArithmeticError):
 
 class EvaluationError(PeftKVCacheError, ValueError):
     """An evaluation cannot run on the data or options given."""
+
+
+class QualityError(PeftKVCacheError, ValueError):
+    """A map's predicted quality or a per-request context check fails the user's bar and the chosen
+    fallback cannot run (or the fallback chosen is to raise)."""

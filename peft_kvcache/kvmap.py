@@ -64,6 +64,9 @@ class KVMapConfig:
     sink_tokens: int = field(default=1, metadata={"help": "leading tokens the target computes itself"})
     calibration: dict = field(default_factory=dict, metadata={"help": "data, token counts and options"})
     quality: dict = field(default_factory=dict, metadata={"help": "measured retention / speed figures"})
+    nonlinear: dict = field(default_factory=dict, metadata={
+        "help": "residual MLP heads: {'keys': [target layers], 'values': [target layers], 'hidden': width, ...}; "
+                "empty for a purely linear map (see peft_kvcache.nonlinear)"})
     format_version: int = FORMAT_VERSION
     library_version: str = __version__
 
@@ -123,6 +126,7 @@ class KVMapConfig:
                     f"{CONFIG_NAME} field {name} must be empty or list {self.target_layout.kv_heads} numbers for "
                     f"each of {self.target_layout.num_layers} target layers"
                 )
+        self._validate_nonlinear()
         for name, rows in (("key_candidate_r2", self.key_candidate_r2),
                            ("value_candidate_r2", self.value_candidate_r2)):
             ok = isinstance(rows, list) and (not rows or (
@@ -134,6 +138,27 @@ class KVMapConfig:
                     f"{CONFIG_NAME} field {name} must be empty or list, for each of {self.target_layout.num_layers} "
                     f"target layers, one number per source layer ({self.source_layout.num_layers})"
                 )
+
+
+    def _validate_nonlinear(self) -> None:
+        """``nonlinear``: empty, or lists of distinct target layers per kind and a positive hidden width."""
+        if not self.nonlinear:
+            return
+        layers = self.target_layout.num_layers
+        for kind in KINDS:
+            chosen = self.nonlinear.get(kind, [])
+            if not (isinstance(chosen, list) and all(_is_int(t) and 0 <= t < layers for t in chosen)
+                    and len(set(chosen)) == len(chosen)):
+                raise ArtifactError(f"{CONFIG_NAME} field nonlinear.{kind} must list distinct target layers in "
+                                    f"0..{layers - 1}, got {chosen!r}")
+        if self.mlp_layers("keys") or self.mlp_layers("values"):
+            hidden = self.nonlinear.get("hidden")
+            if not (_is_int(hidden) and 0 < hidden <= 65536):
+                raise ArtifactError(f"{CONFIG_NAME} field nonlinear.hidden must be a positive integer, got {hidden!r}")
+
+    def mlp_layers(self, kind: str) -> list[int]:
+        """Target layers whose ``kind`` ('keys' or 'values') has a residual MLP head."""
+        return list(self.nonlinear.get(kind, [])) if self.nonlinear else []
 
 
 def _is_int(value: Any) -> bool:
@@ -165,6 +190,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "key_layers": (list,), "value_layers": (list,), "key_r2": (list,), "value_r2": (list,),
     "key_lambdas": (list,), "value_lambdas": (list,), "key_candidate_r2": (list,), "value_candidate_r2": (list,),
     "sink_tokens": (int,), "calibration": (dict,), "quality": (dict,), "library_version": (str,),
+    "nonlinear": (dict,),
 }
 PAIR_KINDS = ("same_shape", "cross_shape")
 
@@ -232,6 +258,16 @@ class KVMap:
             weight = self.tensors[f"{kind}.{target_layer}.weight"].to(device=device, dtype=dtype)
             bias = self.tensors[f"{kind}.{target_layer}.bias"].to(device=device, dtype=dtype)
             self._placed[key] = (weight, bias)
+        return self._placed[key]
+
+    def layer_mlp(self, kind: str, target_layer: int, device, dtype) -> tuple[torch.Tensor, ...] | None:
+        """(w1, b1, w2, b2) of the residual MLP head of one target layer, or None where the map is linear."""
+        if target_layer not in self.config.mlp_layers(kind):
+            return None
+        key = ("mlp", kind, target_layer, str(device), dtype)
+        if key not in self._placed:
+            self._placed[key] = tuple(self.tensors[f"{kind}.{target_layer}.mlp.{part}"].to(device=device, dtype=dtype)
+                                      for part in ("w1", "b1", "w2", "b2"))
         return self._placed[key]
 
     @property
@@ -511,6 +547,10 @@ def _expected_shapes(config: KVMapConfig) -> dict[str, tuple[int, ...]]:
         for t, sources in enumerate(layers):
             shapes[f"{kind}.{t}.weight"] = (len(sources) * src.layer_width, tgt.layer_width)
             shapes[f"{kind}.{t}.bias"] = (tgt.layer_width,)
+        hidden = config.nonlinear.get("hidden") if config.nonlinear else None
+        for t in config.mlp_layers(kind):  # residual MLP heads (peft_kvcache.nonlinear)
+            shapes.update({f"{kind}.{t}.mlp.w1": (tgt.layer_width, hidden), f"{kind}.{t}.mlp.b1": (hidden,),
+                           f"{kind}.{t}.mlp.w2": (hidden, tgt.layer_width), f"{kind}.{t}.mlp.b2": (tgt.layer_width,)})
     return shapes
 
 

@@ -1,0 +1,142 @@
+"""The quality gate (per-layer attention cosine, predicted retention), the min_quality fallback and the
+per-request context check, on tiny random models."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from conftest import random_ids, tiny_model
+from peft_kvcache import KVMap, MappedCache
+from peft_kvcache.capture import run_with_cache
+from peft_kvcache.errors import QualityError
+from peft_kvcache.quality import measure_quality, predicted_retention
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen2", seed=3)
+
+
+@pytest.fixture(scope="module")
+def identity_map(model):
+    """An exact identity map from the model to itself (source layer t -> target layer t, W = I, b = 0)."""
+    kv_map = KVMap.calibrate(model, model, random_ids(6, 24), progress=False)
+    config = copy.deepcopy(kv_map.config)
+    layers = config.target_layout.num_layers
+    config.key_layers = [[t] for t in range(layers)]
+    config.value_layers = [[t] for t in range(layers)]
+    width = config.target_layout.layer_width
+    tensors = {k: v for k, v in kv_map.tensors.items() if k.endswith("inv_freq")}
+    for kind in ("keys", "values"):
+        for t in range(layers):
+            tensors[f"{kind}.{t}.weight"] = torch.eye(width)
+            tensors[f"{kind}.{t}.bias"] = torch.zeros(width)
+    return KVMap(config, tensors)
+
+
+def noisy(kv_map: KVMap, scale: float, seed: int = 0) -> KVMap:
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {k: (v + scale * torch.randn(v.shape, generator=generator) if k.endswith(".weight") else v.clone())
+               for k, v in kv_map.tensors.items()}
+    return KVMap(copy.deepcopy(kv_map.config), tensors)
+
+
+def test_gate_cosine_is_one_for_identity_and_lower_for_a_noisy_map(model, identity_map):
+    sequences = random_ids(3, 28, seed=5)
+    good = measure_quality(identity_map, model, model, sequences, query_tokens=8, progress=False, write=False)
+    assert all(c > 0.9999 for c in good["attention_cosine_per_layer"])
+    assert good["predicted_retention"] == pytest.approx(1.0, abs=1e-3)
+    bad_map = noisy(identity_map, 1.0)
+    bad = measure_quality(bad_map, model, model, sequences, query_tokens=8, progress=False)
+    assert all(b < g - 0.01 for b, g in zip(bad["attention_cosine_per_layer"], good["attention_cosine_per_layer"]))
+    assert bad["predicted_retention"] < good["predicted_retention"] - 0.05
+    assert bad_map.config.quality["predicted_retention"] == bad["predicted_retention"]  # written to the config
+
+
+def test_gate_figures_survive_save_and_show_on_the_card(model, identity_map, tmp_path):
+    kv_map = noisy(identity_map, 0.0)
+    measure_quality(kv_map, model, model, random_ids(2, 20, seed=6), query_tokens=4, progress=False)
+    folder = kv_map.save_pretrained(tmp_path / "map")
+    loaded = KVMap.from_pretrained(folder)
+    assert loaded.config.quality["predicted_retention"] == kv_map.config.quality["predicted_retention"]
+    assert "predicted_retention" in (folder / "README.md").read_text()
+
+
+def test_predicted_retention_formula():
+    assert predicted_retention([1.0, 1.0], [0.5, 0.9]) == 1.0
+    assert predicted_retention([0.5], [0.5]) == 0.0
+    assert predicted_retention([0.4], [0.6]) < 0
+
+
+def test_min_quality_falls_back_to_the_targets_own_prefill(model, identity_map, caplog):
+    kv_map = noisy(identity_map, 0.5)
+    kv_map.config.quality["predicted_retention"] = 0.2
+    prompt = random_ids(1, 16, seed=7)[0][None]
+    with caplog.at_level(logging.WARNING, logger="peft_kvcache.cache"):
+        cache = MappedCache.from_source(model, kv_map, model, input_ids=prompt[:, :-1], min_quality=0.5)
+    assert cache.fallback == "min_quality"
+    assert any("min_quality" in r.getMessage() for r in caplog.records)
+    own = run_with_cache(model, prompt[:, :-1])
+    for layer, k, v in zip(cache.layers, own.keys, own.values):
+        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+    with torch.no_grad():
+        logits = model(input_ids=prompt[:, -1:], past_key_values=cache).logits[0, -1]
+        full = model(input_ids=prompt).logits[0, -1]
+    torch.testing.assert_close(logits, full, atol=1e-5, rtol=1e-5)
+    # above the bar: the map is used
+    assert MappedCache.from_source(model, kv_map, model, input_ids=prompt[:, :-1], min_quality=0.1).fallback is None
+
+
+def test_min_quality_errors_are_clear(model, identity_map):
+    prompt = random_ids(1, 12, seed=8)[0][None]
+    with pytest.raises(QualityError, match="measure_quality"):
+        MappedCache.from_source(model, identity_map, model, input_ids=prompt, min_quality=0.5)
+    kv_map = noisy(identity_map, 0.0)
+    kv_map.config.quality["predicted_retention"] = 0.1
+    source_cache = run_with_cache(model, prompt)
+    from transformers.cache_utils import DynamicCache
+    with pytest.raises(QualityError, match="input_ids"):
+        MappedCache.from_source(DynamicCache(list(zip(source_cache.keys, source_cache.values))), kv_map, model,
+                                min_quality=0.5)
+
+
+def corrupted(kv_map: KVMap) -> KVMap:
+    """Keys that grab all the attention and huge random values: a confidently wrong mapped context."""
+    generator = torch.Generator().manual_seed(1)
+    tensors = {k: v.clone() for k, v in kv_map.tensors.items()}
+    for name in list(tensors):
+        if name.startswith("keys.") and name.endswith(".weight"):
+            tensors[name] *= 20
+        if name.startswith("values.") and name.endswith(".bias"):
+            tensors[name] = 200 * torch.randn(tensors[name].shape, generator=generator)
+    return KVMap(copy.deepcopy(kv_map.config), tensors)
+
+
+def test_context_check_passes_a_good_map_and_flags_a_corrupted_one(model, identity_map, caplog):
+    # A random tiny model predicts near-uniformly (loss ~ log 128 whatever the context), so the margin is
+    # scaled down to its logit range: the corrupted map costs ~0.15 nats here, the identity map ~0.
+    margin = 0.05
+    prompt = random_ids(1, 33, seed=9)[0][None]
+    context = prompt[:, :-1]
+    good = MappedCache.from_source(model, identity_map, model, input_ids=context, check_tokens=8, check_margin=margin)
+    assert good.fallback is None and not good.context_check["flagged"]
+    assert good.get_seq_length() == context.shape[1]
+    bad_map = corrupted(identity_map)
+    with caplog.at_level(logging.WARNING, logger="peft_kvcache.cache"):
+        fallback = MappedCache.from_source(model, bad_map, model, input_ids=context, check_tokens=8, check_margin=margin)
+    assert fallback.fallback == "bad_context" and fallback.context_check["flagged"]
+    assert any("fallback" in r.getMessage() for r in caplog.records)
+    own = run_with_cache(model, context)
+    assert all(torch.equal(layer.keys, k) for layer, k in zip(fallback.layers, own.keys))
+    dropped = MappedCache.from_source(model, bad_map, model, input_ids=context, check_tokens=8,
+                                      check_margin=margin, on_bad_context="drop_middle")
+    assert dropped.get_seq_length() == 1 + 8 and dropped.kept_positions.tolist() == [0] + list(range(24, 32))
+    with torch.no_grad():  # continue at the true position of the next token
+        model(input_ids=prompt[:, -1:], position_ids=dropped.next_positions[:, None], past_key_values=dropped)
+    with pytest.raises(QualityError, match="per-request check"):
+        MappedCache.from_source(model, bad_map, model, input_ids=context, check_tokens=8, check_margin=margin,
+                                on_bad_context="raise")
