@@ -18,6 +18,7 @@ from .errors import (  # noqa: E402
     IncompatibleModelsError,
     NumericalError,
     PeftKVCacheError,
+    QualityError,
     UnsupportedPositionalSchemeError,
 )
 from .kvmap import KVMap, KVMapConfig  # noqa: E402
@@ -35,5 +36,6 @@ __all__ = [
     "FingerprintMismatchError",
     "IncompatibleModelsError",
     "NumericalError",
+    "QualityError",
     "UnsupportedPositionalSchemeError",
 ]
