@@ -281,6 +281,28 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def update_cards(maps, results: dict) -> None:
+    """Record the measured figures in each published base -> adapter map (config.quality and its card)."""
+    from calibrate_adapter_maps import HUB_CARDS, PREFIX
+
+    from peft_kvcache.peft_maps import folder_name
+
+    for adapter, kv_map in maps.to_adapter.items():
+        quality = {"measured_by": "benchmarks/adapters.py", "threads": results["threads"]}
+        if adapter in results.get("retention", {}):
+            r = results["retention"][adapter]
+            quality["retention"] = {k: r[k] for k in ("context_length", "continuation_length", "examples")}
+            quality["retention"]["rows"] = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
+                                            for row in r["rows"]]
+        if adapter in results.get("task", {}):
+            quality["task_answer_nll"] = results["task"][adapter]
+        ttft_rows = [row for row in results.get("ttft", []) if row["adapter"] == adapter]
+        if ttft_rows:
+            quality["ttft"] = ttft_rows
+        kv_map.config.quality = quality
+        kv_map.save_pretrained(HUB_CARDS / folder_name(PREFIX, adapter, reverse=False))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--examples", type=int, default=16)
@@ -292,6 +314,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--skip", nargs="*", default=[], help="sections to skip: retention task session ttft")
     parser.add_argument("--out", default=str(RESULTS / "adapters"))
+    parser.add_argument("--update-cards", action="store_true", help="write the figures into hub_cards/ maps")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -316,6 +339,8 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     if not args.skip:
         out.with_suffix(".md").write_text(markdown(results))
+    if args.update_cards:
+        update_cards(maps, results)
     print("wrote", out.with_suffix(".json"))
 
 
