@@ -77,7 +77,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--max-new-tokens", type=int, default=40)
-    parser.add_argument("--keep-base", choices=["prefill", "reverse_map"], default="prefill")
+    parser.add_argument("--keep-base", choices=["prefill", "reverse_map"], default="reverse_map")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 

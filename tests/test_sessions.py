@@ -70,7 +70,7 @@ def test_a_switch_never_prefills_the_history(real_shared):
     hook = unwrap_peft(real_shared.model).model.register_forward_pre_hook(
         lambda module, args, kwargs: counted.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
     try:
-        session = AdapterSession(real_shared, **GEN)
+        session = AdapterSession(real_shared, keep_base="prefill", **GEN)
         session.turn(random_ids(1, 60, seed=1)[0], adapter="strong")  # a long first turn: the history
         for adapter in ("mild", "strong", None, "mild"):
             m, counted[:] = 5, []
@@ -138,3 +138,15 @@ def test_feed_gives_the_full_prefill_logits_when_maps_are_exact(zero_shared):
             full = model(input_ids=session.ids).logits[:, -length:]
         torch.testing.assert_close(logits, full, atol=2e-4, rtol=1e-3)
     assert session.base_cached_tokens == session.ids.shape[1]
+
+
+def test_default_policy_maps_back_and_serves_base_turns(real_shared):
+    """Default keep_base="reverse_map": no model tokens for the catch-up after an adapter's turn, and the
+    base model's turn then runs on the mapped-back cache (only its new tokens are computed)."""
+    session = AdapterSession(real_shared, **GEN)
+    assert session.keep_base == "reverse_map"
+    session.turn(random_ids(1, 30, seed=1)[0], adapter=None)
+    turn = session.turn(random_ids(1, 5, seed=2)[0], adapter="strong")
+    assert turn.model_tokens["keep_base"] == 0 and turn.cache_source == "mapped"
+    turn = session.turn(random_ids(1, 5, seed=3)[0], adapter=None)
+    assert turn.cache_source == "base" and turn.model_tokens["generate_prompt"] == 6
