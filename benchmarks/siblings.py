@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from peft_kvcache import KVMap
 from peft_kvcache.calibrate import ModelSide, build_map, calibration_sequences, heldout_flags
 from peft_kvcache.capture import batches, run_with_cache, stacked_features, fitted_rows
 from peft_kvcache.corpus import calibration_texts, corpus_description, evaluation_texts
@@ -121,6 +122,8 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, nargs="+", default=[2])
     parser.add_argument("--ttft-lengths", type=int, nargs="*", default=[2048])
     parser.add_argument("--directions", nargs="+", default=["up", "down"])
+    parser.add_argument("--from-cards", action="store_true",
+                        help="evaluate the maps already in hub_cards/ instead of calibrating")
     args = parser.parse_args()
     torch.manual_seed(0)
 
@@ -128,9 +131,10 @@ def main() -> None:
     large, _ = load_model(LARGE)
     texts = calibration_texts(args.calibration_files)
     sequences = calibration_sequences(texts, tokenizer, args.max_length)[: args.calibration_files]
-    print(f"calibration: {len(sequences)} sequences, {sum(len(s) for s in sequences)} tokens", flush=True)
     started = time.perf_counter()
-    stats, sides = bidirectional_statistics(small, large, sequences)
+    if not args.from_cards:
+        print(f"calibration: {len(sequences)} sequences, {sum(len(s) for s in sequences)} tokens", flush=True)
+        stats, sides = bidirectional_statistics(small, large, sequences)
     capture_s = time.perf_counter() - started
 
     models = {"small": small, "large": large}
@@ -138,18 +142,21 @@ def main() -> None:
     continuation = token_sequences(evaluation_texts(args.eval_files * 3), tokenizer,
                                    args.context + args.continuation)[: args.eval_files]
     recall, answer_len = recall_examples(tokenizer, args.context, args.recall_examples)
-    results, lines = {"capture_s": capture_s, "calibration_tokens": sum(len(s) for s in sequences)}, []
+    results, lines = {"capture_s": None if args.from_cards else capture_s,
+                      "calibration_tokens": sum(len(s) for s in sequences)}, []
     for direction in args.directions:
         src, tgt = pairs[direction]
         for top_k in args.top_k:
-            fit_started = time.perf_counter()
-            kv_map = build_map(stats[direction], "target", sides[src], sides[tgt], vocab_size_of(small),
-                               top_k=top_k, calibration_info={
-                                   "description": corpus_description("calibration", args.calibration_files),
-                                   "sequences": len(sequences), "max_length": args.max_length,
-                                   "license": "apache-2.0"}, progress=False)
-            fit_s = time.perf_counter() - fit_started
             name = f"qwen2.5-coder-{'0.5b-to-1.5b' if direction == 'up' else '1.5b-to-0.5b'}-top{top_k}"
+            fit_started = time.perf_counter()
+            kv_map = KVMap.from_pretrained(CARDS / name) if args.from_cards else build_map(
+                stats[direction], "target", sides[src], sides[tgt], vocab_size_of(small), top_k=top_k,
+                calibration_info={"description": corpus_description("calibration", args.calibration_files),
+                                  "sequences": len(sequences), "max_length": args.max_length,
+                                  "license": "apache-2.0"}, progress=False)
+            fit_s = (kv_map.config.calibration.get("fit_s", float("nan")) if args.from_cards
+                     else time.perf_counter() - fit_started)
+            kv_map.config.calibration["fit_s"] = round(fit_s, 1)
             key = f"{direction}/top{top_k}"
             print(f"== {name}: fitted in {fit_s:.0f}s", flush=True)
             row = {"fit_s": fit_s, "map_parameters": kv_map.num_parameters}

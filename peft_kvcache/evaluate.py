@@ -43,8 +43,10 @@ def token_sequences(texts: Sequence[str], tokenizer, length: int) -> list[torch.
 @torch.no_grad()
 def _logits(model, ids: torch.Tensor, positions: torch.Tensor, cache=None, keep: int = 0) -> torch.Tensor:
     device = next(model.parameters()).device
+    # use_cache=True even without a cache: without one, transformers reads a jump in position_ids (the
+    # window control's sink at 0, then the window at C-W) as packed sequences and masks the sink out.
     out = model(input_ids=ids[None].to(device), position_ids=positions[None].to(device), past_key_values=cache,
-                use_cache=cache is not None, logits_to_keep=keep)
+                use_cache=True, logits_to_keep=keep)
     return out.logits[0].float().cpu()
 
 
