@@ -122,6 +122,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, nargs="+", default=[2])
     parser.add_argument("--ttft-lengths", type=int, nargs="*", default=[2048])
     parser.add_argument("--directions", nargs="+", default=["up", "down"])
+    parser.add_argument("--output", default="siblings", help="results file stem under benchmarks/results/")
     parser.add_argument("--from-cards", action="store_true",
                         help="evaluate the maps already in hub_cards/ instead of calibrating")
     args = parser.parse_args()
@@ -189,8 +190,8 @@ def main() -> None:
             }
             kv_map.save_pretrained(CARDS / name)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "siblings.json").write_text(json.dumps(results, indent=2))
-    (RESULTS / "siblings.md").write_text("\n".join(lines))
+    (RESULTS / f"{args.output}.json").write_text(json.dumps(results, indent=2))
+    (RESULTS / f"{args.output}.md").write_text("\n".join(lines))
 
 
 if __name__ == "__main__":
