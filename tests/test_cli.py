@@ -27,15 +27,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("calibrate", "evaluate", "card", "inspect", "push")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run ~50x faster on one thread than on two oversubscribed ones (shared 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def char_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level tokenizer with one token per printable ASCII character (100 tokens), built offline."""
     chars = [chr(c) for c in range(33, 127)] + ["Ġ", "Ċ", "ĉ"]  # byte-level spellings of space, \n, \t

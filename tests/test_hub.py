@@ -28,17 +28,8 @@ def _tiny(seed: int, layers: int) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run ~50x faster on one thread than on two oversubscribed ones (shared 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def pair(one_thread):
+def pair():
     """A tiny cross-shape pair and a map calibrated for it."""
     source, target = _tiny(0, 2), _tiny(1, 3)
     torch.manual_seed(2)
