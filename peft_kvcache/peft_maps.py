@@ -247,8 +247,6 @@ def _stack_layers(per_layer: list[KVMap], source: ModelSide, target: ModelSide) 
                 tensors[f"{kind}.{t}.{part}"] = layer_map.tensors[f"{kind}.0.{part}"]
     rows = lambda field_name: [getattr(m.config, field_name)[0] for m in per_layer]  # noqa: E731
     calibration = dict(first.calibration)
-    for key in ("train_tokens", "heldout_tokens"):
-        calibration[key] = first.calibration[key]
     config = KVMapConfig(
         source_name=source.name, target_name=target.name, source_fingerprint=source.fingerprint,
         target_fingerprint=target.fingerprint, source_layout=source.layout, target_layout=target.layout,
