@@ -79,6 +79,8 @@ def main() -> None:
                      f"first tokens {'agree' if mapped_token == full_token else 'differ'} "
                      f"({tokenizer.decode([mapped_token])!r} / {tokenizer.decode([full_token])!r}); "
                      f"[source cache rebuilt for the demo in {setup:.1f}s, not counted]")
+        elif previous is None:
+            line += ": first turn, ordinary prefill"
         else:
             line += ": same model as before, its cache continues"
         out = model.generate(ids, max_new_tokens=40, do_sample=False)
