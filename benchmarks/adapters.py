@@ -147,7 +147,7 @@ def session_policies(model, tokenizer, maps, turns: int) -> dict:
     out = {}
     for policy in ("prefill", "reverse_map"):
         session = AdapterSession(shared, keep_base=policy)
-        kls, agree, keep_seconds, per_turn = [], [], [], []
+        kls, agree, per_turn = [], [], []
         for user, reply, adapter in script:
             message = torch.cat([user, reply], 1)
             before = session.base_cached_tokens

@@ -117,11 +117,7 @@ class KVMapConfig:
         for name, rows in (("key_r2", self.key_r2), ("value_r2", self.value_r2),
                            ("key_lambdas", self.key_lambdas), ("value_lambdas", self.value_lambdas)):
             # Optional per-head figures (the card plots them): absent, or one row of numbers per target layer.
-            ok = isinstance(rows, list) and (not rows or (
-                len(rows) == self.target_layout.num_layers and all(
-                    isinstance(row, list) and len(row) == self.target_layout.kv_heads
-                    and all(_is_number(v) for v in row) for row in rows)))
-            if not ok:
+            if not _is_optional_table(rows, self.target_layout.num_layers, self.target_layout.kv_heads):
                 raise ArtifactError(
                     f"{CONFIG_NAME} field {name} must be empty or list {self.target_layout.kv_heads} numbers for "
                     f"each of {self.target_layout.num_layers} target layers"
@@ -129,11 +125,7 @@ class KVMapConfig:
         self._validate_nonlinear()
         for name, rows in (("key_candidate_r2", self.key_candidate_r2),
                            ("value_candidate_r2", self.value_candidate_r2)):
-            ok = isinstance(rows, list) and (not rows or (
-                len(rows) == self.target_layout.num_layers and all(
-                    isinstance(row, list) and len(row) == self.source_layout.num_layers
-                    and all(_is_number(v) for v in row) for row in rows)))
-            if not ok:
+            if not _is_optional_table(rows, self.target_layout.num_layers, self.source_layout.num_layers):
                 raise ArtifactError(
                     f"{CONFIG_NAME} field {name} must be empty or list, for each of {self.target_layout.num_layers} "
                     f"target layers, one number per source layer ({self.source_layout.num_layers})"
@@ -535,6 +527,12 @@ def _link_or_copy(source, destination) -> None:
 
 
 _COMMIT_HASH = re.compile(r"^[0-9a-f]{40}$")
+
+
+def _is_optional_table(rows, num_rows: int, num_columns: int) -> bool:
+    """An empty list, or ``num_rows`` lists of ``num_columns`` numbers each."""
+    return isinstance(rows, list) and (not rows or (len(rows) == num_rows and all(
+        isinstance(row, list) and len(row) == num_columns and all(_is_number(v) for v in row) for row in rows)))
 
 
 def _expected_shapes(config: KVMapConfig) -> dict[str, tuple[int, ...]]:

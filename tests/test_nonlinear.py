@@ -3,7 +3,6 @@ artifact round trip and the batched apply path."""
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest

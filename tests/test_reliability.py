@@ -20,7 +20,7 @@ from conftest import random_ids, tiny_model
 from peft_kvcache import ArtifactError, CalibrationError, KVMap, NumericalError
 from peft_kvcache import calibrate as calibrate_module
 from peft_kvcache.apply import map_cache
-from peft_kvcache.fit import SufficientStatistics, _Centered, fit_layers, solve_ridge
+from peft_kvcache.fit import SufficientStatistics, _Centered, fit_layers
 from peft_kvcache.models import KVLayout
 from test_artifacts import make_map
 
