@@ -249,8 +249,7 @@ _SINK_MEMO_SIZE = 16
 
 def _target_sink(target_model, ids: torch.Tensor, mask: torch.Tensor, position_offset: int) -> CapturedKV:
     memo = target_model.__dict__.setdefault("_peft_kvcache_sink_memo", {})
-    key = (tuple(sorted(active_adapters(target_model))), ids.tolist(), mask.tolist(), position_offset)
-    key = repr(key)
+    key = repr((sorted(active_adapters(target_model)), ids.tolist(), mask.tolist(), position_offset))
     if key not in memo:
         if len(memo) >= _SINK_MEMO_SIZE:
             memo.pop(next(iter(memo)))
