@@ -7,8 +7,9 @@ For each context length L (the source cache over the first L-1 tokens already ex
 it is not timed):
 - full: the target's prefill of all L tokens (logits for the last position only);
 - mapped: MappedCache.from_source(source cache) + the target's step over the last token;
-- map only: the mapping alone, its throughput (tokens/s) and its floor: bytes of target cache written over
-  the measured memory bandwidth;
+- map only: the mapping alone, its throughput (tokens/s) and its two floors: bytes of target cache written
+  over the measured memory bandwidth, and the map's multiply-adds over the measured matmul throughput (on a
+  CPU the map is compute-bound: every token costs 2 * d_in * d_out flops per target layer and kind);
 - decode step: the target's one-token step over the mapped cache, the floor of the mapped path.
 Prints a table, writes benchmarks/results/ttft-<name>.json and a plot of TTFT vs length.
 """
@@ -86,6 +87,13 @@ def best_time(fn, device, repeats: int) -> float:
     return min(times)
 
 
+def matmul_throughput(device: torch.device, dtype: torch.dtype, size: int = 2048) -> float:
+    """Flops/s of a large square matmul: the compute floor's denominator."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    seconds = best_time(lambda: a @ a, device, 5)
+    return 2 * size**3 / seconds
+
+
 def memory_bandwidth(device: torch.device, megabytes: int = 512) -> float:
     """Bytes/s of a large device-to-device copy (read + write counted)."""
     data = torch.empty(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
@@ -117,7 +125,8 @@ def measure(source, target, kv_map, length: int, repeats: int) -> dict:
                                       logits_to_keep=1), device, 1)
     layout, dtype_bytes = kv_map.config.target_layout, torch.finfo(next(target.parameters()).dtype).bits // 8
     written = 2 * layout.num_layers * layout.layer_width * (length - 1) * dtype_bytes
-    return {"context": length, "full_prefill_s": full, "mapped_s": mapped, "speedup": full / mapped,
+    flops = 2 * (length - 1) * sum(t.numel() for n, t in kv_map.tensors.items() if n.endswith(".weight"))
+    return {"map_flops": flops, "context": length, "full_prefill_s": full, "mapped_s": mapped, "speedup": full / mapped,
             "map_only_s": map_only, "map_tokens_per_s": (length - 1) / map_only, "decode_step_s": decode,
             "ceiling_speedup": full / decode, "cache_bytes_written": written}
 
@@ -168,24 +177,26 @@ def main() -> None:
         kv_map = KVMap.from_pretrained(args.map) if Path(args.map).is_dir() else random_map(source, target)
         name = "qwen2.5-coder-0.5b-to-1.5b"
     measure(source, target, kv_map, 64, 1)  # warm-up
-    bandwidth = memory_bandwidth(device)
+    bandwidth, peak = memory_bandwidth(device), matmul_throughput(device, dtype)
     rows = []
     print(f"{name} on {args.device} ({args.dtype}, {torch.get_num_threads()} threads); memory bandwidth "
-          f"{bandwidth / 1e9:.1f} GB/s")
+          f"{bandwidth / 1e9:.1f} GB/s, matmul {peak / 1e9:.0f} GFLOP/s")
     print("| context | full prefill s | mapped + 1 step s | speedup | ceiling (prefill / decode step) | "
-          "map only s | map tok/s | map vs bandwidth floor |")
-    print("|---|---|---|---|---|---|---|---|")
+          "map only s | map tok/s | map vs bandwidth floor | map vs matmul floor |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for length in args.lengths:
         row = measure(source, target, kv_map, length, args.repeats)
         row["bandwidth_floor_s"] = row["cache_bytes_written"] / bandwidth
         row["floor_fraction"] = row["bandwidth_floor_s"] / row["map_only_s"]
+        row["compute_floor_s"] = row["map_flops"] / peak
+        row["compute_floor_fraction"] = row["compute_floor_s"] / row["map_only_s"]
         rows.append(row)
         print(f"| {length} | {row['full_prefill_s']:.3f} | {row['mapped_s']:.3f} | {row['speedup']:.1f}x | "
               f"{row['ceiling_speedup']:.1f}x | {row['map_only_s']:.4f} | {row['map_tokens_per_s']:,.0f} | "
-              f"{row['floor_fraction']:.1%} |", flush=True)
+              f"{row['floor_fraction']:.1%} | {row['compute_floor_fraction']:.0%} |", flush=True)
     RESULTS.mkdir(exist_ok=True)
     tag = f"{name}-{args.device}-{args.dtype}"
-    (RESULTS / f"ttft-{tag}.json").write_text(json.dumps({"bandwidth_bytes_per_s": bandwidth, "rows": rows,
+    (RESULTS / f"ttft-{tag}.json").write_text(json.dumps({"bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": peak, "rows": rows,
                                                            "threads": torch.get_num_threads()}, indent=2))
     plot(rows, RESULTS / f"ttft-{tag}.png", f"TTFT after a switch: {name}")
 

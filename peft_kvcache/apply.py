@@ -36,6 +36,7 @@ class SourceFeatures:
                  positions: torch.Tensor, dtype: torch.dtype):
         self.keys, self.values, self.spec, self.positions, self.dtype = keys, values, spec, positions, dtype
         self._cache: dict[tuple[str, int], torch.Tensor] = {}
+        self._rotations: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # cos/sin once per device
 
     def get(self, kind: str, layer: int, device: torch.device) -> torch.Tensor:
         """``[batch, seq, kv_heads * head_dim]`` features of one source layer, on ``device``."""
@@ -43,8 +44,12 @@ class SourceFeatures:
         if key not in self._cache:
             states = self.keys[layer] if kind == "keys" else self.values[layer]
             if kind == "keys":
-                states = position_free_keys(states, self.spec, self.positions.to(states.device))
-            self._cache[key] = layer_features(states).to(self.dtype)
+                if states.device not in self._rotations:
+                    self._rotations[states.device] = rotary_cos_sin(self.spec, self.positions, device=states.device)
+                cos, sin = self._rotations[states.device]
+                states = remove_rotary(states.float(), cos, sin, self.spec.attention_scaling)
+            # contiguous once here: several target layers read it as a [batch * seq, width] matrix
+            self._cache[key] = layer_features(states).to(self.dtype).contiguous()
         return self._cache[key].to(device, non_blocking=True)
 
 
@@ -61,16 +66,25 @@ def mlp_residual(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.
     return torch.addmm(b2, torch.nn.functional.gelu(torch.addmm(b1, x, w1)), w2)
 
 
-def map_layer(features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, head_dim: int,
+def map_layer(features: Sequence[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor, head_dim: int,
               mlp: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-    """All heads of one target layer in one matmul: ``[batch, seq, D_in] @ [D_in, kv*hd] + bias`` ->
+    """All heads of one target layer in one matmul per source layer: ``sum_s features[s] @ weight[rows of s]
+    + bias`` (the source layers' features ``[batch, seq, D_s]`` are accumulated, never concatenated) ->
     ``[batch, kv_heads, seq, head_dim]``; ``mlp`` (w1, b1, w2, b2), where the layer has a residual MLP head,
     adds ``gelu(lin @ w1 + b1) @ w2 + b2`` to the linear output ``lin`` (all heads at once)."""
-    batch, seq, _ = features.shape
-    mapped = torch.addmm(bias.to(features.dtype), features.reshape(batch * seq, -1), weight.to(features.dtype))
+    batch, seq, _ = features[0].shape
+    weight, mapped, row = weight.to(features[0].dtype), None, 0
+    for x in features:
+        x = x.reshape(batch * seq, -1)
+        rows = weight[row: row + x.shape[1]]
+        mapped = torch.addmm(bias.to(x.dtype), x, rows) if mapped is None else mapped.addmm_(x, rows)
+        row += x.shape[1]
+    if row != weight.shape[0]:
+        raise CacheMismatchError(f"the layer's features have {row} columns but its weight has {weight.shape[0]} rows")
     if mlp is not None:
-        mapped = mapped + mlp_residual(mapped, *(p.to(features.dtype) for p in mlp))
-    return mapped.view(batch, seq, -1, head_dim).transpose(1, 2)
+        mapped = mapped + mlp_residual(mapped, *(p.to(mapped.dtype) for p in mlp))
+    # one copy into the cache layout; the rotary and the cast then run on contiguous memory (3x faster)
+    return mapped.view(batch, seq, -1, head_dim).transpose(1, 2).contiguous()
 
 
 def map_cache(
@@ -125,9 +139,8 @@ def map_cache(
         for kind in ("keys", "values"):
             sources = kv_map.source_layers(kind, t)
             inputs = [features.get(kind, s, device) for s in sources]
-            x = torch.cat(inputs, dim=-1)
             weight, bias = kv_map.layer_weights(kind, t, device, compute_dtype)
-            states = map_layer(x, weight, bias, head_dim, kv_map.layer_mlp(kind, t, device, compute_dtype))
+            states = map_layer(inputs, weight, bias, head_dim, kv_map.layer_mlp(kind, t, device, compute_dtype))
             if kind == "keys":
                 states = apply_rotary(states, cos, sin)
             layer.append(_cast_checked(states, dtype, t, kind, dict(zip(sources, inputs))))
@@ -140,7 +153,8 @@ def _cast_checked(states: torch.Tensor, dtype: torch.dtype, layer: int, kind: st
     """Cast to the target dtype, refusing NaN/Inf (from a bad source cache or float16 overflow); the error
     names the source layers whose features were not finite (``inputs``: source layer -> its features)."""
     cast = states.to(dtype)
-    if not torch.isfinite(cast).all():
+    # A cheap reduction first (a NaN/Inf anywhere makes the sum non-finite), the elementwise check only to confirm.
+    if not torch.isfinite(cast.sum(dtype=torch.float32)) and not torch.isfinite(cast).all():
         bad_sources = [s for s, f in (inputs or {}).items() if not torch.isfinite(f).all()]
         if bad_sources:
             cause = f"is NaN/Inf: the source cache's {kind} of layer(s) {list(bad_sources)} contain NaN or Inf"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from .apply import map_cache
 from .capture import CapturedKV, cache_states, run_with_cache
@@ -33,7 +33,12 @@ class MappedCache(DynamicCache):
 
     def __init__(self, layers_kv: list[tuple[torch.Tensor, torch.Tensor]], next_positions: torch.Tensor | None = None,
                  kv_map: KVMap | None = None):
-        super().__init__(layers_kv)
+        super().__init__()
+        for keys, values in layers_kv:  # adopt the mapped tensors: DynamicLayer.update would copy each once more
+            layer = DynamicLayer()
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+            self.layers.append(layer)
         self.next_positions = next_positions
         self.kv_map = kv_map
         self._continuation_checked = next_positions is None
@@ -234,11 +239,10 @@ def _with_target_sink(mapped, target_model, input_ids, attention_mask, sink_toke
         return mapped
     mask = attention_mask[:, :columns]
     own = _target_sink(target_model, input_ids[:, :columns].cpu(), mask, position_offset)
-    return [
-        (torch.cat([k_own.to(k.device, k.dtype), k[:, :, columns:]], dim=2),
-         torch.cat([v_own.to(v.device, v.dtype), v[:, :, columns:]], dim=2))
-        for (k, v), k_own, v_own in zip(mapped, own.keys, own.values)
-    ]
+    for (k, v), k_own, v_own in zip(mapped, own.keys, own.values):  # fresh tensors from map_cache: write in place
+        k[:, :, :columns] = k_own
+        v[:, :, :columns] = v_own
+    return mapped
 
 
 # The sink's KV depends only on its token ids, their positions and the target's weights, and a chat

@@ -167,9 +167,22 @@ def rotary_cos_sin(spec: RotarySpec, positions: torch.Tensor, device=None) -> tu
     return angles.cos() * spec.attention_scaling, angles.sin() * spec.attention_scaling
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """``keys * cos +- rotate_half(keys) * sin`` on the first ``rotary_dim`` dims, written half by half into one
+    output (no concatenation). The two halves of `rotary_cos_sin`'s cos/sin are equal by construction, so one
+    half of each is read."""
+    rotary_dim = cos.shape[-1]
+    half = rotary_dim // 2
+    c, s = cos[:, None, :, :half].to(keys.dtype), sin[:, None, :, :half].to(keys.dtype)
+    if inverse:
+        s = -s
+    x1, x2 = keys[..., :half], keys[..., half:rotary_dim]
+    out = torch.empty_like(keys)
+    out[..., :half] = x1 * c - x2 * s
+    out[..., half:rotary_dim] = x2 * c + x1 * s
+    if rotary_dim < keys.shape[-1]:  # partial rotary: the rest passes through
+        out[..., rotary_dim:] = keys[..., rotary_dim:]
+    return out
 
 
 def apply_rotary(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -177,11 +190,7 @@ def apply_rotary(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 
     Partial rotary: only the first ``rotary_dim`` dims rotate, the rest pass through (as the models do).
     """
-    rotary_dim = cos.shape[-1]
-    cos, sin = cos[:, None].to(keys.dtype), sin[:, None].to(keys.dtype)
-    rotated, passed = keys[..., :rotary_dim], keys[..., rotary_dim:]
-    rotated = rotated * cos + _rotate_half(rotated) * sin
-    return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated
+    return _rotate(keys, cos, sin, inverse=False)
 
 
 def remove_rotary(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_scaling: float) -> torch.Tensor:
@@ -189,8 +198,8 @@ def remove_rotary(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, atte
 
     With scaled ``c = s cos``, ``n = s sin``: ``k c - rot(k) n = s^2 R(-theta) k``; round-trips to float rounding.
     """
-    rotary_dim = cos.shape[-1]
-    cos, sin = cos[:, None].to(keys.dtype), sin[:, None].to(keys.dtype)
-    rotated, passed = keys[..., :rotary_dim], keys[..., rotary_dim:]
-    rotated = (rotated * cos - _rotate_half(rotated) * sin) / attention_scaling**2
-    return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated
+    out = _rotate(keys, cos, sin, inverse=True)
+    if attention_scaling != 1.0:
+        rotary_dim = cos.shape[-1]
+        out[..., :rotary_dim] /= attention_scaling**2
+    return out
