@@ -1,6 +1,7 @@
 """Linear vs nonlinear (residual MLP heads) maps, and how well the quality gate predicts retention.
 
     python benchmarks/nonlinear.py                      # Qwen2.5-Coder 0.5B -> 1.5B fixtures (slow on CPU)
+    python benchmarks/nonlinear.py --pair shout         # SmolLM2-135M base -> its committed LoRA adapter "shout"
     python benchmarks/nonlinear.py --tiny               # tiny random models: checks the plumbing only
 
 Variants, all scored on the same held-out text: the linear map; the same map plus MLP heads
@@ -8,7 +9,7 @@ Variants, all scored on the same held-out text: the linear map; the same map plu
 nonlinear; and the linear map with noise added to its weights (a known-bad map, to spread the predictions).
 For each: the gate's predicted retention (`measure_quality`) and measured normalized retention
 (`evaluate_retention`, mapped@1), then the Pearson correlation between the two across variants (the
-published anchor for attention-output cosine is r = +0.57). Writes benchmarks/results/nonlinear.{md,json}
+published anchor for attention-output cosine is r = +0.57). Writes benchmarks/results/nonlinear[-<pair>].{md,json}
 (nonlinear_tiny.* with --tiny).
 """
 
@@ -50,7 +51,33 @@ def tiny_pair():
                   intermediate_size=160)
     generator = torch.Generator().manual_seed(0)
     ids = lambda count, length: [torch.randint(0, 128, (length,), generator=generator) for _ in range(count)]  # noqa: E731
-    return source, target, ids(16, 64), ids(6, 64)
+    return source, target, ids(16, 64), ids(6, 64), None
+
+
+def adapter_pair(args):
+    """SmolLM2 base -> base + LoRA adapter ``args.pair``: calibrated like the published adapter maps
+    (scripts/calibrate_adapter_maps.py: same-layer statistics, stdlib files + chat prompts)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from calibrate_adapter_maps import MODEL, calibration_ids, load_peft_smollm2
+
+    from peft_kvcache.corpus import evaluation_texts
+    from peft_kvcache.evaluate import token_sequences
+    from peft_kvcache.fixtures import load_model
+    from peft_kvcache.peft_maps import calibrate_adapters
+
+    target, tokenizer, _ = load_peft_smollm2(adapters=(args.pair,))
+    source, _ = load_model(MODEL)
+    calibration = calibration_ids(tokenizer, files=args.calibration_files)
+    evaluation = token_sequences(evaluation_texts(83), tokenizer, args.context + args.continuation)[: args.eval_files]
+
+    def calibrate(data):
+        maps = calibrate_adapters(target, data, adapters=[args.pair], reverse=False, max_length=args.max_length)
+        target.set_adapter(args.pair)
+        return maps.to_adapter[args.pair]
+
+    return source, target, calibration, evaluation, calibrate
 
 
 def real_pair(args):
@@ -65,7 +92,7 @@ def real_pair(args):
                                         args.max_length)[: args.calibration_files]
     evaluation = token_sequences(evaluation_texts(args.eval_files * 3), tokenizer,
                                  args.context + args.continuation)[: args.eval_files]
-    return source, target, calibration, evaluation
+    return source, target, calibration, evaluation, None
 
 
 def noisy(kv_map: KVMap, relative: float, seed: int = 0) -> KVMap:
@@ -87,6 +114,8 @@ def pearson(a: list[float], b: list[float]) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny random models (plumbing check)")
+    parser.add_argument("--pair", default="qwen-up", help="qwen-up (0.5B -> 1.5B fixtures) or the name of a "
+                        "committed SmolLM2 adapter (base -> adapter)")
     parser.add_argument("--calibration-files", type=int, default=32)
     parser.add_argument("--weak-files", type=int, default=4, help="calibration files of the hard variant")
     parser.add_argument("--eval-files", type=int, default=10)
@@ -103,16 +132,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         args.context, args.continuation, args.weak_files = 48, 16, 4
         args.hidden, args.steps, args.max_rows, args.r2_threshold = 32, 100, 1024, 1.1
-        source, target, calibration, evaluation = tiny_pair()
+        source, target, calibration, evaluation, calibrate = tiny_pair()
+    elif args.pair == "qwen-up":
+        source, target, calibration, evaluation, calibrate = real_pair(args)
     else:
-        source, target, calibration, evaluation = real_pair(args)
+        source, target, calibration, evaluation, calibrate = adapter_pair(args)
+    if calibrate is None:
+        def calibrate(data):
+            return KVMap.calibrate(source, target, data, max_length=args.max_length, progress=not args.tiny)
 
     mlp = dict(r2_threshold=args.r2_threshold, hidden=args.hidden, steps=args.steps, max_rows=args.max_rows,
                progress=not args.tiny)
     started = time.perf_counter()
-    linear = KVMap.calibrate(source, target, calibration, max_length=args.max_length, progress=not args.tiny)
+    linear = calibrate(calibration)
     weak_data = calibration[: max(args.weak_files, 3)]
-    weak = KVMap.calibrate(source, target, weak_data, max_length=args.max_length, progress=not args.tiny)
+    weak = calibrate(weak_data)
     variants = {
         "linear": linear,
         "nonlinear": fit_nonlinear_heads(linear, source, target, calibration, **mlp),
@@ -140,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     predicted = [r["predicted_retention"] for r in rows]
     r_retention = pearson(predicted, [r["normalized_retention"] for r in rows])
     r_kl = pearson(predicted, [-r["kl"] for r in rows])
-    summary = {"pair": "tiny random" if args.tiny else f"{SMALL} -> {LARGE}", "rows": rows,
+    pair = "tiny random" if args.tiny else f"{SMALL} -> {LARGE}" if args.pair == "qwen-up" else \
+        f"SmolLM2-135M-Instruct base -> adapter {args.pair}"
+    summary = {"pair": pair, "rows": rows,
                "pearson_predicted_vs_normalized_retention": r_retention, "pearson_predicted_vs_minus_kl": r_kl,
                "seconds": round(time.perf_counter() - started, 1), "options": vars(args)}
     lines = [f"# Linear vs nonlinear maps, {summary['pair']}", "",
@@ -153,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", f"Pearson r(predicted, measured normalized retention) = {r_retention:+.2f}; "
                   f"r(predicted, -KL) = {r_kl:+.2f} (anchor: +0.57)"]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = "nonlinear_tiny" if args.tiny else "nonlinear"
+    stem = "nonlinear_tiny" if args.tiny else "nonlinear" if args.pair == "qwen-up" else f"nonlinear-{args.pair}"
     (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
     (RESULTS / f"{stem}.json").write_text(json.dumps(summary, indent=2) + "\n")
     print("\n".join(lines))

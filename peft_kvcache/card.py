@@ -355,6 +355,7 @@ def render_card(kv_map, folder: str | Path, repo_hint: str | None = None) -> str
         key_r2=f"{key_r2:.3f}" if math.isfinite(key_r2) else "not recorded",
         value_r2=f"{value_r2:.3f}" if math.isfinite(value_r2) else "not recorded",
         layers_text=_layers_text(kv_map),
+        blend_text=_blend_text(c.blend),
         chart=f"![held-out R² per target layer and of each candidate source layer]({CHART_NAME})"
         if chart_path else "",
         quality_text=quality_text(c.quality),
@@ -387,6 +388,22 @@ def _layers_text(kv_map) -> str:
         rows.append(f"| {t} | {', '.join(map(str, c.key_layers[t]))} | {', '.join(map(str, c.value_layers[t]))} "
                     f"| {k_r2} | {v_r2} |")
     return "\n".join(rows)
+
+
+def _blend_text(blend: dict) -> str:
+    if not blend:
+        return ""
+    scores = blend.get("scores", {})
+    criteria = {"kl": "next-token KL(target prefill ‖ mapped)", "nll": "loss on the real next tokens"}
+    rows = ["| keys | values | held-out loss (NLL) | held-out KL |", "|---|---|---|---|"]
+    for name, s in scores.items():
+        keys, values = (part.split("=")[1] for part in name.split(","))
+        rows.append(f"| {keys} | {values} | {s.get('nll', float('nan')):.4f} | {s.get('kl', float('nan')):.4f} |")
+    return (f"\nBlend toward the source cache (peft_kvcache.blend): the map's correction is scaled by "
+            f"**{blend.get('keys')}** for keys and **{blend.get('values')}** for values (folded into the weights), "
+            f"chosen by the held-out {criteria.get(blend.get('criterion'), blend.get('criterion'))} over "
+            f"{blend.get('examples')} sequences "
+            f"({blend.get('continuation')} scored tokens each):\n\n" + "\n".join(rows) + "\n")
 
 
 def _rope_text(rotary: dict) -> str:

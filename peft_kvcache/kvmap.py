@@ -67,6 +67,9 @@ class KVMapConfig:
     nonlinear: dict = field(default_factory=dict, metadata={
         "help": "residual MLP heads: {'keys': [target layers], 'values': [target layers], 'hidden': width, ...}; "
                 "empty for a purely linear map (see peft_kvcache.nonlinear)"})
+    blend: dict = field(default_factory=dict, metadata={
+        "help": "same-shape maps: the scale of the correction of the source cache per kind, chosen on held-out "
+                "KL and folded into the weights: {'keys': a, 'values': a, 'kl': {...}} (see peft_kvcache.blend)"})
     format_version: int = FORMAT_VERSION
     library_version: str = __version__
 
@@ -182,7 +185,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "key_layers": (list,), "value_layers": (list,), "key_r2": (list,), "value_r2": (list,),
     "key_lambdas": (list,), "value_lambdas": (list,), "key_candidate_r2": (list,), "value_candidate_r2": (list,),
     "sink_tokens": (int,), "calibration": (dict,), "quality": (dict,), "library_version": (str,),
-    "nonlinear": (dict,),
+    "nonlinear": (dict,), "blend": (dict,),
 }
 PAIR_KINDS = ("same_shape", "cross_shape")
 

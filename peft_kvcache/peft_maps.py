@@ -233,6 +233,36 @@ def calibrate_adapters(
     return maps
 
 
+def choose_adapter_blends(maps: AdapterMaps, model: torch.nn.Module, sequences: Sequence[torch.Tensor], *,
+                          continuation: int = 64, criterion: str = "kl", progress: bool = True) -> AdapterMaps:
+    """Every map of ``maps`` blended toward its source cache (`blend.choose_blend`) on held-out ``sequences``
+    (not the calibration data): the source side's caches are computed first under its own adapter state, then
+    the target side scores the grid under its own.
+
+    Example:
+        >>> maps = choose_adapter_blends(calibrate_adapters(model, data), model, heldout_ids)  # doctest: +SKIP
+    """
+    from .blend import choose_blend
+
+    sequences = [torch.as_tensor(s, dtype=torch.long) for s in sequences]
+    chosen = AdapterMaps()
+    for adapter in sorted({*maps.to_adapter, *maps.to_base}):
+        for source, target, store, result in ((None, adapter, maps.to_adapter, chosen.to_adapter),
+                                              (adapter, None, maps.to_base, chosen.to_base)):
+            if adapter not in store:
+                continue
+            with adapter_active(model, source), torch.no_grad():
+                caches = {}
+                for ids in sequences:
+                    prefix = ids[None, : ids.numel() - continuation - 1]
+                    caches[prefix.numpy().tobytes()] = run_with_cache(model, prefix)
+            with adapter_active(model, target):
+                result[adapter] = choose_blend(store[adapter], model, sequences,
+                                               lambda prefix: caches[prefix.numpy().tobytes()],
+                                               continuation=continuation, criterion=criterion, progress=progress)
+    return chosen
+
+
 def _block(captured: CapturedKV, layer: int | None) -> CapturedKV:
     return captured if layer is None else CapturedKV([captured.keys[layer]], [captured.values[layer]])
 
@@ -269,4 +299,5 @@ def _run_all(model, adapters: Sequence[str], ids: torch.Tensor, mask: torch.Tens
     return runs
 
 
-__all__ = ["AdapterMaps", "adapter_active", "adapter_side", "calibrate_adapters", "folder_name", "is_activated_lora"]
+__all__ = ["AdapterMaps", "adapter_active", "adapter_side", "calibrate_adapters", "choose_adapter_blends", "folder_name",
+           "is_activated_lora"]

@@ -2,8 +2,9 @@
 
 One calibration pass (`peft_kvcache.peft_maps.calibrate_adapters`) over the first ``--tokens`` tokens of
 ``--files`` calibration-split stdlib files plus a few chat-formatted calibration-split prompts (the
-sessions hold chats), then ``hub_cards/smollm2-135m-instruct-base-to-<adapter>/`` and
-``...-<adapter>-to-base/`` with their model cards.
+sessions hold chats); each map's blend toward its source cache chosen on ``--blend-files`` further
+calibration-split files (`peft_kvcache.peft_maps.choose_adapter_blends`); then
+``hub_cards/smollm2-135m-instruct-base-to-<adapter>/`` and ``...-<adapter>-to-base/`` with their model cards.
 
     PYTHONPATH=. python scripts/calibrate_adapter_maps.py            # ~5-10 min on 1 thread
 
@@ -60,11 +61,33 @@ def calibration_ids(tokenizer, files: int = 32, tokens: int = 512, chats: int = 
     return sequences
 
 
+def blend_ids(tokenizer, skip: int = 32, files: int = 12, tokens: int = 512 + 64) -> list[torch.Tensor]:
+    """Held-out text for choosing the blends: ``files`` calibration-split files after the first ``skip`` (the
+    ones the maps were fitted on), their first ``tokens`` tokens."""
+    from peft_kvcache.corpus import calibration_texts
+
+    texts = calibration_texts(skip + files)[skip:]
+    return [tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0, :tokens] for text in texts]
+
+
+def fit_maps(model, tokenizer, adapters, files: int = 32, tokens: int = 512, chats: int = 8, blend_files: int = 12,
+             **options):
+    """Calibrate the maps (``files`` stdlib files + ``chats`` chat prompts), then choose each map's blend
+    toward its source cache on ``blend_files`` further calibration-split files (0: no blend)."""
+    from peft_kvcache.peft_maps import calibrate_adapters, choose_adapter_blends
+
+    maps = calibrate_adapters(model, calibration_ids(tokenizer, files, tokens, chats), adapters=list(adapters),
+                              max_length=max(tokens, 512), **options)
+    if blend_files:
+        maps = choose_adapter_blends(maps, model, blend_ids(tokenizer, files, blend_files))
+    return maps
+
+
 def ensure_maps(model, tokenizer, adapters, root: Path = HUB_CARDS, save: bool = True, **options):
     """The published maps for ``adapters`` when they match the models, else freshly calibrated ones
     (saved under ``root`` when ``save``)."""
     from peft_kvcache.errors import PeftKVCacheError
-    from peft_kvcache.peft_maps import AdapterMaps, adapter_active, calibrate_adapters
+    from peft_kvcache.peft_maps import AdapterMaps, adapter_active
 
     try:
         maps = AdapterMaps.from_pretrained(root, PREFIX, adapters)
@@ -75,7 +98,7 @@ def ensure_maps(model, tokenizer, adapters, root: Path = HUB_CARDS, save: bool =
     except (PeftKVCacheError, OSError) as err:
         logger.warning("calibrating the adapter maps (%s)", str(err).splitlines()[0][:160])
     options.setdefault("description", "SmolLM2 adapter maps: stdlib calibration split + chat-formatted prompts")
-    maps = calibrate_adapters(model, calibration_ids(tokenizer), adapters=list(adapters), **options)
+    maps = fit_maps(model, tokenizer, adapters, **options)
     if save:
         maps.save_pretrained(root, PREFIX)
     return maps
@@ -86,26 +109,27 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--chats", type=int, default=8)
+    parser.add_argument("--blend-files", type=int, default=12, help="held-out files choosing the blends (0: none)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(HUB_CARDS))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO)
     from peft_kvcache.corpus import corpus_description
-    from peft_kvcache.peft_maps import calibrate_adapters
 
     model, tokenizer, names = load_peft_smollm2()
-    maps = calibrate_adapters(
-        model, calibration_ids(tokenizer, args.files, args.tokens, args.chats), adapters=names,
+    maps = fit_maps(
+        model, tokenizer, names, args.files, args.tokens, args.chats, args.blend_files,
         description=f"{corpus_description('calibration', args.files)}; first {args.tokens} tokens of each; plus "
-                    f"{args.chats} chat-formatted docstring prompts from calibration-split functions",
-        max_length=max(args.tokens, 512))
+                    f"{args.chats} chat-formatted docstring prompts from calibration-split functions")
     for folder in maps.save_pretrained(args.out, PREFIX):
         print("wrote", folder)
     for name, kv_map in [*maps.to_adapter.items(), *maps.to_base.items()]:
         r2k = sum(sum(r) for r in kv_map.config.key_r2) / sum(len(r) for r in kv_map.config.key_r2)
         r2v = sum(sum(r) for r in kv_map.config.value_r2) / sum(len(r) for r in kv_map.config.value_r2)
-        print(f"{kv_map.config.source_name} -> {kv_map.config.target_name}: held-out R^2 keys {r2k:.4f} values {r2v:.4f}")
+        blend = kv_map.config.blend
+        print(f"{kv_map.config.source_name} -> {kv_map.config.target_name}: held-out R^2 keys {r2k:.4f} values "
+              f"{r2v:.4f}; blend keys {blend.get('keys')} values {blend.get('values')}")
 
 
 if __name__ == "__main__":

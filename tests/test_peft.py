@@ -189,3 +189,29 @@ def test_same_layer_statistics_give_the_maps_of_full_layer_selection(peft_pair):
             name = f"{kind}.{t}.{part}"
             torch.testing.assert_close(full.tensors[name], maps.to_adapter["strong"].tensors[name], atol=1e-4,
                                        rtol=1e-4)
+
+
+def test_adapter_blends_are_scored_with_each_side_in_its_own_adapter_state(peft_pair):
+    from peft_kvcache.peft_maps import choose_adapter_blends
+
+    model, maps = peft_pair
+    active = model.active_adapter
+    sequences, continuation = random_ids(2, 40, seed=7), 8
+    chosen = choose_adapter_blends(maps, model, sequences, continuation=continuation, criterion="kl", progress=False)
+    assert model.active_adapter == active
+    assert set(chosen.to_adapter) == set(chosen.to_base) == {"strong", "mild"}
+    context = 40 - continuation
+    for source, target, kv_map in ((None, "strong", chosen.to_adapter["strong"]),
+                                   ("strong", None, chosen.to_base["strong"])):
+        blend = kv_map.config.blend
+        recorded = blend["scores"][f"keys={blend['keys']},values={blend['values']}"]["kl"]
+        kls = []
+        for ids in sequences:  # the recorded score, recomputed with the sides' adapter states set by hand
+            prefix = ids[None, : context - 1]
+            with adapter_active(model, source):
+                captured = run_with_cache(model, prefix)
+            with adapter_active(model, target):
+                cache = MappedCache.from_source(DynamicCache(list(zip(captured.keys, captured.values))), kv_map,
+                                                model, input_ids=prefix)
+                kls.append(_continuation_kl(model, cache, ids[:-1], context - 1))
+        assert abs(sum(kls) / len(kls) - recorded) < 1e-4 * max(1.0, recorded)
