@@ -74,17 +74,21 @@ def retention(model, base, adapters, maps, sequences, context, continuation) -> 
 # ----- 2. task answers -----
 
 @torch.no_grad()
-def answer_nll(model, adapter, ids, labels, prompt_cache=None, cached=0) -> tuple[float, int]:
+def answer_nll(model, adapter, ids, labels, prompt_cache=None, cached=0) -> tuple[float, int, int]:
+    """(summed NLL, top-1 hits, count) over the answer tokens."""
     with adapter_active(model, adapter):
         logits = model(input_ids=ids[None, cached:], position_ids=torch.arange(cached, len(ids))[None],
                        past_key_values=prompt_cache, use_cache=prompt_cache is not None).logits[0]
     target = labels[cached + 1:]
-    return float(F.cross_entropy(logits[:-1], target, ignore_index=-100, reduction="sum")), int((target != -100).sum())
+    scored = target != -100
+    hits = int((logits[:-1].argmax(-1) == target)[scored].sum())
+    return float(F.cross_entropy(logits[:-1], target, ignore_index=-100, reduction="sum")), hits, int(scored.sum())
 
 
 @torch.no_grad()
 def task_answers(model, tokenizer, adapters, maps, examples: int) -> dict:
-    """Answer NLL per adapter when the prompt (all but its last token) comes from various caches."""
+    """Answer NLL (and top-1 accuracy) per adapter when the prompt (all but its last token) comes from various
+    caches."""
     pairs = functions_with_docstrings("evaluation", 400)[::12][:examples]
     out = {}
     for adapter in adapters:
@@ -105,16 +109,14 @@ def task_answers(model, tokenizer, adapters, maps, examples: int) -> dict:
                         MappedCache.from_source(as_cache(base_kv), maps.to_adapter[adapter], model,
                                                 input_ids=ids[None, :cut]), cut)
             variants["base cache reused as is"] = (as_cache(base_kv), cut)
-            for name, (cache, cached) in variants.items():
-                total, count = answer_nll(model, adapter, ids, labels, cache, cached)
-                sums.setdefault(name, [0.0, 0])
-                sums[name][0] += total
-                sums[name][1] += count
-            total, count = answer_nll(model, None, ids, labels)
-            sums.setdefault("base model (no adapter)", [0.0, 0])
-            sums["base model (no adapter)"][0] += total
-            sums["base model (no adapter)"][1] += count
-        out[adapter] = {name: round(t / c, 4) for name, (t, c) in sums.items()}
+            scored = [(name, answer_nll(model, adapter, ids, labels, cache, cached))
+                      for name, (cache, cached) in variants.items()]
+            scored.append(("base model (no adapter)", answer_nll(model, None, ids, labels)))
+            for name, (total, hits, count) in scored:
+                sums.setdefault(name, [0.0, 0, 0])
+                sums[name] = [sums[name][0] + total, sums[name][1] + hits, sums[name][2] + count]
+        out[adapter] = {name: round(t / c, 4) for name, (t, _, c) in sums.items()}
+        out[adapter]["accuracy"] = {name: round(h / c, 4) for name, (_, h, c) in sums.items()}
         out[adapter]["examples"] = len(pairs)
         print(adapter, out[adapter], flush=True)
     return out
@@ -256,6 +258,19 @@ def markdown(results: dict) -> str:
     lines += ["| adapter | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for adapter, row in results["task"].items():
         lines.append(f"| {adapter} | " + " | ".join(f"{row[n]:.4f}" if n in row else "n/a" for n in names) + " |")
+    lines += ["", "Top-1 accuracy on the answer tokens, and normalized retention of the adapter's gain "
+              "(variant - base model) / (full prefill - base model):", "",
+              "| adapter | " + " | ".join(names) + " | normalized: mapped | normalized: reused as is |",
+              "|---|" + "---|" * (len(names) + 2)]
+    for adapter, row in results["task"].items():
+        acc = row.get("accuracy", {})
+        if not acc:
+            continue
+        gain = acc["full prefill"] - acc["base model (no adapter)"]
+        norm = {n: (acc[n] - acc["base model (no adapter)"]) / gain if gain and n in acc else None
+                for n in ("mapped base cache", "base cache reused as is")}
+        lines.append(f"| {adapter} | " + " | ".join(f"{acc[n]:.4f}" if n in acc else "n/a" for n in names) + " | "
+                     + " | ".join(f"{v:.3f}" if v is not None else "n/a" for v in norm.values()) + " |")
     s = results["session_policy"]
     lines += ["", "## Session policy: keeping the base cache after an adapter's turn", "",
               f"A scripted chat of {len(s['prefill']['turns'])} turns switching adapters (teacher-forced); every "
