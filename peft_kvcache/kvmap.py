@@ -69,7 +69,7 @@ class KVMapConfig:
                 "empty for a purely linear map (see peft_kvcache.nonlinear)"})
     blend: dict = field(default_factory=dict, metadata={
         "help": "same-shape maps: the scale of the correction of the source cache per kind, chosen on held-out "
-                "KL and folded into the weights: {'keys': a, 'values': a, 'kl': {...}} (see peft_kvcache.blend)"})
+                "KL and folded into the weights: {'keys': a, 'values': a, 'scores': {...}, ...} (see peft_kvcache.blend)"})
     format_version: int = FORMAT_VERSION
     library_version: str = __version__
 
