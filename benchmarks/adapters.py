@@ -38,7 +38,7 @@ from train_adapters import encode, functions_with_docstrings  # noqa: E402
 from peft_kvcache import MappedCache  # noqa: E402
 from peft_kvcache.capture import run_with_cache  # noqa: E402
 from peft_kvcache.corpus import corpus_description, evaluation_texts  # noqa: E402
-from peft_kvcache.evaluate import evaluate_retention, token_sequences  # noqa: E402
+from peft_kvcache.evaluate import evaluate_retention, token_kl, token_sequences  # noqa: E402
 from peft_kvcache.fixtures import load_model  # noqa: E402
 from peft_kvcache.peft_maps import adapter_active, is_activated_lora  # noqa: E402
 from peft_kvcache.sessions import AdapterSession, SharedPeftModel  # noqa: E402
@@ -48,11 +48,6 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 def as_cache(captured) -> DynamicCache:
     return DynamicCache(list(zip(captured.keys, captured.values)))
-
-
-def kl_rows(full: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    p, q = F.log_softmax(full.float(), -1), F.log_softmax(other.float(), -1)
-    return (p.exp() * (p - q)).sum(-1)
 
 
 # ----- 1. retention -----
@@ -156,7 +151,7 @@ def session_policies(model, tokenizer, maps, turns: int) -> dict:
             logits = session.feed(message, adapter=adapter)
             with adapter_active(model, adapter):
                 full = model(input_ids=session.ids).logits[:, -message.shape[1]:]
-            kl = kl_rows(full[0], logits[0])
+            kl = token_kl(full[0], logits[0])
             kls.append(float(kl.mean()))
             agree.append(float((full[0].argmax(-1) == logits[0].argmax(-1)).float().mean()))
             per_turn.append({"adapter": adapter, "history": before, "new_tokens": message.shape[1],
@@ -228,7 +223,7 @@ def ttft(model, tokenizer, maps, adapter: str, lengths, repeats: int = 2) -> lis
         row = {"adapter": adapter, "history_tokens": length, "mapped_seconds": round(min(mapped_times[1:]), 4),
                "full_prefill_seconds": round(min(full_times[1:]), 4),
                "first_token_agrees": bool(mapped_logits.argmax() == full_logits.argmax()),
-               "kl_first_token": round(float(kl_rows(full_logits[None], mapped_logits[None])[0]), 5)}
+               "kl_first_token": round(float(token_kl(full_logits[None], mapped_logits[None])[0]), 5)}
         row["speedup"] = round(row["full_prefill_seconds"] / row["mapped_seconds"], 2)
         rows.append(row)
         print(row, flush=True)

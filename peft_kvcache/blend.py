@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from .capture import CapturedKV, run_with_cache
 from .errors import CalibrationError
-from .evaluate import cached_logits, full_logits
+from .evaluate import cached_logits, full_logits, token_kl
 from .kvmap import KINDS, KVMap
 
 DEFAULT_BLEND_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -79,10 +79,9 @@ def _scores(kv_map: KVMap, target_model, examples: Sequence[tuple[torch.Tensor, 
         context = ids.numel() - continuation
         cache = MappedCache.from_source(list(zip(source.keys, source.values)), kv_map, target_model,
                                         input_ids=ids[None, : context - 1], verify_models=False)
-        log_mapped = F.log_softmax(cached_logits(target_model, cache, ids, context, 1), -1)
-        log_full = F.log_softmax(full, -1)
-        kl += float((log_full.exp() * (log_full - log_mapped)).sum(-1).mean())
-        nll += float(-log_mapped.gather(-1, ids[context:, None]).mean())
+        logits = cached_logits(target_model, cache, ids, context, 1)
+        kl += float(token_kl(full, logits).mean())
+        nll += float(F.cross_entropy(logits, ids[context:]))
     return {"kl": kl / len(examples), "nll": nll / len(examples)}
 
 

@@ -69,6 +69,12 @@ def cached_logits(target, cache, ids: torch.Tensor, context: int, window: int) -
                    keep=ids.numel() - context)
 
 
+def token_kl(full: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """Per-position KL(full || other) of next-token distributions from logits ``[..., vocab]`` (float32)."""
+    log_full, log_other = F.log_softmax(full.float(), -1), F.log_softmax(other.float(), -1)
+    return (log_full.exp() * (log_full - log_other)).sum(-1)
+
+
 @dataclass
 class VariantScores:
     """Per-example, per-token scores of one variant (lists over examples of ``[M]`` tensors)."""
@@ -79,8 +85,7 @@ class VariantScores:
 
     def add(self, logits: torch.Tensor, full: torch.Tensor, labels: torch.Tensor) -> None:
         self.correct.append((logits.argmax(-1) == labels).float())
-        log_full, log_variant = F.log_softmax(full, -1), F.log_softmax(logits, -1)
-        self.kl.append((log_full.exp() * (log_full - log_variant)).sum(-1))
+        self.kl.append(token_kl(full, logits))
         self.agree.append((logits.argmax(-1) == full.argmax(-1)).float())
 
 
