@@ -52,16 +52,22 @@ def as_cache(captured) -> DynamicCache:
 
 # ----- 1. retention -----
 
-def retention(model, base, adapters, maps, sequences, context, continuation) -> dict:
+def retention(model, base, adapters, maps, sequences, context, continuation, refresh=()) -> dict:
     out = {}
     for adapter in adapters:
         model.set_adapter(adapter)
         started = time.perf_counter()
-        report = evaluate_retention(base, model, maps.to_adapter[adapter], sequences, context, continuation)
+        report = evaluate_retention(base, model, maps.to_adapter[adapter], sequences, context, continuation,
+                                    refresh=refresh)
         out[adapter] = {"table": report.table(), **report.to_dict(),
                         "mapped_minus_naive_kl": report.paired_difference("mapped@1", "naive@1", metric="kl"),
                         "mapped_minus_naive_normalized": report.paired_difference("mapped@1", "naive@1"),
                         "seconds": round(time.perf_counter() - started, 1)}
+        for k in refresh:  # the refreshed map against naive reuse and against the plain map
+            for other in ("naive@1", "mapped@1"):
+                out[adapter][f"mapped@1+r{k}_minus_{other}"] = {
+                    metric: report.paired_difference(f"mapped@1+r{k}", other, metric=metric)
+                    for metric in ("normalized", "kl")}
         print(f"\n## {adapter}\n{report.table()}", flush=True)
     return out
 
@@ -322,6 +328,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--ttft", type=int, nargs="*", default=[1024, 4096])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--refresh", type=int, nargs="*", default=[],
+                        help="also score mapped@1+rK: the target recomputes the K positions its last token attends to")
     parser.add_argument("--skip", nargs="*", default=[], help="sections to skip: retention task session ttft")
     parser.add_argument("--out", default=str(RESULTS / "adapters"))
     parser.add_argument("--update-cards", action="store_true", help="write the figures into hub_cards/ maps")
@@ -337,7 +345,8 @@ def main() -> None:
                "adapters": {n: json.loads((ROOT / "adapters" / n / "training.json").read_text()) for n in names}}
     if "retention" not in args.skip:
         sequences = token_sequences(evaluation_texts(60), tokenizer, args.context + args.continuation)[: args.examples]
-        results["retention"] = retention(model, base, mapped, maps, sequences, args.context, args.continuation)
+        results["retention"] = retention(model, base, mapped, maps, sequences, args.context, args.continuation,
+                                         args.refresh)
     if "task" not in args.skip:
         results["task"] = task_answers(model, tokenizer, names, maps, args.task_examples)
     if "session" not in args.skip:

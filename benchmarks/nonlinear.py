@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--max-rows", type=int, default=4096)
+    parser.add_argument("--linear-from", default=None, help="a published map folder (e.g. hub_cards/qwen2.5-"
+                        "coder-0.5b-to-1.5b-top2) used as the linear variant instead of calibrating it again")
     args = parser.parse_args(argv)
     torch.set_num_threads(1 if args.tiny else torch.get_num_threads())
     if args.tiny:
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     mlp = dict(r2_threshold=args.r2_threshold, hidden=args.hidden, steps=args.steps, max_rows=args.max_rows,
                progress=not args.tiny)
     started = time.perf_counter()
-    linear = calibrate(calibration)
+    linear = KVMap.from_pretrained(args.linear_from) if args.linear_from else calibrate(calibration)
     weak_data = calibration[: max(args.weak_files, 3)]
     weak = calibrate(weak_data)
     variants = {

@@ -6,11 +6,14 @@ mapped caches in both directions instead of re-running prefill over the history.
 Rule: a turn that asks to write or fix code goes to the 1.5B, anything else to the 0.5B. Each model keeps
 its own cache of the conversation; on a switch the other model's cache is mapped (maps from hub_cards/,
 calibrated on the fly if missing). Per turn it prints the time to first token with the mapped cache and
-with a full re-prefill, and whether their first tokens agree.
+with a full re-prefill, and whether their first tokens agree; with `--refresh K` (default 32, 0: off) also
+the mapped cache refreshed by the target (the new turn probes it and the K history positions it attends
+to most are recomputed: `peft_kvcache.refresh`).
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
 
@@ -51,7 +54,19 @@ def first_token_after_prefill(model, ids):
 
 
 @torch.no_grad()
+def first_token_after_switch(source_cache, kv_map, model, ids, **options):
+    started = time.perf_counter()
+    cache = MappedCache.from_source(source_cache, kv_map, model, input_ids=ids[:, :-1], **options)
+    logits = model(ids[:, -1:], past_key_values=cache, logits_to_keep=1,
+                   position_ids=torch.tensor([[ids.shape[1] - 1]])).logits[0, -1]
+    return int(logits.argmax()), time.perf_counter() - started
+
+
+@torch.no_grad()
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--refresh", type=int, default=32, help="history positions the target recomputes (0: off)")
+    args = parser.parse_args()
     small, tokenizer = load_model("gguf:qwen2.5-coder-0.5b-instruct")
     large, _ = load_model("gguf:qwen2.5-coder-1.5b-instruct")
     models = {"small": small, "large": large}
@@ -69,16 +84,20 @@ def main() -> None:
             started = time.perf_counter()
             source_cache = models[previous](ids[:, :-1], use_cache=True).cache  # stands in for its live cache
             setup = time.perf_counter() - started
-            started = time.perf_counter()
-            cache = MappedCache.from_source(source_cache, maps[(previous, active)], model, input_ids=ids[:, :-1])
-            mapped_token = int(model(ids[:, -1:], past_key_values=cache, logits_to_keep=1,
-                                     position_ids=torch.tensor([[ids.shape[1] - 1]])).logits[0, -1].argmax())
-            mapped_s = time.perf_counter() - started
+            mapped_token, mapped_s = first_token_after_switch(source_cache, maps[(previous, active)], model, ids)
             full_token, full_s = first_token_after_prefill(model, ids)
             line += (f": TTFT mapped {mapped_s:.2f}s vs re-prefill {full_s:.2f}s ({full_s / mapped_s:.1f}x); "
                      f"first tokens {'agree' if mapped_token == full_token else 'differ'} "
-                     f"({tokenizer.decode([mapped_token])!r} / {tokenizer.decode([full_token])!r}); "
-                     f"[source cache rebuilt for the demo in {setup:.1f}s, not counted]")
+                     f"({tokenizer.decode([mapped_token])!r} / {tokenizer.decode([full_token])!r})")
+            if args.refresh:
+                # the new turn (everything after the history the source model already had) is the probe
+                history = tokenizer.apply_chat_template(messages[:-1], return_tensors="pt", return_dict=True)
+                probe = min(ids.shape[1] - history["input_ids"].shape[1], ids.shape[1] - 3)
+                token, seconds = first_token_after_switch(source_cache, maps[(previous, active)], model, ids,
+                                                          refresh_tokens=args.refresh, probe_tokens=probe)
+                line += (f"; refreshed ({args.refresh} positions, {probe}-token probe) {seconds:.2f}s "
+                         f"({full_s / seconds:.1f}x), first tokens {'agree' if token == full_token else 'differ'}")
+            line += f" [source cache rebuilt for the demo in {setup:.1f}s, not counted]"
         elif previous is None:
             line += ": first turn, ordinary prefill"
         else:

@@ -45,6 +45,7 @@ class MappedCache(DynamicCache):
         self.fallback: str | None = None  # why the target prefilled instead ("min_quality", "bad_context")
         self.context_check: dict | None = None  # the per-request check's losses (check_tokens > 0)
         self.kept_positions: torch.Tensor | None = None  # drop_middle: the context columns kept
+        self.refreshed_positions: torch.Tensor | None = None  # refresh_tokens: the positions the target recomputed
 
     @classmethod
     def from_source(
@@ -61,6 +62,9 @@ class MappedCache(DynamicCache):
         check_tokens: int = 0,
         on_bad_context: str = "prefill",
         check_margin: float = 0.25,
+        refresh_tokens: int = 0,
+        probe_tokens: int = 16,
+        refresh_span: int = 8,
     ) -> "MappedCache":
         """Map a context into the target's KV space.
 
@@ -88,6 +92,10 @@ class MappedCache(DynamicCache):
                 their true positions, ``cache.kept_positions``; continue with explicit ``position_ids``
                 starting at ``cache.next_positions``) or ``"raise"`` (`QualityError`).
             check_margin: nats of mean loss the mapped prefix may cost before the context is flagged.
+            refresh_tokens: k > 0 turns on the refresh (`peft_kvcache.refresh`): the target runs the last
+                ``probe_tokens`` context tokens (the new turn) on the mapped cache, recomputes the k context
+                positions they attend to most (in spans of ``refresh_span`` tokens), then recomputes the probe
+                tokens on top. Cost: ``2 * probe_tokens + k`` target tokens. Needs ``input_ids``, batch 1.
 
         Returns:
             A `MappedCache` with the target's layer count, shapes, dtypes and devices.
@@ -95,6 +103,8 @@ class MappedCache(DynamicCache):
         source_is_cache = isinstance(source, (Cache, tuple, list))
         if verify_models:
             kv_map.check_models(None if source_is_cache else source, target_model)
+        if refresh_tokens and check_tokens:
+            raise QualityError("refresh_tokens and check_tokens cannot be combined: both recompute the last tokens")
         if on_bad_context not in ("prefill", "drop_middle", "raise"):
             raise QualityError(f"on_bad_context must be 'prefill', 'drop_middle' or 'raise', got {on_bad_context!r}")
         if min_quality is not None:
@@ -150,7 +160,26 @@ class MappedCache(DynamicCache):
             return cls._checked(mapped, kv_map, target_model, input_ids, attention_mask, target_positions,
                                 next_positions, check_tokens, sink_tokens, on_bad_context, check_margin,
                                 position_offset)
+        if refresh_tokens:
+            return cls._refreshed(mapped, kv_map, target_model, input_ids, attention_mask, next_positions,
+                                  refresh_tokens, probe_tokens, refresh_span, sink_tokens, position_offset)
         return cls(mapped, next_positions=next_positions, kv_map=kv_map)
+
+    @classmethod
+    def _refreshed(cls, mapped, kv_map, target_model, input_ids, attention_mask, next_positions, budget, probe,
+                   span, sink_tokens, position_offset) -> "MappedCache":
+        """The refresh (`peft_kvcache.refresh.refresh_attended`) on the mapped cache."""
+        from .refresh import refresh_attended
+
+        if input_ids is None:
+            raise QualityError("refresh_tokens needs input_ids: the target recomputes context tokens")
+        if input_ids.shape[0] != 1 or not bool(attention_mask.bool().all()):
+            raise CacheMismatchError("refresh_tokens works on one unpadded conversation at a time (batch 1)")
+        cache = cls(mapped, kv_map=kv_map)  # no continuation check while the refresh runs its own passes
+        cache.refreshed_positions = refresh_attended(target_model, cache, input_ids.cpu(), probe, budget, span,
+                                                     sink_tokens, position_offset)
+        cache.next_positions, cache._continuation_checked = next_positions, False
+        return cache
 
     @classmethod
     def _target_prefill(cls, target_model, input_ids, attention_mask, position_offset, reason) -> "MappedCache":

@@ -374,7 +374,7 @@ def write_card(kv_map, folder: str | Path, repo_id: str | None = None) -> Path:
     """
     folder = Path(folder)
     path = folder / CARD_NAME
-    path.write_text(render_card(kv_map, folder, repo_hint=repo_id or str(folder)), encoding="utf-8")
+    path.write_text(render_card(kv_map, folder, repo_hint=repo_id or folder.resolve().name), encoding="utf-8")
     logger.info("wrote the card of %r to %s", kv_map, path)
     return path
 

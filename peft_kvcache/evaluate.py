@@ -6,6 +6,9 @@ token teacher-forced. Variants differ only in what the target knows of the conte
 - ``full``: the target's own prefill of the whole context;
 - ``mapped@W``: the source's cache mapped by the KV map, with the target computing the last W context
   tokens itself (W=1: only the last one, the plain switch) and the sink;
+- ``mapped@W+rK``: the mapped cache refreshed (`peft_kvcache.refresh`): the last W context tokens probe the
+  mapped cache, the target recomputes the K context positions they attend to most, then the W tokens
+  (target compute ``2W + K`` tokens: its control is ``window@(2W+K)``);
 - ``window@W``: control at equal target compute: the target keeps only the sink and the last W context
   tokens, at their true positions, and drops the middle (no mapped cache at all);
 - ``naive``: the source's cache used unmapped (same-shape pairs: what a prefix cache ignoring the adapter does);
@@ -26,7 +29,7 @@ from tqdm.auto import tqdm
 from transformers.cache_utils import DynamicCache
 
 from .cache import MappedCache
-from .capture import run_with_cache
+from .capture import CapturedKV, run_with_cache
 from .errors import EvaluationError
 
 
@@ -102,6 +105,18 @@ class RetentionReport:
     continuation_length: int
     bootstrap: int = 1000
     seed: int = 0
+    context_checks: list[dict] = field(default_factory=list)  # per example: the per-request check's report
+
+    def check_catch_rate(self, window: int) -> dict:
+        """How the per-request check (``check_tokens=W`` in `evaluate_retention`) sorted the examples: a
+        context is *bad* when ``mapped@W`` scores below the window-only control ``window@W`` (top-1 accuracy
+        over the continuation); returns counts of bad/good contexts and how many of each it flagged."""
+        mapped = _per_example(self.scores[f"mapped@{window}"].correct)
+        control = _per_example(self.scores[f"window@{window}"].correct)
+        flagged = torch.tensor([c["flagged"] for c in self.context_checks])
+        bad = mapped < control
+        return {"window": window, "bad": int(bad.sum()), "bad_flagged": int((bad & flagged).sum()),
+                "good": int((~bad).sum()), "good_flagged": int((~bad & flagged).sum())}
 
     def _resamples(self) -> torch.Tensor:
         count = len(self.scores["full"].correct)
@@ -179,6 +194,10 @@ def evaluate_retention(
     windows: Sequence[int] = (1,),
     window_control: bool = True,
     naive_reuse: bool | None = None,
+    refresh: Sequence[int] = (),
+    refresh_span: int = 8,
+    check_tokens: int = 0,
+    check_margin: float = 0.25,
     progress: bool = True,
 ) -> RetentionReport:
     """Score the mapped cache against full prefill, no context, the window-only control and (same-shape
@@ -188,6 +207,11 @@ def evaluate_retention(
         windows: W values: the target computes the last W context tokens itself on top of the mapped cache
             (and the window-only control keeps the same W, at equal target compute).
         naive_reuse: score the unmapped source cache; by default only when the pair has the same shape.
+        refresh: budgets K of refreshed context positions: adds ``mapped@W+rK`` for every W (and its
+            window-only control at equal target compute, ``window@(2W+K)``).
+        check_tokens: W > 0 also runs the per-request check (``MappedCache.from_source(check_tokens=W)``) on
+            every example and keeps its reports in ``report.context_checks`` (see ``check_catch_rate``),
+            with ``check_margin`` nats of margin.
 
     Example:
         >>> report = evaluate_retention(src, tgt, kv_map, seqs, context_length=256)  # doctest: +SKIP
@@ -204,26 +228,52 @@ def evaluate_retention(
     kv_map.check_models(source_model, target_model)
     sink = kv_map.config.sink_tokens
     names = ["full", "no_context"] + [f"mapped@{w}" for w in windows]
-    names += [f"window@{w}" for w in windows] if window_control else []
+    refreshed = [(w, k) for w in windows for k in refresh]
+    names += [f"mapped@{w}+r{k}" for w, k in refreshed]
+    controls = sorted(set(windows) | {2 * w + k for w, k in refreshed if 2 * w + k < context_length})
+    names += [f"window@{w}" for w in controls] if window_control else []
     names += [f"naive@{w}" for w in windows] if naive_reuse else []
     scores = {name: VariantScores() for name in names}
+    checks = []
     for ids in tqdm(usable, desc="retention", disable=not progress):
         labels = ids[context_length:]
         full = full_logits(target_model, ids, context_length)
         scores["full"].add(full, full, labels)
         scores["no_context"].add(window_logits(target_model, ids, context_length, 1, sink=0), full, labels)
+        # one source pass over the whole context serves every W: a causal model's cache of a prefix is the
+        # prefix of its cache
+        context_cache = run_with_cache(source_model, ids[None, :context_length])
         for w in windows:
             prefix = ids[None, : context_length - w]
-            source_cache = run_with_cache(source_model, prefix)
+            source_cache = _prefix_of(context_cache, context_length - w)
             mapped = MappedCache.from_source(_as_cache(source_cache), kv_map, target_model, input_ids=prefix,
                                              verify_models=False)
             scores[f"mapped@{w}"].add(cached_logits(target_model, mapped, ids, context_length, w), full, labels)
-            if window_control:
-                scores[f"window@{w}"].add(window_logits(target_model, ids, context_length, w, sink), full, labels)
             if naive_reuse:
                 naive = _as_cache(source_cache)
                 scores[f"naive@{w}"].add(cached_logits(target_model, naive, ids, context_length, w), full, labels)
-    return RetentionReport(scores, context_length, continuation_length)
+        for w, k in refreshed:
+            context = ids[None, :context_length]
+            cache = MappedCache.from_source(_as_cache(context_cache), kv_map, target_model, input_ids=context, verify_models=False,
+                                            refresh_tokens=k, probe_tokens=w, refresh_span=refresh_span)
+            # the last context token's logits predict the first label: drop it and let the target redo it
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, :-1], layer.values[:, :, :-1]
+            cache.next_positions = cache.next_positions - 1
+            scores[f"mapped@{w}+r{k}"].add(cached_logits(target_model, cache, ids, context_length, 1), full, labels)
+        for w in controls if window_control else []:
+            scores[f"window@{w}"].add(window_logits(target_model, ids, context_length, w, sink), full, labels)
+        if check_tokens:
+            checked = MappedCache.from_source(_as_cache(context_cache), kv_map, target_model,
+                                              input_ids=ids[None, :context_length], verify_models=False,
+                                              check_tokens=check_tokens, check_margin=check_margin,
+                                              on_bad_context="drop_middle")
+            checks.append(checked.context_check)
+    return RetentionReport(scores, context_length, continuation_length, context_checks=checks)
+
+
+def _prefix_of(captured: CapturedKV, length: int) -> CapturedKV:
+    return CapturedKV([k[:, :, :length] for k in captured.keys], [v[:, :, :length] for v in captured.values])
 
 
 def _as_cache(captured) -> DynamicCache:

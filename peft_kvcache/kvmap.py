@@ -326,7 +326,8 @@ class KVMap:
             if card:
                 from .card import render_card  # card rendering needs the hub templates only when asked
 
-                (staging / CARD_NAME).write_text(render_card(self, staging, repo_hint=repo_id or str(save_directory)))
+                # a card is published: its usage names the repo, never this machine's absolute path
+                (staging / CARD_NAME).write_text(render_card(self, staging, repo_hint=repo_id or target.name))
             if target.exists():
                 _swap_in(staging, target, drop_stale_chart=card)
             else:

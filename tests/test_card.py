@@ -107,6 +107,12 @@ def test_the_usage_snippet_is_python_that_loads_this_map(saved):
     assert 'from_pretrained("Qwen/Qwen2.5-Coder-1.5B-Instruct"' in snippet
 
 
+def test_a_card_saved_without_repo_id_never_names_this_machines_path(tmp_path):
+    folder = make_map().save_pretrained(tmp_path / "deep" / "coder-map")
+    text = (folder / "README.md").read_text()
+    assert 'KVMap.from_pretrained("coder-map")' in text and str(tmp_path) not in text
+
+
 def test_fixture_models_get_a_snippet_that_loads_the_fixture():
     kv_map = make_map(calibration={"source_spec": "gguf:qwen2.5-coder-0.5b-instruct",
                                    "target_spec": "gguf:qwen2.5-coder-1.5b-instruct"})

@@ -32,3 +32,19 @@ def test_identity_map_retains_everything_and_naive_reuse_equals_full():
     assert rows["no_context"]["kl"] > 1e-3
     diff = report.paired_difference("mapped@8", "window@8", metric="kl")
     assert diff["difference"] < 0 and diff["low"] <= diff["difference"] <= diff["high"]
+
+
+def test_context_checks_are_recorded_per_example_and_sorted_into_bad_and_good(sibling_pair, sibling_map):
+    source, target = sibling_pair
+    examples = random_ids(4, 40, seed=11)
+    for margin, expect_flagged in ((float("inf"), 0), (-float("inf"), 4)):  # the margin decides, per context
+        report = evaluate_retention(source, target, sibling_map, examples, context_length=32, continuation_length=8,
+                                    windows=(4,), check_tokens=4, check_margin=margin, progress=False)
+        assert len(report.context_checks) == 4
+        assert sum(c["flagged"] for c in report.context_checks) == expect_flagged
+        counts = report.check_catch_rate(4)
+        mapped = torch.stack([c.mean() for c in report.scores["mapped@4"].correct])
+        control = torch.stack([c.mean() for c in report.scores["window@4"].correct])
+        bad = int((mapped < control).sum())
+        assert (counts["bad"], counts["good"]) == (bad, 4 - bad)
+        assert (counts["bad_flagged"], counts["good_flagged"]) == ((bad, 4 - bad) if expect_flagged else (0, 0))

@@ -1,0 +1,155 @@
+"""Refresh: after a switch, the target recomputes the few context tokens its own new tokens attend to.
+
+A mapped cache is approximate at every position, and what suffers most is retrieval: a value stated
+far back is found by the target's queries and copied from its values, and a small error in either loses
+it. The tokens that matter for the next turn are few, and the target itself can say which: it runs the
+new turn (the ``probe`` tokens) on the mapped cache and we read where its attention goes. Those context
+tokens, in short spans, are then recomputed with the target's own weights — each attending to the mapped
+cache before it and to the refreshed tokens before it, at its true position — and their keys/values
+replace the mapped ones; the probe tokens are recomputed on top in the same pass.
+
+Cost: ``2 * probe + budget`` target tokens over the context (vs the whole context for prefill), in two
+passes over the target's weights (the probe, then refresh + probe again). With
+every context position refreshed the result is exactly the target's own prefill (a test checks this).
+The probe pass runs with eager attention (transformers returns attention weights only from it).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from transformers.cache_utils import Cache
+
+from .errors import CacheMismatchError
+
+
+def _truncate(cache: Cache, length: int) -> None:
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+
+
+@contextmanager
+def _own_passes(cache: Cache):
+    """A MappedCache checks that the first tokens added continue its context; the refresh's own passes
+    (probe, scattered positions) are not that continuation: suspend the check, keep it for the user's."""
+    checked = getattr(cache, "_continuation_checked", None)
+    if checked is not None:
+        cache._continuation_checked = True
+    try:
+        yield
+    finally:
+        if checked is not None:
+            cache._continuation_checked = checked
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def attention_scores(target_model, cache: Cache, probe_ids: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
+    """``[context]``: how strongly the last of the ``probe_ids`` ``[1, W]`` tokens, run on top of ``cache``
+    (batch 1, left as it was), attends to each cached position: per layer the maximum attention weight
+    over heads, averaged over layers (a position one head retrieves sharply counts, not only positions
+    every head skims). The last token is the one whose prediction starts the answer: on the recall task
+    (benchmarks/siblings.py) it ranks the retrieved position first or second through the mapped cache,
+    where the average over all probe tokens ranks it 10th-40th behind the recent tokens."""
+    length = cache.get_seq_length()
+    positions = torch.arange(length, length + probe_ids.shape[1]) + position_offset
+    previous = target_model.config._attn_implementation
+    target_model.set_attn_implementation("eager")
+    try:
+        with _own_passes(cache):
+            out = target_model(input_ids=probe_ids.to(_device(target_model)), position_ids=positions[None].to(
+                _device(target_model)), past_key_values=cache, use_cache=True, output_attentions=True,
+                logits_to_keep=1)
+    finally:
+        target_model.set_attn_implementation(previous)
+        _truncate(cache, length)
+    per_layer = [a[0, :, -1, :length].float().amax(dim=0).cpu() for a in out.attentions]
+    return torch.stack(per_layer).mean(0)
+
+
+def select_spans(scores: torch.Tensor, budget: int, span: int = 8, first: int = 1) -> torch.Tensor:
+    """Sorted positions to refresh: the highest-scoring positions in ``[first, len(scores))``, each as a
+    run of ``span`` tokens starting one before it (copying reads the tokens that follow a match), until
+    ``budget`` positions are chosen."""
+    length = scores.numel()
+    if budget <= 0 or length <= first:
+        return torch.empty(0, dtype=torch.long)
+    chosen = torch.zeros(length, dtype=torch.bool)
+    for anchor in scores[first:].argsort(descending=True).tolist():
+        anchor += first
+        for p in range(max(first, anchor - 1), min(length, anchor - 1 + span)):
+            if int(chosen.sum()) >= budget:
+                break
+            chosen[p] = True
+        if int(chosen.sum()) >= min(budget, length - first):
+            break
+    return chosen.nonzero().flatten()
+
+
+@torch.no_grad()
+def refresh_positions(target_model, cache: Cache, context_ids: torch.Tensor, positions: torch.Tensor,
+                      position_offset: int = 0, append_ids: torch.Tensor | None = None) -> None:
+    """Recompute the cache entries at ``positions`` (sorted, within the ``[1, n]`` ``context_ids`` the cache
+    holds) with the target, in place: each refreshed token attends to the cached entries before it that
+    are not refreshed, and to the refreshed ones up to itself. ``append_ids`` ``[1, W]``, the tokens that
+    follow the context, are computed in the same pass on top of the refreshed cache and appended (one pass
+    over the target's weights instead of two)."""
+    length = cache.get_seq_length()
+    if context_ids.shape != (1, length):
+        raise CacheMismatchError(f"refresh needs the [1, {length}] token ids the cache holds, got "
+                                 f"{tuple(context_ids.shape)}")
+    if positions.numel() and (positions.min() < 0 or positions.max() >= length or not bool((positions.diff() > 0).all())):
+        raise CacheMismatchError(f"refresh positions must be sorted, unique and in 0..{length - 1}")
+    appended = 0 if append_ids is None else append_ids.shape[1]
+    if positions.numel() + appended == 0:
+        return
+    device = _device(target_model)
+    dtype = cache.layers[0].keys.dtype
+    queries = torch.cat([positions, torch.arange(length, length + appended)])
+    tokens = context_ids[:, positions] if append_ids is None else torch.cat([context_ids[:, positions], append_ids.cpu()], 1)
+    refreshed = torch.zeros(length, dtype=torch.bool)
+    refreshed[positions] = True
+    old = (torch.arange(length)[None] < queries[:, None]) & ~refreshed[None]  # mapped entries before each query
+    new = queries[None] <= queries[:, None]  # refreshed/appended entries up to each query (causal)
+    allowed = torch.cat([old, new], dim=1)
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    with _own_passes(cache):
+        target_model(input_ids=tokens.to(device), position_ids=(queries + position_offset)[None].to(device),
+                     attention_mask=mask[None, None].to(device), past_key_values=cache, use_cache=True,
+                     logits_to_keep=1)
+    split = length + positions.numel()
+    for layer in cache.layers:
+        index = positions.to(layer.keys.device)
+        keys, values = layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone()
+        keys[:, :, index], values[:, :, index] = layer.keys[:, :, length:split], layer.values[:, :, length:split]
+        layer.keys = torch.cat([keys, layer.keys[:, :, split:]], dim=2)
+        layer.values = torch.cat([values, layer.values[:, :, split:]], dim=2)
+
+
+@torch.no_grad()
+def refresh_attended(target_model, cache: Cache, input_ids: torch.Tensor, probe_tokens: int, budget: int,
+                     span: int = 8, sink_tokens: int = 1, position_offset: int = 0) -> torch.Tensor:
+    """The whole refresh on a cache holding ``input_ids`` ``[1, n]``: the last ``probe_tokens`` are the
+    probe; the ``budget`` context positions (spans, past the sink) they attend to most are recomputed by
+    the target; then the target recomputes the probe tokens on top, so the cache ends holding all ``n``
+    tokens. Returns the refreshed positions."""
+    length = input_ids.shape[1]
+    if input_ids.shape[0] != 1:
+        raise CacheMismatchError("refresh works on one conversation at a time (batch 1)")
+    if not 1 <= probe_tokens < length - sink_tokens:
+        raise CacheMismatchError(f"probe_tokens must be in 1..{length - sink_tokens - 1} for a context of "
+                                 f"{length} tokens, got {probe_tokens}")
+    start = length - probe_tokens
+    _truncate(cache, start)
+    scores = attention_scores(target_model, cache, input_ids[:, start:], position_offset)
+    positions = select_spans(scores, budget, span, first=sink_tokens)
+    refresh_positions(target_model, cache, input_ids[:, :start], positions, position_offset,
+                      append_ids=input_ids[:, start:])
+    return positions
+
+
+__all__ = ["attention_scores", "refresh_attended", "refresh_positions", "select_spans"]

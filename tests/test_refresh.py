@@ -1,0 +1,113 @@
+"""The refresh (target recomputes the context tokens its new tokens attend to), on tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache
+
+from conftest import random_ids, tiny_model
+from peft_kvcache import MappedCache
+from peft_kvcache.capture import run_with_cache
+from peft_kvcache.errors import CacheMismatchError, QualityError
+from peft_kvcache.evaluate import evaluate_retention
+from peft_kvcache.refresh import attention_scores, refresh_positions, select_spans
+
+
+def _max_error(cache, own) -> float:
+    return max(float((layer.keys - k).abs().max()) + float((layer.values - v).abs().max())
+               for layer, k, v in zip(cache.layers, own.keys, own.values))
+
+
+def test_refreshing_every_position_gives_the_targets_own_prefill(sibling_pair, sibling_map):
+    source, target = sibling_pair
+    ids = random_ids(1, 30, seed=5)[0][None]
+    cache = MappedCache.from_source(source, sibling_map, target, input_ids=ids)
+    own = run_with_cache(target, ids)
+    assert _max_error(cache, own) > 1e-2  # the map is approximate...
+    refresh_positions(target, cache, ids, torch.arange(1, 30))
+    assert cache.get_seq_length() == 30
+    assert _max_error(cache, own) < 1e-5  # ...and a refresh of everything past the (exact) sink is exact
+
+
+def test_refresh_changes_only_the_chosen_positions(sibling_pair, sibling_map):
+    source, target = sibling_pair
+    ids = random_ids(1, 30, seed=6)[0][None]
+    cache = MappedCache.from_source(source, sibling_map, target, input_ids=ids)
+    before = [layer.keys.clone() for layer in cache.layers]
+    chosen = torch.tensor([3, 4, 17])
+    refresh_positions(target, cache, ids, chosen)
+    for layer, old in zip(cache.layers, before):
+        changed = (layer.keys != old).any(-1).any(1)[0]
+        assert changed.nonzero().flatten().tolist() == chosen.tolist()
+    with pytest.raises(CacheMismatchError, match="sorted"):
+        refresh_positions(target, cache, ids, torch.tensor([5, 2]))
+    with pytest.raises(CacheMismatchError, match="token ids"):
+        refresh_positions(target, cache, ids[:, :10], chosen)
+
+
+def test_attention_scores_match_the_models_own_attention_and_leave_cache_and_model_as_they_were():
+    model = tiny_model("llama", seed=2)
+    model.set_attn_implementation("sdpa")
+    ids = random_ids(1, 24, seed=7)[0][None]
+    cache = DynamicCache(list(zip(*(lambda c: (c.keys, c.values))(run_with_cache(model, ids[:, :20])))))
+    scores = attention_scores(model, cache, ids[:, 20:])
+    assert cache.get_seq_length() == 20 and model.config._attn_implementation == "sdpa"
+    model.set_attn_implementation("eager")
+    attentions = model(ids, output_attentions=True).attentions
+    expected = torch.stack([a[0, :, -1, :20].amax(dim=0) for a in attentions]).mean(0)
+    assert torch.allclose(scores, expected, atol=1e-5)
+
+
+def test_select_spans_follows_the_scores_within_the_budget():
+    scores = torch.zeros(40)
+    scores[0], scores[20], scores[9] = 5.0, 1.0, 0.5  # position 0 is the sink: never chosen
+    chosen = select_spans(scores, budget=8, span=4, first=1)
+    assert chosen.tolist() == [8, 9, 10, 11, 19, 20, 21, 22]
+    assert select_spans(scores, budget=3, span=4).tolist() == [19, 20, 21]
+    assert select_spans(scores, budget=100, span=4).tolist() == list(range(1, 40))
+    assert select_spans(scores, budget=0).numel() == 0
+
+
+@torch.no_grad()
+def test_from_source_refresh_covers_the_whole_context_and_continues(sibling_pair, sibling_map):
+    source, target = sibling_pair
+    ids = random_ids(1, 33, seed=8)[0][None]
+    context = ids[:, :-1]
+    own_logits = target(ids).logits[0, -1]
+    full = MappedCache.from_source(source, sibling_map, target, input_ids=context, refresh_tokens=32, probe_tokens=4)
+    assert full.get_seq_length() == 32 and full.refreshed_positions.tolist() == list(range(1, 28))
+    logits = target(ids[:, -1:], past_key_values=full, position_ids=torch.tensor([[32]])).logits[0, -1]
+    assert torch.allclose(logits, own_logits, atol=1e-4)  # everything refreshed: the target's own prefill
+
+    plain = MappedCache.from_source(source, sibling_map, target, input_ids=context)
+    some = MappedCache.from_source(source, sibling_map, target, input_ids=context, refresh_tokens=6, probe_tokens=4)
+    assert some.refreshed_positions.numel() == 6
+    error = lambda cache: float((target(ids[:, -1:], past_key_values=cache).logits[0, -1] - own_logits).abs().max())  # noqa: E731
+    assert error(some) < error(plain)
+    with pytest.raises(CacheMismatchError, match="next tokens start"):
+        target(ids, position_ids=torch.arange(33)[None], past_key_values=MappedCache.from_source(
+            source, sibling_map, target, input_ids=context, refresh_tokens=6, probe_tokens=4))
+
+
+def test_refresh_errors_are_clear(sibling_pair, sibling_map):
+    source, target = sibling_pair
+    ids = random_ids(2, 20, seed=9)
+    batch = torch.stack(ids)
+    with pytest.raises(CacheMismatchError, match="batch 1"):
+        MappedCache.from_source(source, sibling_map, target, input_ids=batch, refresh_tokens=4)
+    with pytest.raises(QualityError, match="cannot be combined"):
+        MappedCache.from_source(source, sibling_map, target, input_ids=batch[:1], refresh_tokens=4, check_tokens=4)
+    with pytest.raises(CacheMismatchError, match="probe_tokens"):
+        MappedCache.from_source(source, sibling_map, target, input_ids=batch[:1], refresh_tokens=4, probe_tokens=19)
+
+
+def test_evaluate_scores_refresh_beside_its_equal_compute_control(sibling_pair, sibling_map):
+    source, target = sibling_pair
+    report = evaluate_retention(source, target, sibling_map, random_ids(3, 40, seed=10), context_length=32,
+                                continuation_length=8, windows=(2,), refresh=(4, 60), progress=False)
+    names = [row["variant"] for row in report.rows()]
+    assert {"mapped@2+r4", "window@8", "mapped@2+r60", "window@2"} <= set(names)
+    rows = {row["variant"]: row for row in report.rows()}
+    assert rows["mapped@2+r60"]["kl"] < 1e-6  # budget past the context: every position refreshed, exact
+    assert rows["mapped@2+r4"]["kl"] < rows["mapped@2"]["kl"]
