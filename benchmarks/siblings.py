@@ -148,6 +148,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--continuation", type=int, default=64)
     parser.add_argument("--recall-examples", type=int, default=10)
+    parser.add_argument("--tasks", nargs="+", default=["continuation", "recall"], choices=["continuation", "recall"])
     parser.add_argument("--recall-depth", type=float, nargs="+", default=[0.0],
                         help="where the value is stated: 0 = the top of the context, 0.5 = its middle")
     parser.add_argument("--windows", type=int, nargs="+", default=[1, 32])
@@ -212,11 +213,12 @@ def main() -> None:
                 add_speedups(kv_map.config.quality, row["ttft"])
                 kv_map.save_pretrained(CARDS / name)
                 results[key] = row
+                write_results(args.output, results, lines)
                 continue
             reports = {}
-            tasks = [("continuation", continuation, args.context, args.continuation)]
+            tasks = [("continuation", continuation, args.context, args.continuation)] * ("continuation" in args.tasks)
             tasks += [("recall" if depth == 0 else f"recall@depth{depth:g}", seqs, args.context, answer_len)
-                      for depth, (seqs, answer_len) in recall.items()]
+                      for depth, (seqs, answer_len) in recall.items() if "recall" in args.tasks]
             for task, seqs, ctx, cont in tasks:
                 report = evaluate_retention(models[src], models[tgt], kv_map, seqs, ctx, cont,
                                             windows=args.windows, refresh=args.refresh,
@@ -247,24 +249,26 @@ def main() -> None:
             lines += [f"TTFT {name}: " + json.dumps(row["ttft"]), ""]
             print(lines[-2], flush=True)
             results[key] = row
-            continued = {r["variant"]: r for r in reports["continuation"].rows()}
-            recall_task = next(task for task in reports if task.startswith("recall"))
-            recalled = {r["variant"]: r for r in reports[recall_task].rows()}
-            figures = {variant: {
-                "continuation_normalized_retention": round(continued[variant]["normalized_retention"], 4),
-                "continuation_kl": round(continued[variant]["kl"], 4),
-                f"{recall_task}_normalized_retention": round(recalled[variant]["normalized_retention"], 4),
-            } for variant in continued if variant.startswith("mapped@")}
             for stale in ("continuation_normalized_retention", "continuation_kl", "recall_normalized_retention",
                           "ttft_speedup_2048"):  # the single-variant figures of earlier runs
                 kv_map.config.quality.pop(stale, None)
-            kv_map.config.quality.update({"context_tokens": args.context, "evaluation_examples": {
-                task: report.to_dict()["examples"] for task, report in reports.items()}, "variants": figures})
+            quality = kv_map.config.quality
+            quality["context_tokens"] = args.context
+            for task, report in reports.items():  # merged into the card's figures: a run may score some tasks
+                quality.setdefault("evaluation_examples", {})[task] = report.to_dict()["examples"]
+                for r in (r for r in report.rows() if r["variant"].startswith("mapped@")):
+                    figures = quality.setdefault("variants", {}).setdefault(r["variant"], {})
+                    figures[f"{task}_normalized_retention"] = round(r["normalized_retention"], 4)
+                    figures[f"{task}_kl"] = round(r["kl"], 4)
             add_speedups(kv_map.config.quality, row["ttft"])
             kv_map.save_pretrained(CARDS / name)
+            write_results(args.output, results, lines)  # after every map: a long run keeps what it measured
+
+
+def write_results(stem: str, results: dict, lines: list[str]) -> None:
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.output}.json").write_text(json.dumps(results, indent=2))
-    (RESULTS / f"{args.output}.md").write_text("\n".join(lines))
+    (RESULTS / f"{stem}.json").write_text(json.dumps(results, indent=2))
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines))
 
 
 if __name__ == "__main__":

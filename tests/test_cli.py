@@ -112,7 +112,8 @@ def test_calibrate_writes_a_complete_map(calibrated, workspace):
     assert ModelCard.load(calibrated / "README.md").data.license == "mit"
 
 
-def test_the_card_snippet_runs_as_written(calibrated, capsys):
+def test_the_card_snippet_runs_as_written(calibrated, capsys, monkeypatch):
+    monkeypatch.chdir(calibrated.parent)  # the snippet names the map by its folder (the repo name once pushed)
     readme = (calibrated / "README.md").read_text()
     snippet = re.search(r"```python\n(.*?)```", readme, flags=re.S).group(1)
     exec(compile(snippet, "README.md", "exec"), {})
