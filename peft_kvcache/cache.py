@@ -94,8 +94,9 @@ class MappedCache(DynamicCache):
             check_margin: nats of mean loss the mapped prefix may cost before the context is flagged.
             refresh_tokens: k > 0 turns on the refresh (`peft_kvcache.refresh`): the target runs the last
                 ``probe_tokens`` context tokens (the new turn) on the mapped cache, recomputes the k context
-                positions they attend to most (in spans of ``refresh_span`` tokens), then recomputes the probe
-                tokens on top. Cost: ``2 * probe_tokens + k`` target tokens. Needs ``input_ids``, batch 1.
+                positions the last of them attends to most (in spans of ``refresh_span`` tokens), then the probe
+                tokens on top. Cost: ``2 * probe_tokens + k`` target tokens in two passes over its weights.
+                Needs ``input_ids``, batch 1.
 
         Returns:
             A `MappedCache` with the target's layer count, shapes, dtypes and devices.

@@ -7,7 +7,7 @@ token teacher-forced. Variants differ only in what the target knows of the conte
 - ``mapped@W``: the source's cache mapped by the KV map, with the target computing the last W context
   tokens itself (W=1: only the last one, the plain switch) and the sink;
 - ``mapped@W+rK``: the mapped cache refreshed (`peft_kvcache.refresh`): the last W context tokens probe the
-  mapped cache, the target recomputes the K context positions they attend to most, then the W tokens
+  mapped cache, the target recomputes the K context positions the last one attends to most, then the W tokens
   (target compute ``2W + K`` tokens: its control is ``window@(2W+K)``);
 - ``window@W``: control at equal target compute: the target keeps only the sink and the last W context
   tokens, at their true positions, and drops the middle (no mapped cache at all);
@@ -254,8 +254,9 @@ def evaluate_retention(
                 scores[f"naive@{w}"].add(cached_logits(target_model, naive, ids, context_length, w), full, labels)
         for w, k in refreshed:
             context = ids[None, :context_length]
-            cache = MappedCache.from_source(_as_cache(context_cache), kv_map, target_model, input_ids=context, verify_models=False,
-                                            refresh_tokens=k, probe_tokens=w, refresh_span=refresh_span)
+            cache = MappedCache.from_source(_as_cache(context_cache), kv_map, target_model, input_ids=context,
+                                            verify_models=False, refresh_tokens=k, probe_tokens=w,
+                                            refresh_span=refresh_span)
             # the last context token's logits predict the first label: drop it and let the target redo it
             for layer in cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, :-1], layer.values[:, :, :-1]

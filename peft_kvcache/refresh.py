@@ -102,7 +102,8 @@ def refresh_positions(target_model, cache: Cache, context_ids: torch.Tensor, pos
     if context_ids.shape != (1, length):
         raise CacheMismatchError(f"refresh needs the [1, {length}] token ids the cache holds, got "
                                  f"{tuple(context_ids.shape)}")
-    if positions.numel() and (positions.min() < 0 or positions.max() >= length or not bool((positions.diff() > 0).all())):
+    sorted_unique = bool((positions.diff() > 0).all())
+    if positions.numel() and (positions.min() < 0 or positions.max() >= length or not sorted_unique):
         raise CacheMismatchError(f"refresh positions must be sorted, unique and in 0..{length - 1}")
     appended = 0 if append_ids is None else append_ids.shape[1]
     if positions.numel() + appended == 0:
@@ -110,7 +111,9 @@ def refresh_positions(target_model, cache: Cache, context_ids: torch.Tensor, pos
     device = _device(target_model)
     dtype = cache.layers[0].keys.dtype
     queries = torch.cat([positions, torch.arange(length, length + appended)])
-    tokens = context_ids[:, positions] if append_ids is None else torch.cat([context_ids[:, positions], append_ids.cpu()], 1)
+    tokens = context_ids[:, positions]
+    if append_ids is not None:
+        tokens = torch.cat([tokens, append_ids.cpu()], dim=1)
     refreshed = torch.zeros(length, dtype=torch.bool)
     refreshed[positions] = True
     old = (torch.arange(length)[None] < queries[:, None]) & ~refreshed[None]  # mapped entries before each query
@@ -134,9 +137,9 @@ def refresh_positions(target_model, cache: Cache, context_ids: torch.Tensor, pos
 def refresh_attended(target_model, cache: Cache, input_ids: torch.Tensor, probe_tokens: int, budget: int,
                      span: int = 8, sink_tokens: int = 1, position_offset: int = 0) -> torch.Tensor:
     """The whole refresh on a cache holding ``input_ids`` ``[1, n]``: the last ``probe_tokens`` are the
-    probe; the ``budget`` context positions (spans, past the sink) they attend to most are recomputed by
-    the target; then the target recomputes the probe tokens on top, so the cache ends holding all ``n``
-    tokens. Returns the refreshed positions."""
+    probe; the ``budget`` context positions (spans, past the sink) its last token attends to most are
+    recomputed by the target, and the probe tokens on top in the same pass, so the cache ends holding all
+    ``n`` tokens. Returns the refreshed positions."""
     length = input_ids.shape[1]
     if input_ids.shape[0] != 1:
         raise CacheMismatchError("refresh works on one conversation at a time (batch 1)")

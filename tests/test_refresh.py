@@ -83,7 +83,9 @@ def test_from_source_refresh_covers_the_whole_context_and_continues(sibling_pair
     plain = MappedCache.from_source(source, sibling_map, target, input_ids=context)
     some = MappedCache.from_source(source, sibling_map, target, input_ids=context, refresh_tokens=6, probe_tokens=4)
     assert some.refreshed_positions.numel() == 6
-    error = lambda cache: float((target(ids[:, -1:], past_key_values=cache).logits[0, -1] - own_logits).abs().max())  # noqa: E731
+    def error(cache) -> float:
+        return float((target(ids[:, -1:], past_key_values=cache).logits[0, -1] - own_logits).abs().max())
+
     assert error(some) < error(plain)
     with pytest.raises(CacheMismatchError, match="next tokens start"):
         target(ids, position_ids=torch.arange(33)[None], past_key_values=MappedCache.from_source(
