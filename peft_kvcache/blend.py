@@ -138,12 +138,12 @@ def choose_blend(
         return scores[keys, values][criterion]
 
     with tqdm(total=2 * len(grid), desc="blend: grid", disable=not progress) as bar:
-        def best(kl_of: Callable[[float], float]) -> float:
-            kls = {}
+        def best(score_of: Callable[[float], float]) -> float:
+            by_alpha = {}
             for alpha in grid:
-                kls[alpha] = kl_of(alpha)
+                by_alpha[alpha] = score_of(alpha)
                 bar.update()
-            return min(grid, key=lambda a: (kls[a], -a))  # on a tie, the larger correction
+            return min(grid, key=lambda a: (by_alpha[a], -a))  # on a tie, the larger correction
 
         best_values = best(lambda a: score(1.0, a))
         best_keys = best(lambda a: score(a, best_values))

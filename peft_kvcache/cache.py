@@ -176,10 +176,9 @@ class MappedCache(DynamicCache):
             raise QualityError("refresh_tokens needs input_ids: the target recomputes context tokens")
         if input_ids.shape[0] != 1 or not bool(attention_mask.bool().all()):
             raise CacheMismatchError("refresh_tokens works on one unpadded conversation at a time (batch 1)")
-        cache = cls(mapped, kv_map=kv_map)  # no continuation check while the refresh runs its own passes
+        cache = cls(mapped, next_positions=next_positions, kv_map=kv_map)  # the refresh's passes skip its check
         cache.refreshed_positions = refresh_attended(target_model, cache, input_ids.cpu(), probe, budget, span,
                                                      sink_tokens, position_offset)
-        cache.next_positions, cache._continuation_checked = next_positions, False
         return cache
 
     @classmethod

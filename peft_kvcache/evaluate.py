@@ -31,6 +31,7 @@ from transformers.cache_utils import DynamicCache
 from .cache import MappedCache
 from .capture import CapturedKV, run_with_cache
 from .errors import EvaluationError
+from .refresh import truncate_cache
 
 
 def token_sequences(texts: Sequence[str], tokenizer, length: int) -> list[torch.Tensor]:
@@ -258,8 +259,7 @@ def evaluate_retention(
                                             verify_models=False, refresh_tokens=k, probe_tokens=w,
                                             refresh_span=refresh_span)
             # the last context token's logits predict the first label: drop it and let the target redo it
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, :-1], layer.values[:, :, :-1]
+            truncate_cache(cache, context_length - 1)
             cache.next_positions = cache.next_positions - 1
             scores[f"mapped@{w}+r{k}"].add(cached_logits(target_model, cache, ids, context_length, 1), full, labels)
         for w in controls if window_control else []:

@@ -24,7 +24,9 @@ from transformers.cache_utils import Cache
 from .errors import CacheMismatchError
 
 
-def _truncate(cache: Cache, length: int) -> None:
+def truncate_cache(cache: Cache, length: int) -> None:
+    """Keep the first ``length`` positions of every layer (slicing: ``DynamicCache.crop``'s argument changed
+    meaning in transformers 5.24)."""
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
 
@@ -66,7 +68,7 @@ def attention_scores(target_model, cache: Cache, probe_ids: torch.Tensor, positi
                 logits_to_keep=1)
     finally:
         target_model.set_attn_implementation(previous)
-        _truncate(cache, length)
+        truncate_cache(cache, length)
     per_layer = [a[0, :, -1, :length].float().amax(dim=0).cpu() for a in out.attentions]
     return torch.stack(per_layer).mean(0)
 
@@ -78,14 +80,16 @@ def select_spans(scores: torch.Tensor, budget: int, span: int = 8, first: int = 
     length = scores.numel()
     if budget <= 0 or length <= first:
         return torch.empty(0, dtype=torch.long)
-    chosen = torch.zeros(length, dtype=torch.bool)
+    budget = min(budget, length - first)
+    chosen, count = torch.zeros(length, dtype=torch.bool), 0
     for anchor in scores[first:].argsort(descending=True).tolist():
         anchor += first
         for p in range(max(first, anchor - 1), min(length, anchor - 1 + span)):
-            if int(chosen.sum()) >= budget:
+            if count == budget:
                 break
+            count += not chosen[p]
             chosen[p] = True
-        if int(chosen.sum()) >= min(budget, length - first):
+        if count == budget:
             break
     return chosen.nonzero().flatten()
 
@@ -147,7 +151,7 @@ def refresh_attended(target_model, cache: Cache, input_ids: torch.Tensor, probe_
         raise CacheMismatchError(f"probe_tokens must be in 1..{length - sink_tokens - 1} for a context of "
                                  f"{length} tokens, got {probe_tokens}")
     start = length - probe_tokens
-    _truncate(cache, start)
+    truncate_cache(cache, start)
     scores = attention_scores(target_model, cache, input_ids[:, start:], position_offset)
     positions = select_spans(scores, budget, span, first=sink_tokens)
     refresh_positions(target_model, cache, input_ids[:, :start], positions, position_offset,
@@ -155,4 +159,4 @@ def refresh_attended(target_model, cache: Cache, input_ids: torch.Tensor, probe_
     return positions
 
 
-__all__ = ["attention_scores", "refresh_attended", "refresh_positions", "select_spans"]
+__all__ = ["attention_scores", "refresh_attended", "refresh_positions", "select_spans", "truncate_cache"]
