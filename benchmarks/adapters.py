@@ -6,11 +6,16 @@
 2. The adapters' own task (held-out docstring prompts, evaluation split): answer NLL when the prompt's
    KV comes from the adapter's own prefill, the mapped base cache, or the base cache reused as is; and the
    Activated LoRA adapter (if trained) reusing the base cache exactly.
+   2b. (``task_history``) the same task after a long chat: the function is shared first, in a ~1k-token
+   module, and asked for by name at the end, so the answer depends on far context; also scored: the
+   refreshed mapped cache (``--refresh``), the last request alone (no context) and the base model.
 3. Session policy after an adapter's turn: base prefill of the new tokens vs the reverse map (quality of
    every later turn and cost), over a scripted chat that switches adapters.
 4. TTFT of a switch (map + sink + one target step) vs full target prefill at 1k and 4k tokens of history.
 
-    PYTHONPATH=. python benchmarks/adapters.py          # ~10-15 min on 1 thread
+    PYTHONPATH=. python benchmarks/adapters.py          # ~10-15 min on 1 thread (+ ~25 min for task_history)
+    PYTHONPATH=. python benchmarks/adapters.py --skip retention task session ttft --refresh 32 \
+        --threads 2 --out benchmarks/results/adapters-history   # only the long-chat task
 
 Writes benchmarks/results/adapters.md and adapters.json.
 """
@@ -24,6 +29,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,12 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from calibrate_adapter_maps import MODEL, ensure_maps, load_peft_smollm2  # noqa: E402
-from train_adapters import encode, functions_with_docstrings  # noqa: E402
+from train_adapters import INSTRUCTION, encode, functions_with_docstrings  # noqa: E402
 
 from peft_kvcache import MappedCache  # noqa: E402
 from peft_kvcache.capture import run_with_cache  # noqa: E402
 from peft_kvcache.corpus import corpus_description, evaluation_texts  # noqa: E402
-from peft_kvcache.evaluate import evaluate_retention, token_kl, token_sequences  # noqa: E402
+from peft_kvcache.evaluate import RetentionReport, VariantScores, evaluate_retention, token_kl, token_sequences  # noqa: E402
 from peft_kvcache.fixtures import load_model  # noqa: E402
 from peft_kvcache.peft_maps import adapter_active, is_activated_lora  # noqa: E402
 from peft_kvcache.sessions import AdapterSession, SharedPeftModel  # noqa: E402
@@ -120,6 +126,111 @@ def task_answers(model, tokenizer, adapters, maps, examples: int) -> dict:
         out[adapter]["accuracy"] = {name: round(h / c, 4) for name, (_, h, c) in sums.items()}
         out[adapter]["examples"] = len(pairs)
         print(adapter, out[adapter], flush=True)
+    return out
+
+
+def long_chat(tokenizer, kind: str, index: int, code: str, history_tokens: int) -> list[dict]:
+    """The messages of a chat about ``history_tokens`` long that ends in a docstring request for ``code``.
+
+    ``"module"``: the user first shares a module of held-out functions (without docstrings) that starts with
+    ``code``, the assistant acknowledges it, and the request names the function: the answer depends on
+    context ~``history_tokens`` back. ``"docstrings"``: earlier docstring requests answered with the reference
+    docstring, then the request with the code (in-context examples of the task itself, which shrink the
+    adapter's gain over the base model)."""
+    others = functions_with_docstrings("evaluation", 400)[6::12]
+    others = others[index % len(others):] + others[: index % len(others)]  # a different history each time
+    request = {"role": "user", "content": INSTRUCTION.format(code=code)}
+    turns, length = [], 0
+    if kind == "module":
+        functions = [code]
+        for other, _ in others:
+            if length >= history_tokens:
+                break
+            functions.append(other)
+            length += len(tokenizer(other, add_special_tokens=False).input_ids)
+        name = code.split("def ", 1)[1].split("(", 1)[0]
+        module = "\n\n".join(functions)
+        return [{"role": "user", "content": f"Here is the module I am working on:\n```python\n{module}\n```"},
+                {"role": "assistant", "content": "Thanks, I have read it. What would you like me to do?"},
+                {"role": "user", "content": f"Write the docstring of the function `{name}` in that module."}]
+    for other, doc in others:
+        if length >= history_tokens:
+            break
+        turn = [{"role": "user", "content": INSTRUCTION.format(code=other)}, {"role": "assistant", "content": doc}]
+        turns += turn
+        length += len(tokenizer.apply_chat_template(turn, tokenize=True, return_dict=False))
+    return turns + [request]
+
+
+def chat_ids(tokenizer, messages: list[dict], answer: str) -> tuple[torch.Tensor, int]:
+    """Token ids of ``messages`` answered with ``answer``; and the prompt's length."""
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
+    answer_ids = tokenizer(answer + "<|im_end|>", add_special_tokens=False).input_ids
+    return torch.tensor(prompt_ids + answer_ids), len(prompt_ids)
+
+
+@torch.no_grad()
+def task_with_history(model, tokenizer, adapters, maps, examples: int, history_tokens: int, kind: str = "module",
+                      refresh: Sequence[int] = ()) -> dict:
+    """The adapters' own task at the end of a long chat (`long_chat`): the answer tokens of a held-out
+    docstring request are scored (teacher-forced) with the prompt's KV (all but its last token) from the
+    adapter's own prefill, the mapped base cache (optionally refreshed), the base cache reused as is, and
+    two anchors: the adapter given the last request alone ("no context"), and the base model."""
+    finals = functions_with_docstrings("evaluation", 400)[::12][:examples]
+    out = {}
+    for adapter in adapters:
+        task = adapter.removesuffix("_alora")
+        alora = is_activated_lora(model, adapter)
+        scores: dict[str, VariantScores] = {}
+        lengths, answers, losses = [], [], {}
+        for i, (code, doc) in enumerate(finals):
+            answer = doc.upper() if task == "shout" else doc
+            messages = long_chat(tokenizer, kind, i, code, history_tokens)
+            ids, prompt_len = chat_ids(tokenizer, messages, answer)
+            lengths.append(prompt_len)
+            answers.append(len(ids) - prompt_len)
+            cut = prompt_len - (4 if alora else 1)  # an aLoRA computes its invocation tokens itself
+            labels = ids[prompt_len:]  # the answer; logits at prompt_len - 1 ... predict it
+            with adapter_active(model, adapter):
+                full = model(input_ids=ids[None]).logits[0, prompt_len - 1:-1]
+            with adapter_active(model, None):
+                base_kv = run_with_cache(model, ids[None, :cut])
+                logits = {"base model": model(input_ids=ids[None]).logits[0, prompt_len - 1:-1]}
+            caches = {"base cache reused as is": as_cache(base_kv)}
+            with adapter_active(model, adapter):
+                if not alora:
+                    caches["mapped base cache"] = MappedCache.from_source(
+                        as_cache(base_kv), maps.to_adapter[adapter], model, input_ids=ids[None, :cut])
+                    for k in refresh:
+                        caches[f"mapped + refresh {k}"] = MappedCache.from_source(
+                            as_cache(base_kv), maps.to_adapter[adapter], model, input_ids=ids[None, :cut],
+                            refresh_tokens=k, probe_tokens=1)
+                for name, cache in caches.items():
+                    logits[name] = model(input_ids=ids[None, cut:-1], past_key_values=cache,
+                                         position_ids=torch.arange(cut, len(ids) - 1)[None]).logits[0, prompt_len - 1 - cut:]
+                alone, alone_len = chat_ids(tokenizer, messages[-1:], answer)  # the last request alone
+                logits["no_context"] = model(input_ids=alone[None]).logits[0, alone_len - 1:-1]
+            for name, value in {"full": full, **logits}.items():
+                scores.setdefault(name, VariantScores()).add(value, full, labels)
+                losses[name] = losses.get(name, 0.0) + float(F.cross_entropy(value, labels, reduction="sum"))
+        report = RetentionReport(scores, round(statistics.mean(lengths)), round(statistics.mean(answers)))
+        anchors = {**scores, "no_context": scores["base model"]}  # the adapter's gain over the base model
+        gain = RetentionReport(anchors, report.context_length, report.continuation_length)
+        loss = {name: total / sum(answers) for name, total in losses.items()}
+        out[adapter] = {"examples": len(finals), "history": kind, "mean_prompt_tokens": report.context_length,
+                        "rows": report.rows(), "table": report.table(), "answer_loss": loss,
+                        "gain_retention_in_loss": {name: (loss["base model"] - value) / (loss["base model"] - loss["full"])
+                                                   for name, value in loss.items() if name not in ("full", "base model")},
+                        "gain_retention": {name: {"value": float(gain.normalized(name)),
+                                                  "interval": gain.interval(lambda idx, n=name: gain.normalized(n, idx))}
+                                           for name in scores if name not in ("full", "base model", "no_context")}}
+        if not alora:
+            out[adapter]["mapped_minus_naive"] = {
+                "gain_retention": gain.paired_difference("mapped base cache", "base cache reused as is"),
+                "kl": report.paired_difference("mapped base cache", "base cache reused as is", metric="kl")}
+        print(f"\n## {adapter} (own task after ~{history_tokens} tokens of {kind} history)\n{report.table()}\n"
+              f"{json.dumps(out[adapter]['gain_retention'])}", flush=True)
     return out
 
 
@@ -246,12 +357,30 @@ def markdown(results: dict) -> str:
     for name, t in results["adapters"].items():
         lines.append(f"| {name} | {t['task']} | {t['alora']} | {t['base_answer_nll']:.3f} | "
                      f"{t['adapter_answer_nll']:.3f} | {t['train_seconds']:.0f} s ({t['threads']} thread) |")
-    lines += ["", "## Retention on held-out stdlib files (teacher-forced)", ""]
-    for adapter, r in results["retention"].items():
+    if "retention" in results:
+        lines += ["", "## Retention on held-out stdlib files (teacher-forced)", ""]
+    for adapter, r in results.get("retention", {}).items():
         d, n = r["mapped_minus_naive_kl"], r["mapped_minus_naive_normalized"]
         lines += [f"### {adapter}", "", r["table"], "",
                   f"mapped - naive: KL {d['difference']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}], normalized "
                   f"retention {n['difference']:+.3f} [{n['low']:+.3f}, {n['high']:+.3f}] (paired 95% bootstrap).", ""]
+    for adapter, r in results.get("task_history", {}).items():
+        lines += [f"## The own task after a long chat ({r['history']} history, ~{r['mean_prompt_tokens']} prompt "
+                  f"tokens): {adapter}", "", r["table"], "",
+                  "Normalized retention of the adapter's gain over the base model, (variant - base model) / "
+                  "(full - base model), top-1 accuracy on the answer tokens [95% bootstrap]: "
+                  + "; ".join(f"{name} {g['value']:.3f} [{g['interval'][0]:.2f}, {g['interval'][1]:.2f}]"
+                              for name, g in r["gain_retention"].items()), ""]
+        if "answer_loss" in r:
+            lines += ["Answer loss (nats/token): " + ", ".join(f"{n} {v:.4f}" for n, v in r["answer_loss"].items())
+                      + "; retention of the adapter's gain in loss: "
+                      + ", ".join(f"{n} {v:.3f}" for n, v in r["gain_retention_in_loss"].items()), ""]
+        if "mapped_minus_naive" in r:
+            d, k = r["mapped_minus_naive"]["gain_retention"], r["mapped_minus_naive"]["kl"]
+            lines += [f"mapped - reused as is: gain retention {d['difference']:+.3f} [{d['low']:+.3f}, "
+                      f"{d['high']:+.3f}], KL {k['difference']:+.4f} [{k['low']:+.4f}, {k['high']:+.4f}] (paired).", ""]
+    if "task" not in results:
+        return "\n".join(lines) + "\n"
     lines += ["## The adapters' own task: answer NLL on held-out docstring prompts", "",
               "The prompt's KV (all but its last token; for the aLoRA all but the invocation tokens) comes from "
               "each source; the adapter computes the rest.", ""]
@@ -272,6 +401,8 @@ def markdown(results: dict) -> str:
                 for n in ("mapped base cache", "base cache reused as is")}
         lines.append(f"| {adapter} | " + " | ".join(f"{acc[n]:.4f}" if n in acc else "n/a" for n in names) + " | "
                      + " | ".join(f"{v:.3f}" if v is not None else "n/a" for v in norm.values()) + " |")
+    if "session_policy" not in results:
+        return "\n".join(lines) + "\n"
     s = results["session_policy"]
     lines += ["", "## Session policy: keeping the base cache after an adapter's turn", "",
               f"A scripted chat of {len(s['prefill']['turns'])} turns switching adapters (teacher-forced); every "
@@ -325,12 +456,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--continuation", type=int, default=64)
     parser.add_argument("--task-examples", type=int, default=24)
+    parser.add_argument("--history-tokens", type=int, default=1024,
+                        help="the own task at the end of a chat with this much history (section task_history)")
+    parser.add_argument("--history-examples", type=int, default=34)
+    parser.add_argument("--history-kind", choices=["module", "docstrings"], default="module")
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--ttft", type=int, nargs="*", default=[1024, 4096])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--refresh", type=int, nargs="*", default=[],
                         help="also score mapped@1+rK: the target recomputes the K positions its last token attends to")
-    parser.add_argument("--skip", nargs="*", default=[], help="sections to skip: retention task session ttft")
+    parser.add_argument("--skip", nargs="*", default=[], help="sections to skip: retention task task_history session ttft")
     parser.add_argument("--out", default=str(RESULTS / "adapters"))
     parser.add_argument("--update-cards", action="store_true", help="write the figures into hub_cards/ maps")
     args = parser.parse_args()
@@ -349,6 +484,9 @@ def main() -> None:
                                          args.refresh)
     if "task" not in args.skip:
         results["task"] = task_answers(model, tokenizer, names, maps, args.task_examples)
+    if "task_history" not in args.skip:
+        results["task_history"] = task_with_history(model, tokenizer, names, maps, args.history_examples,
+                                                    args.history_tokens, args.history_kind, args.refresh)
     if "session" not in args.skip:
         results["session_policy"] = session_policies(model, tokenizer, maps, args.turns)
     if "ttft" not in args.skip:
@@ -356,8 +494,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
-    if not args.skip:
-        out.with_suffix(".md").write_text(markdown(results))
+    out.with_suffix(".md").write_text(markdown(results))
     if args.update_cards:
         update_cards(maps, results)
     print("wrote", out.with_suffix(".json"))

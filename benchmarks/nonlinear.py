@@ -1,6 +1,8 @@
 """Linear vs nonlinear (residual MLP heads) maps, and how well the quality gate predicts retention.
 
     python benchmarks/nonlinear.py                      # Qwen2.5-Coder 0.5B -> 1.5B fixtures (slow on CPU)
+    python benchmarks/nonlinear.py --pair qwen-down --linear-from hub_cards/qwen2.5-coder-1.5b-to-0.5b-top2 \
+        --variants linear nonlinear                     # 1.5B -> 0.5B: the published map and its MLP heads
     python benchmarks/nonlinear.py --pair shout         # SmolLM2-135M base -> its committed LoRA adapter "shout"
     python benchmarks/nonlinear.py --tiny               # tiny random models: checks the plumbing only
 
@@ -24,12 +26,13 @@ from pathlib import Path
 import torch
 
 from peft_kvcache import KVMap
-from peft_kvcache.evaluate import evaluate_retention
+from peft_kvcache.evaluate import RetentionReport, evaluate_retention
 from peft_kvcache.nonlinear import fit_nonlinear_heads
 from peft_kvcache.quality import measure_quality
 
 SMALL, LARGE = "gguf:qwen2.5-coder-0.5b-instruct", "gguf:qwen2.5-coder-1.5b-instruct"
 RESULTS = Path(__file__).parent / "results"
+VARIANTS = ("linear", "nonlinear", "weak", "weak-nonlinear", "noise-0.5", "noise-2")
 
 
 def tiny_pair():
@@ -86,8 +89,8 @@ def real_pair(args):
     from peft_kvcache.evaluate import token_sequences
     from peft_kvcache.fixtures import load_model
 
-    source, tokenizer = load_model(SMALL)
-    target, _ = load_model(LARGE)
+    source, tokenizer = load_model(LARGE if args.pair == "qwen-down" else SMALL)
+    target, _ = load_model(SMALL if args.pair == "qwen-down" else LARGE)
     calibration = calibration_sequences(calibration_texts(args.calibration_files), tokenizer,
                                         args.max_length)[: args.calibration_files]
     evaluation = token_sequences(evaluation_texts(args.eval_files * 3), tokenizer,
@@ -111,10 +114,32 @@ def pearson(a: list[float], b: list[float]) -> float:
     return float((x * y).sum() / (x.norm() * y.norm()).clamp_min(1e-30))
 
 
+def pooled_correlation() -> str:
+    """Predicted vs measured retention over every real pair and variant in benchmarks/results/nonlinear*.json."""
+    rows, pairs = [], []
+    for path in sorted(RESULTS.glob("nonlinear*.json")):
+        if "tiny" not in path.stem:
+            summary = json.loads(path.read_text())
+            rows += summary["rows"]
+            pairs.append(summary["pair"])
+    if len(rows) < 3:
+        return ""
+    def correlations(subset):
+        predicted = [r["predicted_retention"] for r in subset]
+        return (pearson(predicted, [r["normalized_retention"] for r in subset]),
+                pearson(predicted, [-r["kl"] for r in subset]))
+
+    usable = [r for r in rows if "noise" not in r["variant"]]
+    (r_all, k_all), (r_usable, k_usable) = correlations(rows), correlations(usable)
+    return (f"Pooled over {len(pairs)} pairs ({'; '.join(pairs)}), {len(rows)} variants: Pearson r(predicted, "
+            f"measured normalized retention) = {r_all:+.2f}, r(predicted, -KL) = {k_all:+.2f}; without the "
+            f"noise-corrupted maps ({len(usable)} variants): {r_usable:+.2f} and {k_usable:+.2f} (anchor: +0.57)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny random models (plumbing check)")
-    parser.add_argument("--pair", default="qwen-up", help="qwen-up (0.5B -> 1.5B fixtures) or the name of a "
+    parser.add_argument("--pair", default="qwen-up", help="qwen-up (0.5B -> 1.5B fixtures), qwen-down or the name of a "
                         "committed SmolLM2 adapter (base -> adapter)")
     parser.add_argument("--calibration-files", type=int, default=32)
     parser.add_argument("--weak-files", type=int, default=4, help="calibration files of the hard variant")
@@ -129,13 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-rows", type=int, default=4096)
     parser.add_argument("--linear-from", default=None, help="a published map folder (e.g. hub_cards/qwen2.5-"
                         "coder-0.5b-to-1.5b-top2) used as the linear variant instead of calibrating it again")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                        help="which variants to score (default: all)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1 if args.tiny else torch.get_num_threads())
     if args.tiny:
         args.context, args.continuation, args.weak_files = 48, 16, 4
         args.hidden, args.steps, args.max_rows, args.r2_threshold = 32, 100, 1024, 1.1
         source, target, calibration, evaluation, calibrate = tiny_pair()
-    elif args.pair == "qwen-up":
+    elif args.pair in ("qwen-up", "qwen-down"):
         source, target, calibration, evaluation, calibrate = real_pair(args)
     else:
         source, target, calibration, evaluation, calibrate = adapter_pair(args)
@@ -148,22 +175,26 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     linear = KVMap.from_pretrained(args.linear_from) if args.linear_from else calibrate(calibration)
     weak_data = calibration[: max(args.weak_files, 3)]
-    weak = calibrate(weak_data)
-    variants = {
-        "linear": linear,
-        "nonlinear": fit_nonlinear_heads(linear, source, target, calibration, **mlp),
-        f"linear, {len(weak_data)} calibration files": weak,
-        f"nonlinear, {len(weak_data)} calibration files": fit_nonlinear_heads(weak, source, target, weak_data, **mlp),
-        "linear + noise 0.5": noisy(linear, 0.5),
-        "linear + noise 2": noisy(linear, 2.0),
+    weak = calibrate(weak_data) if {"weak", "weak-nonlinear"} & set(args.variants) else None
+    builders = {
+        "linear": ("linear", lambda: linear),
+        "nonlinear": ("nonlinear", lambda: fit_nonlinear_heads(linear, source, target, calibration, **mlp)),
+        "weak": (f"linear, {len(weak_data)} calibration files", lambda: weak),
+        "weak-nonlinear": (f"nonlinear, {len(weak_data)} calibration files",
+                           lambda: fit_nonlinear_heads(weak, source, target, weak_data, **mlp)),
+        "noise-0.5": ("linear + noise 0.5", lambda: noisy(linear, 0.5)),
+        "noise-2": ("linear + noise 2", lambda: noisy(linear, 2.0)),
     }
-    rows = []
+    variants = {builders[v][0]: builders[v][1]() for v in args.variants}
+    rows, mapped_scores = [], {}
     for name, kv_map in variants.items():
         quality = measure_quality(kv_map, source, target, evaluation, query_tokens=args.query_tokens,
                                   progress=not args.tiny)
         report = evaluate_retention(source, target, kv_map, evaluation, args.context, args.continuation,
                                     windows=(1,), window_control=False, naive_reuse=False, progress=not args.tiny)
         mapped = next(r for r in report.rows() if r["variant"] == "mapped@1")
+        mapped_scores[name] = report.scores["mapped@1"]
+        anchors = {k: report.scores[k] for k in ("full", "no_context")}
         info = kv_map.config.nonlinear or {}
         rows.append({
             "variant": name, "mlp_layers_keys": len(info.get("keys", [])), "mlp_layers_values": len(info.get("values", [])),
@@ -174,12 +205,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: predicted {quality['predicted_retention']:.3f}, measured {mapped['normalized_retention']:.3f}, "
               f"KL {mapped['kl']:.4f}", flush=True)
     predicted = [r["predicted_retention"] for r in rows]
-    r_retention = pearson(predicted, [r["normalized_retention"] for r in rows])
-    r_kl = pearson(predicted, [-r["kl"] for r in rows])
-    pair = "tiny random" if args.tiny else f"{SMALL} -> {LARGE}" if args.pair == "qwen-up" else \
-        f"SmolLM2-135M-Instruct base -> adapter {args.pair}"
+    r_retention = pearson(predicted, [r["normalized_retention"] for r in rows]) if len(rows) > 2 else None
+    r_kl = pearson(predicted, [-r["kl"] for r in rows]) if len(rows) > 2 else None
+    paired = {}
+    if {"linear", "nonlinear"} <= set(mapped_scores):  # same examples: nonlinear - linear, paired
+        both = RetentionReport({**anchors, **mapped_scores}, args.context, args.continuation)
+        paired = {metric: both.paired_difference("nonlinear", "linear", metric=metric)
+                  for metric in ("normalized", "kl")}
+    pair = ("tiny random" if args.tiny else f"{SMALL} -> {LARGE}" if args.pair == "qwen-up" else
+            f"{LARGE} -> {SMALL}" if args.pair == "qwen-down" else f"SmolLM2-135M-Instruct base -> adapter {args.pair}")
     summary = {"pair": pair, "rows": rows,
                "pearson_predicted_vs_normalized_retention": r_retention, "pearson_predicted_vs_minus_kl": r_kl,
+               "nonlinear_minus_linear": paired,
                "seconds": round(time.perf_counter() - started, 1), "options": vars(args)}
     lines = [f"# Linear vs nonlinear maps, {summary['pair']}", "",
              f"context {args.context}, continuation {args.continuation}, {len(evaluation)} held-out examples", "",
@@ -188,12 +225,19 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {r['variant']} | {r['mlp_layers_keys']}/{r['mlp_layers_values']} | {r['predicted_retention']:.3f} | "
               f"{r['normalized_retention']:.3f} [{r['normalized_low']:.2f}, {r['normalized_high']:.2f}] | {r['kl']:.4f} |"
               for r in rows]
-    lines += ["", f"Pearson r(predicted, measured normalized retention) = {r_retention:+.2f}; "
-                  f"r(predicted, -KL) = {r_kl:+.2f} (anchor: +0.57)"]
+    if r_retention is not None:
+        lines += ["", f"Pearson r(predicted, measured normalized retention) = {r_retention:+.2f}; "
+                      f"r(predicted, -KL) = {r_kl:+.2f} (anchor: +0.57)"]
+    if paired:
+        n, k = paired["normalized"], paired["kl"]
+        lines += ["", f"nonlinear - linear (paired, same examples): normalized {n['difference']:+.3f} "
+                      f"[{n['low']:+.3f}, {n['high']:+.3f}], KL {k['difference']:+.4f} [{k['low']:+.4f}, {k['high']:+.4f}]"]
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = "nonlinear_tiny" if args.tiny else "nonlinear" if args.pair == "qwen-up" else f"nonlinear-{args.pair}"
-    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
     (RESULTS / f"{stem}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if not args.tiny:
+        lines += ["", pooled_correlation()]
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

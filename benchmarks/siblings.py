@@ -164,6 +164,8 @@ def main() -> None:
     parser.add_argument("--output", default="siblings", help="results file stem under benchmarks/results/")
     parser.add_argument("--from-cards", action="store_true",
                         help="evaluate the maps already in hub_cards/ instead of calibrating")
+    parser.add_argument("--keep-cards", action="store_true",
+                        help="leave hub_cards/ as they are (a re-check, not figures to publish)")
     parser.add_argument("--ttft-only", action="store_true",
                         help="only time the switch for the maps in hub_cards/ and add the speedups to their cards")
     args = parser.parse_args()
@@ -205,14 +207,18 @@ def main() -> None:
                 fit_s = kv_map.config.calibration["fit_s"] = round(time.perf_counter() - fit_started, 1)
                 print(f"== {name}: fitted in {fit_s:.0f}s", flush=True)
             row = {"fit_s": kv_map.config.calibration.get("fit_s"), "map_parameters": kv_map.num_parameters}
-            if args.ttft_only:
+            def time_switches() -> None:
                 row["ttft"] = [ttft(models[src], models[tgt], kv_map, n, args.windows, args.refresh, args.refresh_span)
                                for n in args.ttft_lengths]
-                lines += [f"TTFT {name}: " + json.dumps(row["ttft"]), ""]
+                lines.extend([f"TTFT {name}: " + json.dumps(row["ttft"]), ""])
                 print(lines[-2], flush=True)
-                add_speedups(kv_map.config.quality, row["ttft"])
-                kv_map.save_pretrained(CARDS / name)
                 results[key] = row
+
+            if args.ttft_only:
+                time_switches()
+                add_speedups(kv_map.config.quality, row["ttft"])
+                if not args.keep_cards:
+                    kv_map.save_pretrained(CARDS / name)
                 write_results(args.output, results, lines)
                 continue
             reports = {}
@@ -244,11 +250,7 @@ def main() -> None:
                               f"{c['bad_flagged']} of {c['bad']} bad contexts (mapped@{args.check_tokens} below "
                               f"window@{args.check_tokens}) and {c['good_flagged']} of {c['good']} good ones", ""]
                 print("\n".join(lines[first_line:]), flush=True)
-            row["ttft"] = [ttft(models[src], models[tgt], kv_map, n, args.windows, args.refresh, args.refresh_span)
-                           for n in args.ttft_lengths]
-            lines += [f"TTFT {name}: " + json.dumps(row["ttft"]), ""]
-            print(lines[-2], flush=True)
-            results[key] = row
+            time_switches()
             for stale in ("continuation_normalized_retention", "continuation_kl", "recall_normalized_retention",
                           "ttft_speedup_2048"):  # the single-variant figures of earlier runs
                 kv_map.config.quality.pop(stale, None)
@@ -261,7 +263,8 @@ def main() -> None:
                     figures[f"{task}_normalized_retention"] = round(r["normalized_retention"], 4)
                     figures[f"{task}_kl"] = round(r["kl"], 4)
             add_speedups(kv_map.config.quality, row["ttft"])
-            kv_map.save_pretrained(CARDS / name)
+            if not args.keep_cards:
+                kv_map.save_pretrained(CARDS / name)
             write_results(args.output, results, lines)  # after every map: a long run keeps what it measured
 
 

@@ -1,4 +1,5 @@
-"""The ``peft-kvcache`` command line: calibrate, evaluate, card, inspect and push KV maps.
+"""The ``peft-kvcache`` command line: calibrate (model pairs or a base and its adapters), evaluate, card,
+inspect and push KV maps.
 
 Example:
     $ peft-kvcache calibrate --source gguf:qwen2.5-coder-0.5b-instruct \\
@@ -26,6 +27,7 @@ PROG = "peft-kvcache"
 DATA_SUFFIXES = (".py", ".txt")
 DEFAULT_CALIBRATION_FILES = 32
 DEFAULT_EVALUATION_FILES = 20
+BLEND_CONTINUATION = 64  # tokens scored per held-out text when choosing an adapter map's blend
 
 DESCRIPTION = """\
 Map a source LLM's KV cache into a target model's KV space, so that the target skips prefill after a
@@ -37,6 +39,8 @@ Models are Hub ids, local folders, or fixture names such as gguf:smollm2-135m-in
 EPILOG = """\
 examples:
   peft-kvcache calibrate --source SRC --target TGT --data stdlib --output maps/src-to-tgt
+  peft-kvcache calibrate-adapters --base gguf:smollm2-135m-instruct --adapter shout=adapters/shout \
+      --output maps --prefix smollm2-135m-instruct
   peft-kvcache evaluate maps/src-to-tgt --context-length 512 --write
   peft-kvcache inspect maps/src-to-tgt
   peft-kvcache card maps/src-to-tgt --repo-id my-org/src-to-tgt-kvmap
@@ -130,6 +134,69 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     folder = kv_map.save_pretrained(args.output, repo_id=args.repo_id)
     print(f"saved {kv_map!r} to {folder}")
     print(format_summary(summarize(kv_map, folder)))
+    return 0
+
+
+def _adapter_specs(specs: Sequence[str]) -> dict[str, Path]:
+    adapters = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise CLIUsageError(f"--adapter {spec!r}: expected NAME=PATH (a folder saved by PEFT)")
+        folder = Path(path).expanduser()
+        if not (folder / "adapter_config.json").is_file():
+            raise CLIUsageError(f"--adapter {spec!r}: {folder} holds no adapter_config.json (not a PEFT adapter)")
+        if name in adapters:
+            raise CLIUsageError(f"--adapter {name!r} is given twice")
+        adapters[name] = folder
+    return adapters
+
+
+def cmd_calibrate_adapters(args: argparse.Namespace) -> int:
+    import torch
+    from peft import PeftModel
+
+    from .fixtures import load_model
+    from .peft_maps import calibrate_adapters, choose_adapter_blends
+
+    adapters = _adapter_specs(args.adapter)
+    texts, description = read_texts(args.data, "calibration", args.num_files)
+    if args.blend_files and args.blend_files >= len(texts):
+        raise CLIUsageError(f"--blend-files {args.blend_files} leaves no calibration text of the {len(texts)} read")
+    try:
+        base, tokenizer = load_model(args.base, dtype=getattr(torch, args.dtype))
+    except (OSError, ValueError) as err:
+        raise CLIUsageError(f"--base {args.base!r} cannot be loaded: {_one_line(err)}") from None
+    model = None
+    for name, path in adapters.items():
+        try:
+            if model is None:
+                model = PeftModel.from_pretrained(base, str(path), adapter_name=name)
+            else:
+                model.load_adapter(str(path), adapter_name=name)
+        except (OSError, ValueError, RuntimeError) as err:  # e.g. an adapter trained on another base
+            raise CLIUsageError(f"--adapter {name}={path} cannot be loaded on {args.base}: {_one_line(err)}") from None
+    model.eval()
+    heldout = texts[len(texts) - args.blend_files:] if args.blend_files else []
+    fit_texts = texts[: len(texts) - len(heldout)]
+    maps = calibrate_adapters(model, _tokenize(fit_texts, tokenizer), reverse=not args.no_reverse,
+                              heldout_fraction=args.heldout_fraction, sink_tokens=args.sink_tokens,
+                              max_length=args.max_length, description=description, progress=not args.no_progress)
+    if heldout:  # each map's blend toward its source cache, chosen on text the fit did not see
+        sequences = [ids[: args.max_length + BLEND_CONTINUATION] for ids in _tokenize(heldout, tokenizer)]
+        short = [i for i, ids in enumerate(sequences) if len(ids) < 2 * BLEND_CONTINUATION]
+        if short:
+            raise CLIUsageError(f"--blend-files: {len(short)} held-out text(s) are shorter than "
+                                f"{2 * BLEND_CONTINUATION} tokens")
+        maps = choose_adapter_blends(maps, model, sequences, continuation=BLEND_CONTINUATION,
+                                     progress=not args.no_progress)
+    for kv_map in [*maps.to_adapter.values(), *maps.to_base.values()]:
+        kv_map.config.calibration.update(base_spec=args.base, num_texts=len(fit_texts))
+    prefix = args.prefix or Path(args.base.split(":")[-1].rstrip("/")).name.lower()
+    folders = maps.save_pretrained(args.output, prefix, repo_namespace=args.repo_namespace)
+    for kv_map, folder in zip([*maps.to_adapter.values(), *maps.to_base.values()], folders):
+        print(f"saved {kv_map!r} to {folder}")
+        print(format_summary(summarize(kv_map, folder)))
     return 0
 
 
@@ -371,6 +438,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repo-id", default=None, help="Hub repo the card's usage snippet loads (default: --output)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_calibrate)
+
+    p = commands.add_parser(
+        "calibrate-adapters", formatter_class=fmt, help="fit base <-> adapter maps for PEFT adapters of one base",
+        description="Load the base model and its PEFT adapters, run the base once and every adapter over the "
+                    "calibration text (PEFT's own adapter switching), fit base -> adapter maps and the reverse "
+                    "adapter -> base maps, and save each as <OUTPUT>/<prefix>-base-to-<adapter> and "
+                    "<OUTPUT>/<prefix>-<adapter>-to-base with its model card.",
+        epilog="example:\n  peft-kvcache calibrate-adapters --base gguf:smollm2-135m-instruct \\\n"
+               "      --adapter docstring=adapters/docstring --adapter shout=adapters/shout \\\n"
+               "      --data stdlib --blend-files 12 --output maps --prefix smollm2-135m-instruct")
+    p.add_argument("--base", required=True, metavar="MODEL",
+                   help="the base model: Hub id, folder or fixture name (gguf:...)")
+    p.add_argument("--adapter", required=True, action="append", metavar="NAME=PATH",
+                   help="a PEFT adapter folder and the name to give it (repeat for several adapters)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="dtype the base model is loaded in (default: %(default)s)")
+    _add_data(p, "calibration", DEFAULT_CALIBRATION_FILES)
+    p.add_argument("--output", required=True, metavar="DIR", help="folder to write the map folders into")
+    p.add_argument("--prefix", default=None,
+                   help="name prefix of the map folders (default: the base model's name, lower case)")
+    p.add_argument("--no-reverse", action="store_true", help="only the base -> adapter maps")
+    p.add_argument("--blend-files", type=_non_negative_int, default=0, metavar="N",
+                   help="hold out the last N texts of --data to choose each map's blend toward its source cache "
+                        "(peft_kvcache.blend; default: %(default)s, no blend)")
+    p.add_argument("--max-length", type=_positive_int, default=512, metavar="TOKENS",
+                   help="texts are split into chunks of at most this many tokens (default: %(default)s)")
+    p.add_argument("--heldout-fraction", type=_fraction, default=0.2, metavar="F",
+                   help="share of chunks held out to choose ridge strengths (default: %(default)s)")
+    p.add_argument("--sink-tokens", type=_non_negative_int, default=1, metavar="N",
+                   help="leading tokens the target computes itself (default: %(default)s)")
+    p.add_argument("--repo-namespace", default=None, metavar="NS",
+                   help="Hub namespace the cards' usage snippets load from (NS/<folder>; default: the folders)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_calibrate_adapters)
 
     p = commands.add_parser(
         "evaluate", formatter_class=fmt, help="measure how much of the target's accuracy a map retains",

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers.cache_utils import DynamicCache
 
-from .capture import run_with_cache
+from .capture import NO_LOGITS, run_with_cache
 from .errors import EvaluationError
 from .models import decoder_layers
 
@@ -102,7 +102,7 @@ def attention_cosines(target_model, own: Sequence[tuple[torch.Tensor, torch.Tens
     try:
         device = next(target_model.parameters()).device
         target_model(input_ids=query_ids.to(device), position_ids=query_positions.to(device),
-                     past_key_values=DynamicCache([(k, v) for k, v in own]), use_cache=True, logits_to_keep=1)
+                     past_key_values=DynamicCache([(k, v) for k, v in own]), use_cache=True, logits_to_keep=NO_LOGITS)
     finally:
         for handle in handles:
             handle.remove()

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import torch
 from transformers.cache_utils import Cache
 
+from .capture import NO_LOGITS
 from .errors import CacheMismatchError
 
 
@@ -65,7 +66,7 @@ def attention_scores(target_model, cache: Cache, probe_ids: torch.Tensor, positi
         with _own_passes(cache):
             out = target_model(input_ids=probe_ids.to(_device(target_model)), position_ids=positions[None].to(
                 _device(target_model)), past_key_values=cache, use_cache=True, output_attentions=True,
-                logits_to_keep=1)
+                logits_to_keep=NO_LOGITS)
     finally:
         target_model.set_attn_implementation(previous)
         truncate_cache(cache, length)
@@ -127,7 +128,7 @@ def refresh_positions(target_model, cache: Cache, context_ids: torch.Tensor, pos
     with _own_passes(cache):
         target_model(input_ids=tokens.to(device), position_ids=(queries + position_offset)[None].to(device),
                      attention_mask=mask[None, None].to(device), past_key_values=cache, use_cache=True,
-                     logits_to_keep=1)
+                     logits_to_keep=NO_LOGITS)
     split = length + positions.numel()
     for layer in cache.layers:
         index = positions.to(layer.keys.device)

@@ -49,7 +49,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from .apply import map_cache
 from .cache import MappedCache
-from .capture import cache_states
+from .capture import NO_LOGITS, cache_states
 from .errors import PeftKVCacheError
 from .models import layer_placements
 from .peft_maps import AdapterMaps, adapter_active, is_activated_lora
@@ -272,7 +272,7 @@ class AdapterSession:
             with adapter_active(model, None):
                 model(input_ids=self.ids[:, start:end].to(_device(model)),
                       position_ids=torch.arange(start, end)[None].to(_device(model)),
-                      past_key_values=self._base_cache, use_cache=True, logits_to_keep=1)
+                      past_key_values=self._base_cache, use_cache=True, logits_to_keep=NO_LOGITS)
             return end - start
         captured = cache_states(adapter_cache)
         positions = torch.arange(start, end)[None]

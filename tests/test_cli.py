@@ -24,7 +24,7 @@ from peft_kvcache import KVMap
 from peft_kvcache.cli import build_parser, main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ("calibrate", "evaluate", "card", "inspect", "push")
+COMMANDS = ("calibrate", "calibrate-adapters", "evaluate", "card", "inspect", "push")
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
@@ -309,3 +309,64 @@ def test_stdlib_data_reads_the_split_asked_for():
     status, _, err = cli(["calibrate", "--source", "s", "--target", "t", "--output", "o", "--data", "stdlib",
                           "--num-files", "100000"])
     assert status == 2 and err.startswith("peft-kvcache: error: --data stdlib")
+
+
+@pytest.fixture(scope="module")
+def adapter_folders(workspace) -> dict[str, Path]:
+    """Two random LoRA adapters (attention and MLP projections, nonzero B) of the tiny target, saved by PEFT."""
+    from peft import LoraConfig, get_peft_model
+
+    folders = {}
+    for seed, name in enumerate(("terse", "loud")):
+        base = AutoModelForCausalLM.from_pretrained(workspace["target"])
+        torch.manual_seed(20 + seed)
+        config = LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=4, init_lora_weights=False,
+                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
+        get_peft_model(base, config).save_pretrained(workspace["root"] / "adapters" / name)
+        folders[name] = workspace["root"] / "adapters" / name
+    return folders
+
+
+def test_calibrate_adapters_writes_both_directions_for_every_adapter(workspace, adapter_folders, tmp_path):
+    from peft import PeftModel
+
+    from peft_kvcache import FingerprintMismatchError, MappedCache
+    from peft_kvcache.capture import run_with_cache
+    from peft_kvcache.peft_maps import AdapterMaps, adapter_active
+
+    status, out, err = cli(["calibrate-adapters", "--base", str(workspace["target"]),
+                            "--adapter", f"terse={adapter_folders['terse']}", "--adapter",
+                            f"loud={adapter_folders['loud']}", "--data", str(workspace["data"]), "--output",
+                            str(tmp_path), "--prefix", "tiny", "--max-length", "64", "--no-progress"])
+    assert status == 0, err
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["tiny-base-to-loud", "tiny-base-to-terse", "tiny-loud-to-base", "tiny-terse-to-base"]
+    assert out.count("saved ") == 4 and all((tmp_path / n / "README.md").is_file() for n in names)
+
+    # the saved maps are the right ones for the models: each adapter's map passes its fingerprint check
+    # with that adapter active and is refused with the other one
+    maps = AdapterMaps.from_pretrained(tmp_path, "tiny", ["terse", "loud"])
+    base = AutoModelForCausalLM.from_pretrained(workspace["target"])
+    model = PeftModel.from_pretrained(base, str(adapter_folders["terse"]), adapter_name="terse")
+    model.load_adapter(str(adapter_folders["loud"]), adapter_name="loud")
+    ids = torch.randint(3, 100, (1, 20))
+    with adapter_active(model, None):
+        captured = run_with_cache(model, ids)
+    base_cache = list(zip(captured.keys, captured.values))
+    with adapter_active(model, "loud"):
+        MappedCache.from_source(base_cache, maps.to_adapter["loud"], model, input_ids=ids)
+        with pytest.raises(FingerprintMismatchError):
+            MappedCache.from_source(base_cache, maps.to_adapter["terse"], model, input_ids=ids)
+
+
+def test_calibrate_adapters_names_a_bad_adapter_argument(workspace, adapter_folders, tmp_path):
+    base = ["calibrate-adapters", "--base", str(workspace["target"]), "--data", str(workspace["data"]),
+            "--output", str(tmp_path), "--no-progress"]
+    for adapter, named in [("terse", "NAME=PATH"), (f"x={tmp_path}", "adapter_config.json"),
+                           (f"terse={adapter_folders['terse']}", None)]:
+        args = base + ["--adapter", adapter] + (["--adapter", f"terse={adapter_folders['loud']}"] if named is None else [])
+        status, _, err = cli(args)
+        assert status == 2 and err.count("\n") == 1, err
+        assert (named or "given twice") in err
+    status, _, err = cli(base + ["--adapter", f"terse={adapter_folders['terse']}", "--blend-files", "3"])
+    assert status == 2 and "--blend-files 3" in err

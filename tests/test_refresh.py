@@ -92,6 +92,20 @@ def test_from_source_refresh_covers_the_whole_context_and_continues(sibling_pair
             source, sibling_map, target, input_ids=context, refresh_tokens=6, probe_tokens=4))
 
 
+def test_the_switch_passes_skip_the_vocabulary_projection(sibling_pair, sibling_map):
+    # the sink, probe and refresh passes only fill the cache: a projection onto the vocabulary would cost a
+    # quarter of a one-token pass on a small model with a large vocabulary
+    source, target = sibling_pair
+    ids = random_ids(1, 33, seed=9)[0][None]
+    rows = []
+    handle = target.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[1]))
+    try:
+        MappedCache.from_source(source, sibling_map, target, input_ids=ids[:, :-1], refresh_tokens=8, probe_tokens=2)
+    finally:
+        handle.remove()
+    assert rows and set(rows) == {0}  # the target ran (sink, probe, refresh) and projected no position
+
+
 def test_refresh_errors_are_clear(sibling_pair, sibling_map):
     source, target = sibling_pair
     ids = random_ids(2, 20, seed=9)
