@@ -124,6 +124,7 @@ def pooled_correlation() -> str:
             pairs.append(summary["pair"])
     if len(rows) < 3:
         return ""
+
     def correlations(subset):
         predicted = [r["predicted_retention"] for r in subset]
         return (pearson(predicted, [r["normalized_retention"] for r in subset]),
@@ -139,8 +140,8 @@ def pooled_correlation() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny random models (plumbing check)")
-    parser.add_argument("--pair", default="qwen-up", help="qwen-up (0.5B -> 1.5B fixtures), qwen-down or the name of a "
-                        "committed SmolLM2 adapter (base -> adapter)")
+    parser.add_argument("--pair", default="qwen-up", help="qwen-up (0.5B -> 1.5B fixtures), qwen-down (1.5B -> 0.5B) "
+                        "or the name of a committed SmolLM2 adapter (base -> adapter)")
     parser.add_argument("--calibration-files", type=int, default=32)
     parser.add_argument("--weak-files", type=int, default=4, help="calibration files of the hard variant")
     parser.add_argument("--eval-files", type=int, default=10)

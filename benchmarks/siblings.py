@@ -207,6 +207,7 @@ def main() -> None:
                 fit_s = kv_map.config.calibration["fit_s"] = round(time.perf_counter() - fit_started, 1)
                 print(f"== {name}: fitted in {fit_s:.0f}s", flush=True)
             row = {"fit_s": kv_map.config.calibration.get("fit_s"), "map_parameters": kv_map.num_parameters}
+
             def time_switches() -> None:
                 row["ttft"] = [ttft(models[src], models[tgt], kv_map, n, args.windows, args.refresh, args.refresh_span)
                                for n in args.ttft_lengths]

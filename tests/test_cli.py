@@ -337,7 +337,8 @@ def test_calibrate_adapters_writes_both_directions_for_every_adapter(workspace, 
     status, out, err = cli(["calibrate-adapters", "--base", str(workspace["target"]),
                             "--adapter", f"terse={adapter_folders['terse']}", "--adapter",
                             f"loud={adapter_folders['loud']}", "--data", str(workspace["data"]), "--output",
-                            str(tmp_path), "--prefix", "tiny", "--max-length", "64", "--no-progress"])
+                            str(tmp_path), "--prefix", "tiny", "--max-length", "64", "--blend-files", "1",
+                            "--no-progress"])
     assert status == 0, err
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["tiny-base-to-loud", "tiny-base-to-terse", "tiny-loud-to-base", "tiny-terse-to-base"]
@@ -346,6 +347,7 @@ def test_calibrate_adapters_writes_both_directions_for_every_adapter(workspace, 
     # the saved maps are the right ones for the models: each adapter's map passes its fingerprint check
     # with that adapter active and is refused with the other one
     maps = AdapterMaps.from_pretrained(tmp_path, "tiny", ["terse", "loud"])
+    assert all(m.config.blend for m in [*maps.to_adapter.values(), *maps.to_base.values()])  # chosen on held-out text
     base = AutoModelForCausalLM.from_pretrained(workspace["target"])
     model = PeftModel.from_pretrained(base, str(adapter_folders["terse"]), adapter_name="terse")
     model.load_adapter(str(adapter_folders["loud"]), adapter_name="loud")
