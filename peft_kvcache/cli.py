@@ -84,20 +84,23 @@ def read_texts(data: str, split: str, num_files: int | None) -> tuple[list[str],
 
 def load_models(source: str, target: str, dtype: str):
     """``(source_model, target_model, tokenizer)`` from two model specs (see `peft_kvcache.fixtures.load_model`)."""
+    (source_model, tokenizer), (target_model, _) = (_load_model("--source", source, dtype),
+                                                    _load_model("--target", target, dtype))
+    return source_model, target_model, tokenizer
+
+
+def _load_model(option: str, spec: str, dtype: str):
+    """``(model, tokenizer)`` for the model spec given to ``option``; a load failure names the option."""
     import torch
 
     from .fixtures import load_model
 
-    loaded = []
-    for option, spec in (("--source", source), ("--target", target)):
-        try:
-            loaded.append(load_model(spec, dtype=getattr(torch, dtype)))
-        except PeftKVCacheError:
-            raise
-        except (OSError, ValueError) as err:
-            raise CLIUsageError(f"{option} {spec!r} cannot be loaded: {_one_line(err)}") from None
-    (source_model, tokenizer), (target_model, _) = loaded
-    return source_model, target_model, tokenizer
+    try:
+        return load_model(spec, dtype=getattr(torch, dtype))
+    except PeftKVCacheError:
+        raise
+    except (OSError, ValueError) as err:
+        raise CLIUsageError(f"{option} {spec!r} cannot be loaded: {_one_line(err)}") from None
 
 
 def _map_folder(spec: str, revision: str | None = None) -> Path:
@@ -153,20 +156,15 @@ def _adapter_specs(specs: Sequence[str]) -> dict[str, Path]:
 
 
 def cmd_calibrate_adapters(args: argparse.Namespace) -> int:
-    import torch
     from peft import PeftModel
 
-    from .fixtures import load_model
     from .peft_maps import calibrate_adapters, choose_adapter_blends
 
     adapters = _adapter_specs(args.adapter)
     texts, description = read_texts(args.data, "calibration", args.num_files)
     if args.blend_files and args.blend_files >= len(texts):
         raise CLIUsageError(f"--blend-files {args.blend_files} leaves no calibration text of the {len(texts)} read")
-    try:
-        base, tokenizer = load_model(args.base, dtype=getattr(torch, args.dtype))
-    except (OSError, ValueError) as err:
-        raise CLIUsageError(f"--base {args.base!r} cannot be loaded: {_one_line(err)}") from None
+    base, tokenizer = _load_model("--base", args.base, args.dtype)
     model = None
     for name, path in adapters.items():
         try:
@@ -394,8 +392,22 @@ def _add_models(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("--source", required=required, metavar="MODEL",
                         help=f"source model: Hub id, folder or fixture name (gguf:...){hint}")
     parser.add_argument("--target", required=required, metavar="MODEL", help=f"target model, same forms{hint}")
+    _add_dtype(parser, "the models are")
+
+
+def _add_dtype(parser: argparse.ArgumentParser, loaded: str) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                        help="dtype the models are loaded in (default: %(default)s)")
+                        help=f"dtype {loaded} loaded in (default: %(default)s)")
+
+
+def _add_fit_options(parser: argparse.ArgumentParser, heldout_chooses: str) -> None:
+    """The options of the ridge fit that `calibrate` and `calibrate-adapters` share."""
+    parser.add_argument("--max-length", type=_positive_int, default=512, metavar="TOKENS",
+                        help="texts are split into chunks of at most this many tokens (default: %(default)s)")
+    parser.add_argument("--heldout-fraction", type=_fraction, default=0.2, metavar="F",
+                        help=f"share of chunks held out to choose {heldout_chooses} (default: %(default)s)")
+    parser.add_argument("--sink-tokens", type=_non_negative_int, default=1, metavar="N",
+                        help="leading tokens the target computes itself (default: %(default)s)")
 
 
 def _add_data(parser: argparse.ArgumentParser, split: str, default_files: int) -> None:
@@ -425,12 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, metavar="DIR", help="folder to write the map to")
     p.add_argument("--top-k", type=_positive_int, default=1, metavar="K",
                    help="source layers feeding each target layer (default: %(default)s)")
-    p.add_argument("--max-length", type=_positive_int, default=512, metavar="TOKENS",
-                   help="texts are split into chunks of at most this many tokens (default: %(default)s)")
-    p.add_argument("--heldout-fraction", type=_fraction, default=0.2, metavar="F",
-                   help="share of chunks held out to choose ridge strengths and layers (default: %(default)s)")
-    p.add_argument("--sink-tokens", type=_non_negative_int, default=1, metavar="N",
-                   help="leading tokens the target computes itself (default: %(default)s)")
+    _add_fit_options(p, "ridge strengths and layers")
     p.add_argument("--batch-size", type=_positive_int, default=1, metavar="N",
                    help="chunks per forward pass (default: %(default)s)")
     p.add_argument("--license", default=None,
@@ -452,8 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the base model: Hub id, folder or fixture name (gguf:...)")
     p.add_argument("--adapter", required=True, action="append", metavar="NAME=PATH",
                    help="a PEFT adapter folder and the name to give it (repeat for several adapters)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="dtype the base model is loaded in (default: %(default)s)")
+    _add_dtype(p, "the base model is")
     _add_data(p, "calibration", DEFAULT_CALIBRATION_FILES)
     p.add_argument("--output", required=True, metavar="DIR", help="folder to write the map folders into")
     p.add_argument("--prefix", default=None,
@@ -462,12 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blend-files", type=_non_negative_int, default=0, metavar="N",
                    help="hold out the last N texts of --data to choose each map's blend toward its source cache "
                         "(peft_kvcache.blend; default: %(default)s, no blend)")
-    p.add_argument("--max-length", type=_positive_int, default=512, metavar="TOKENS",
-                   help="texts are split into chunks of at most this many tokens (default: %(default)s)")
-    p.add_argument("--heldout-fraction", type=_fraction, default=0.2, metavar="F",
-                   help="share of chunks held out to choose ridge strengths (default: %(default)s)")
-    p.add_argument("--sink-tokens", type=_non_negative_int, default=1, metavar="N",
-                   help="leading tokens the target computes itself (default: %(default)s)")
+    _add_fit_options(p, "ridge strengths")
     p.add_argument("--repo-namespace", default=None, metavar="NS",
                    help="Hub namespace the cards' usage snippets load from (NS/<folder>; default: the folders)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
