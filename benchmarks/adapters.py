@@ -8,14 +8,17 @@
    Activated LoRA adapter (if trained) reusing the base cache exactly.
    2b. (``task_history``) the same task after a long chat: the function is shared first, in a ~1k-token
    module, and asked for by name at the end, so the answer depends on far context; also scored: the
-   refreshed mapped cache (``--refresh``), the last request alone (no context) and the base model.
+   refreshed mapped cache (``--refresh``), the last request alone (no context) and the base model; with
+   ``--session-switch``, what `AdapterSession` does at a switch: the history (everything before the last
+   request) mapped or reused as is, the adapter computing the request itself.
 3. Session policy after an adapter's turn: base prefill of the new tokens vs the reverse map (quality of
    every later turn and cost), over a scripted chat that switches adapters.
 4. TTFT of a switch (map + sink + one target step) vs full target prefill at 1k and 4k tokens of history.
 
     PYTHONPATH=. python benchmarks/adapters.py          # ~10-15 min on 1 thread (+ ~25 min for task_history)
-    PYTHONPATH=. python benchmarks/adapters.py --skip retention task session ttft --refresh 32 \
-        --threads 2 --out benchmarks/results/adapters-history   # only the long-chat task
+    # the committed results (all sections, ~45 min):
+    PYTHONPATH=. python benchmarks/adapters.py --examples 48 --task-examples 34 --refresh 32 --session-switch \
+        --threads 2 --update-cards
 
 Writes benchmarks/results/adapters.md and adapters.json.
 """
@@ -42,7 +45,7 @@ from calibrate_adapter_maps import MODEL, ensure_maps, load_peft_smollm2  # noqa
 from train_adapters import INSTRUCTION, encode, functions_with_docstrings  # noqa: E402
 
 from peft_kvcache import MappedCache  # noqa: E402
-from peft_kvcache.capture import run_with_cache  # noqa: E402
+from peft_kvcache.capture import CapturedKV, run_with_cache  # noqa: E402
 from peft_kvcache.corpus import corpus_description, evaluation_texts  # noqa: E402
 from peft_kvcache.evaluate import RetentionReport, VariantScores, evaluate_retention, token_kl, token_sequences  # noqa: E402
 from peft_kvcache.fixtures import load_model  # noqa: E402
@@ -50,6 +53,11 @@ from peft_kvcache.peft_maps import adapter_active, is_activated_lora  # noqa: E4
 from peft_kvcache.sessions import AdapterSession, SharedPeftModel  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
+
+
+def truncated(captured: CapturedKV, length: int) -> CapturedKV:
+    """The first ``length`` positions of a captured cache (a causal model's cache of a prefix)."""
+    return CapturedKV([k[:, :, :length] for k in captured.keys], [v[:, :, :length] for v in captured.values])
 
 
 def as_cache(captured) -> DynamicCache:
@@ -172,11 +180,14 @@ def chat_ids(tokenizer, messages: list[dict], answer: str) -> tuple[torch.Tensor
 
 @torch.no_grad()
 def task_with_history(model, tokenizer, adapters, maps, examples: int, history_tokens: int, kind: str = "module",
-                      refresh: Sequence[int] = ()) -> dict:
+                      refresh: Sequence[int] = (), session: bool = False) -> dict:
     """The adapters' own task at the end of a long chat (`long_chat`): the answer tokens of a held-out
     docstring request are scored (teacher-forced) with the prompt's KV (all but its last token) from the
     adapter's own prefill, the mapped base cache (optionally refreshed), the base cache reused as is, and
-    two anchors: the adapter given the last request alone ("no context"), and the base model."""
+    two anchors: the adapter given the last request alone ("no context"), and the base model.
+
+    ``session`` adds what `AdapterSession` does at a switch: the history (all but the last request) from the
+    mapped base cache or the base cache as is, the adapter computing the request itself."""
     finals = functions_with_docstrings("evaluation", 400)[::12][:examples]
     out = {}
     for adapter in adapters:
@@ -191,24 +202,37 @@ def task_with_history(model, tokenizer, adapters, maps, examples: int, history_t
             lengths.append(prompt_len)
             answers.append(len(ids) - prompt_len)
             cut = prompt_len - (4 if alora else 1)  # an aLoRA computes its invocation tokens itself
+            # where the last request starts: in a session the history is mapped and the adapter computes the
+            # new turn itself (`AdapterSession.turn`)
+            history_ids = tokenizer(tokenizer.apply_chat_template(messages[:-1], tokenize=False),
+                                    add_special_tokens=False, return_tensors="pt").input_ids[0]
+            history = len(history_ids)
+            assert torch.equal(ids[:history], history_ids), "the history must tokenize as a prefix of the chat"
             labels = ids[prompt_len:]  # the answer; logits at prompt_len - 1 ... predict it
             with adapter_active(model, adapter):
                 full = model(input_ids=ids[None]).logits[0, prompt_len - 1:-1]
             with adapter_active(model, None):
                 base_kv = run_with_cache(model, ids[None, :cut])
                 logits = {"base model": model(input_ids=ids[None]).logits[0, prompt_len - 1:-1]}
-            caches = {"base cache reused as is": as_cache(base_kv)}
+            caches = {"base cache reused as is": (as_cache(base_kv), cut)}
+            if session:
+                caches["session: base history reused as is"] = (as_cache(truncated(base_kv, history)), history)
             with adapter_active(model, adapter):
                 if not alora:
-                    caches["mapped base cache"] = MappedCache.from_source(
-                        as_cache(base_kv), maps.to_adapter[adapter], model, input_ids=ids[None, :cut])
+                    caches["mapped base cache"] = (MappedCache.from_source(
+                        as_cache(base_kv), maps.to_adapter[adapter], model, input_ids=ids[None, :cut]), cut)
                     for k in refresh:
-                        caches[f"mapped + refresh {k}"] = MappedCache.from_source(
+                        caches[f"mapped + refresh {k}"] = (MappedCache.from_source(
                             as_cache(base_kv), maps.to_adapter[adapter], model, input_ids=ids[None, :cut],
-                            refresh_tokens=k, probe_tokens=1)
-                for name, cache in caches.items():
-                    logits[name] = model(input_ids=ids[None, cut:-1], past_key_values=cache,
-                                         position_ids=torch.arange(cut, len(ids) - 1)[None]).logits[0, prompt_len - 1 - cut:]
+                            refresh_tokens=k, probe_tokens=1), cut)
+                    if session:
+                        caches["session: mapped history"] = (MappedCache.from_source(
+                            as_cache(truncated(base_kv, history)), maps.to_adapter[adapter], model,
+                            input_ids=ids[None, :history]), history)
+                for name, (cache, start) in caches.items():
+                    logits[name] = model(input_ids=ids[None, start:-1], past_key_values=cache,
+                                         position_ids=torch.arange(start, len(ids) - 1)[None]
+                                         ).logits[0, prompt_len - 1 - start:]
                 alone, alone_len = chat_ids(tokenizer, messages[-1:], answer)  # the last request alone
                 logits["no_context"] = model(input_ids=alone[None]).logits[0, alone_len - 1:-1]
             for name, value in {"full": full, **logits}.items():
@@ -225,10 +249,13 @@ def task_with_history(model, tokenizer, adapters, maps, examples: int, history_t
                         "gain_retention": {name: {"value": float(gain.normalized(name)),
                                                   "interval": gain.interval(lambda idx, n=name: gain.normalized(n, idx))}
                                            for name in scores if name not in ("full", "base model", "no_context")}}
-        if not alora:
-            out[adapter]["mapped_minus_naive"] = {
-                "gain_retention": gain.paired_difference("mapped base cache", "base cache reused as is"),
-                "kl": report.paired_difference("mapped base cache", "base cache reused as is", metric="kl")}
+        pairs = {"mapped_minus_naive": ("mapped base cache", "base cache reused as is"),
+                 "session_mapped_minus_naive": ("session: mapped history", "session: base history reused as is")}
+        for key, (mapped, naive) in pairs.items():
+            if mapped in scores:
+                out[adapter][key] = {"gain_retention": gain.paired_difference(mapped, naive),
+                                     "normalized": report.paired_difference(mapped, naive),
+                                     "kl": report.paired_difference(mapped, naive, metric="kl")}
         print(f"\n## {adapter} (own task after ~{history_tokens} tokens of {kind} history)\n{report.table()}\n"
               f"{json.dumps(out[adapter]['gain_retention'])}", flush=True)
     return out
@@ -375,10 +402,12 @@ def markdown(results: dict) -> str:
             lines += ["Answer loss (nats/token): " + ", ".join(f"{n} {v:.4f}" for n, v in r["answer_loss"].items())
                       + "; retention of the adapter's gain in loss: "
                       + ", ".join(f"{n} {v:.3f}" for n, v in r["gain_retention_in_loss"].items()), ""]
-        if "mapped_minus_naive" in r:
-            d, k = r["mapped_minus_naive"]["gain_retention"], r["mapped_minus_naive"]["kl"]
-            lines += [f"mapped - reused as is: gain retention {d['difference']:+.3f} [{d['low']:+.3f}, "
-                      f"{d['high']:+.3f}], KL {k['difference']:+.4f} [{k['low']:+.4f}, {k['high']:+.4f}] (paired).", ""]
+        for key, label in (("mapped_minus_naive", "mapped - reused as is"),
+                           ("session_mapped_minus_naive", "session: mapped history - base history reused as is")):
+            if key in r:
+                d, k = r[key]["gain_retention"], r[key]["kl"]
+                lines += [f"{label}: gain retention {d['difference']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}], KL "
+                          f"{k['difference']:+.4f} [{k['low']:+.4f}, {k['high']:+.4f}] (paired).", ""]
     if "task" not in results:
         return "\n".join(lines) + "\n"
     lines += ["## The adapters' own task: answer NLL on held-out docstring prompts", "",
@@ -460,6 +489,9 @@ def main() -> None:
                         help="the own task at the end of a chat with this much history (section task_history)")
     parser.add_argument("--history-examples", type=int, default=34)
     parser.add_argument("--history-kind", choices=["module", "docstrings"], default="module")
+    parser.add_argument("--session-switch", action="store_true",
+                        help="task_history also scores what a session does at a switch: the history mapped (or "
+                             "reused as is), the adapter computing the last request itself")
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--ttft", type=int, nargs="*", default=[1024, 4096])
     parser.add_argument("--threads", type=int, default=1)
@@ -486,7 +518,8 @@ def main() -> None:
         results["task"] = task_answers(model, tokenizer, names, maps, args.task_examples)
     if "task_history" not in args.skip:
         results["task_history"] = task_with_history(model, tokenizer, names, maps, args.history_examples,
-                                                    args.history_tokens, args.history_kind, args.refresh)
+                                                    args.history_tokens, args.history_kind, args.refresh,
+                                                    args.session_switch)
     if "session" not in args.skip:
         results["session_policy"] = session_policies(model, tokenizer, maps, args.turns)
     if "ttft" not in args.skip:

@@ -13,12 +13,11 @@ reply). Two policies (``keep_base=``), measured by benchmarks/adapters.py on Smo
 8-turn chat switching docstring/shout/base; KL(full prefill || session) per turn, 2 CPU threads):
 
 - ``"reverse_map"`` (default): the adapter's KV of the new tokens is mapped back with the adapter -> base
-  map: 0.031 s for 96 new tokens after 1k of history. Mean KL 0.0146, top-1 agreement 0.960; adapter turns
-  after the first switch come out *better* than with an exact base cache (KL 0.007-0.015 vs 0.016-0.032:
-  the round trip adapter -> base -> adapter keeps what the adapter computed), but base turns are no longer
-  exact (KL 0.012-0.015).
-- ``"prefill"``: the base model runs over just the new tokens, attending to its own cache: 0.55 s for the
-  same 96 tokens (18x more). Exact base cache (base turns KL 0), mean KL 0.0168, top-1 agreement 0.962;
+  map: 0.024 s for 96 new tokens after 1k of history. Mean KL 0.0160, top-1 agreement 0.959; adapter turns
+  after the first switch come out *better* than with an exact base cache (the round trip adapter -> base ->
+  adapter keeps what the adapter computed), but base turns are no longer exact.
+- ``"prefill"``: the base model runs over just the new tokens, attending to its own cache: 0.47 s for the
+  same 96 tokens (19x more). Exact base cache (base turns KL 0), mean KL 0.0187, top-1 agreement 0.960;
   no error can compound over a long conversation. Choose it when base turns must be exact.
 
 Concurrency: PEFT's active adapter is global state of the model, so every use of a model goes through

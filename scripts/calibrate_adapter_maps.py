@@ -6,7 +6,7 @@ sessions hold chats); each map's blend toward its source cache chosen on ``--ble
 calibration-split files (`peft_kvcache.peft_maps.choose_adapter_blends`); then
 ``hub_cards/smollm2-135m-instruct-base-to-<adapter>/`` and ``...-<adapter>-to-base/`` with their model cards.
 
-    PYTHONPATH=. python scripts/calibrate_adapter_maps.py            # ~5-10 min on 1 thread
+    PYTHONPATH=. python scripts/calibrate_adapter_maps.py            # ~20 min on 2 threads
 
 `load_peft_smollm2` and `ensure_maps` are also what examples/adapter_chat.py and benchmarks/adapters.py use.
 """
@@ -46,7 +46,7 @@ def load_peft_smollm2(adapters=ADAPTERS, extra: tuple[str, ...] = ()):
     return model.eval(), tokenizer, names
 
 
-def calibration_ids(tokenizer, files: int = 32, tokens: int = 512, chats: int = 8) -> list[torch.Tensor]:
+def calibration_ids(tokenizer, files: int = 128, tokens: int = 512, chats: int = 8) -> list[torch.Tensor]:
     """The first ``tokens`` tokens of ``files`` calibration-split stdlib files, and ``chats`` chat-formatted
     calibration-split docstring prompts with their answers."""
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -61,7 +61,7 @@ def calibration_ids(tokenizer, files: int = 32, tokens: int = 512, chats: int = 
     return sequences
 
 
-def blend_ids(tokenizer, skip: int = 32, files: int = 12, tokens: int = 512 + 64) -> list[torch.Tensor]:
+def blend_ids(tokenizer, skip: int = 128, files: int = 12, tokens: int = 512 + 64) -> list[torch.Tensor]:
     """Held-out text for choosing the blends: ``files`` calibration-split files after the first ``skip`` (the
     ones the maps were fitted on), their first ``tokens`` tokens."""
     from peft_kvcache.corpus import calibration_texts
@@ -70,7 +70,7 @@ def blend_ids(tokenizer, skip: int = 32, files: int = 12, tokens: int = 512 + 64
     return [tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0, :tokens] for text in texts]
 
 
-def fit_maps(model, tokenizer, adapters, files: int = 32, tokens: int = 512, chats: int = 8, blend_files: int = 12,
+def fit_maps(model, tokenizer, adapters, files: int = 128, tokens: int = 512, chats: int = 8, blend_files: int = 12,
              **options):
     """Calibrate the maps (``files`` stdlib files + ``chats`` chat prompts), then choose each map's blend
     toward its source cache on ``blend_files`` further calibration-split files (0: no blend)."""
@@ -106,7 +106,7 @@ def ensure_maps(model, tokenizer, adapters, root: Path = HUB_CARDS, save: bool =
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--files", type=int, default=32)
+    parser.add_argument("--files", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--chats", type=int, default=8)
     parser.add_argument("--blend-files", type=int, default=12, help="held-out files choosing the blends (0: none)")
