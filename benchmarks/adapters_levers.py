@@ -32,12 +32,14 @@ def main() -> None:
     parser.add_argument("--adapter", default="shout")
     parser.add_argument("--examples", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--files", type=int, default=32,
+                        help="calibration files (32: the committed results, measured when the published maps used 32)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, tokenizer, names = load_peft_smollm2()
     published = ensure_maps(model, tokenizer, names).to_adapter[args.adapter]
     started = time.perf_counter()
-    variant = calibrate_adapters(model, calibration_ids(tokenizer), adapters=[args.adapter], reverse=False,
+    variant = calibrate_adapters(model, calibration_ids(tokenizer, files=args.files), adapters=[args.adapter], reverse=False,
                                  same_layer=False, top_k=args.top_k).to_adapter[args.adapter]
     seconds = time.perf_counter() - started
     base, _ = load_model(MODEL)
