@@ -36,7 +36,6 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import DynamicCache
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -45,7 +44,7 @@ from calibrate_adapter_maps import MODEL, ensure_maps, load_peft_smollm2  # noqa
 from train_adapters import INSTRUCTION, encode, functions_with_docstrings  # noqa: E402
 
 from peft_kvcache import MappedCache  # noqa: E402
-from peft_kvcache.capture import CapturedKV, run_with_cache  # noqa: E402
+from peft_kvcache.capture import run_with_cache  # noqa: E402
 from peft_kvcache.corpus import corpus_description, evaluation_texts  # noqa: E402
 from peft_kvcache.evaluate import RetentionReport, VariantScores, evaluate_retention, token_kl, token_sequences  # noqa: E402
 from peft_kvcache.fixtures import load_model  # noqa: E402
@@ -53,15 +52,6 @@ from peft_kvcache.peft_maps import adapter_active, is_activated_lora  # noqa: E4
 from peft_kvcache.sessions import AdapterSession, SharedPeftModel  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-
-
-def truncated(captured: CapturedKV, length: int) -> CapturedKV:
-    """The first ``length`` positions of a captured cache (a causal model's cache of a prefix)."""
-    return CapturedKV([k[:, :, :length] for k in captured.keys], [v[:, :, :length] for v in captured.values])
-
-
-def as_cache(captured) -> DynamicCache:
-    return DynamicCache(list(zip(captured.keys, captured.values)))
 
 
 # ----- 1. retention -----
@@ -121,9 +111,9 @@ def task_answers(model, tokenizer, adapters, maps, examples: int) -> dict:
             if adapter in maps.to_adapter:
                 with adapter_active(model, adapter):
                     variants["mapped base cache"] = (
-                        MappedCache.from_source(as_cache(base_kv), maps.to_adapter[adapter], model,
+                        MappedCache.from_source(base_kv.to_cache(), maps.to_adapter[adapter], model,
                                                 input_ids=ids[None, :cut]), cut)
-            variants["base cache reused as is"] = (as_cache(base_kv), cut)
+            variants["base cache reused as is"] = (base_kv.to_cache(), cut)
             scored = [(name, answer_nll(model, adapter, ids, labels, cache, cached))
                       for name, (cache, cached) in variants.items()]
             scored.append(("base model (no adapter)", answer_nll(model, None, ids, labels)))
@@ -214,20 +204,20 @@ def task_with_history(model, tokenizer, adapters, maps, examples: int, history_t
             with adapter_active(model, None):
                 base_kv = run_with_cache(model, ids[None, :cut])
                 logits = {"base model": model(input_ids=ids[None]).logits[0, prompt_len - 1:-1]}
-            caches = {"base cache reused as is": (as_cache(base_kv), cut)}
+            caches = {"base cache reused as is": (base_kv.to_cache(), cut)}
             if session:
-                caches["session: base history reused as is"] = (as_cache(truncated(base_kv, history)), history)
+                caches["session: base history reused as is"] = (base_kv.prefix(history).to_cache(), history)
             with adapter_active(model, adapter):
                 if not alora:
                     caches["mapped base cache"] = (MappedCache.from_source(
-                        as_cache(base_kv), maps.to_adapter[adapter], model, input_ids=ids[None, :cut]), cut)
+                        base_kv.to_cache(), maps.to_adapter[adapter], model, input_ids=ids[None, :cut]), cut)
                     for k in refresh:
                         caches[f"mapped + refresh {k}"] = (MappedCache.from_source(
-                            as_cache(base_kv), maps.to_adapter[adapter], model, input_ids=ids[None, :cut],
+                            base_kv.to_cache(), maps.to_adapter[adapter], model, input_ids=ids[None, :cut],
                             refresh_tokens=k, probe_tokens=1), cut)
                     if session:
                         caches["session: mapped history"] = (MappedCache.from_source(
-                            as_cache(truncated(base_kv, history)), maps.to_adapter[adapter], model,
+                            base_kv.prefix(history).to_cache(), maps.to_adapter[adapter], model,
                             input_ids=ids[None, :history]), history)
                 for name, (cache, start) in caches.items():
                     logits[name] = model(input_ids=ids[None, start:-1], past_key_values=cache,
@@ -322,7 +312,7 @@ def catch_up_cost(model, maps, tokenizer, history: int = 1024, new: int = 96, re
         adapter_kv = run_with_cache(model, ids[None])
     prefill, reverse = [], []
     for _ in range(repeats):
-        cache = as_cache(base_kv)
+        cache = base_kv.to_cache()
         started = time.perf_counter()
         with adapter_active(model, None):
             model(input_ids=ids[None, history:], position_ids=torch.arange(history, history + new)[None],
@@ -356,7 +346,7 @@ def ttft(model, tokenizer, maps, adapter: str, lengths, repeats: int = 2) -> lis
         for _ in range(repeats + 1):  # the first round warms up
             with adapter_active(model, adapter):
                 started = time.perf_counter()
-                cache = MappedCache.from_source(as_cache(base_kv), maps.to_adapter[adapter], model,
+                cache = MappedCache.from_source(base_kv.to_cache(), maps.to_adapter[adapter], model,
                                                 input_ids=ids[None, :-1])
                 mapped_logits = model(input_ids=ids[None, -1:], position_ids=torch.tensor([[length - 1]]),
                                       past_key_values=cache, use_cache=True).logits[0, -1]

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
 
 from .apply import layer_features, position_free_keys
 from .errors import CacheMismatchError, UnsupportedPositionalSchemeError
@@ -20,6 +20,14 @@ class CapturedKV:
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+
+    def prefix(self, length: int) -> "CapturedKV":
+        """The first ``length`` positions: a causal model's cache of that prefix of its input."""
+        return CapturedKV([k[:, :, :length] for k in self.keys], [v[:, :, :length] for v in self.values])
+
+    def to_cache(self) -> DynamicCache:
+        """A transformers `DynamicCache` holding these tensors (a model extends it in place)."""
+        return DynamicCache(list(zip(self.keys, self.values)))
 
 
 def cache_states(cache: Cache) -> CapturedKV:

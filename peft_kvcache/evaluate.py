@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
-from transformers.cache_utils import DynamicCache
 
 from .cache import MappedCache
-from .capture import CapturedKV, run_with_cache
+from .capture import run_with_cache
 from .errors import EvaluationError
 from .refresh import truncate_cache
 
@@ -246,16 +245,16 @@ def evaluate_retention(
         context_cache = run_with_cache(source_model, ids[None, :context_length])
         for w in windows:
             prefix = ids[None, : context_length - w]
-            source_cache = _prefix_of(context_cache, context_length - w)
-            mapped = MappedCache.from_source(_as_cache(source_cache), kv_map, target_model, input_ids=prefix,
+            source_cache = context_cache.prefix(context_length - w)
+            mapped = MappedCache.from_source(source_cache.to_cache(), kv_map, target_model, input_ids=prefix,
                                              verify_models=False)
             scores[f"mapped@{w}"].add(cached_logits(target_model, mapped, ids, context_length, w), full, labels)
             if naive_reuse:
-                naive = _as_cache(source_cache)
+                naive = source_cache.to_cache()
                 scores[f"naive@{w}"].add(cached_logits(target_model, naive, ids, context_length, w), full, labels)
         for w, k in refreshed:
             context = ids[None, :context_length]
-            cache = MappedCache.from_source(_as_cache(context_cache), kv_map, target_model, input_ids=context,
+            cache = MappedCache.from_source(context_cache.to_cache(), kv_map, target_model, input_ids=context,
                                             verify_models=False, refresh_tokens=k, probe_tokens=w,
                                             refresh_span=refresh_span)
             # the last context token's logits predict the first label: drop it and let the target redo it
@@ -265,17 +264,9 @@ def evaluate_retention(
         for w in controls if window_control else []:
             scores[f"window@{w}"].add(window_logits(target_model, ids, context_length, w, sink), full, labels)
         if check_tokens:
-            checked = MappedCache.from_source(_as_cache(context_cache), kv_map, target_model,
+            checked = MappedCache.from_source(context_cache.to_cache(), kv_map, target_model,
                                               input_ids=ids[None, :context_length], verify_models=False,
                                               check_tokens=check_tokens, check_margin=check_margin,
                                               on_bad_context="drop_middle")
             checks.append(checked.context_check)
     return RetentionReport(scores, context_length, continuation_length, context_checks=checks)
-
-
-def _prefix_of(captured: CapturedKV, length: int) -> CapturedKV:
-    return CapturedKV([k[:, :, :length] for k in captured.keys], [v[:, :, :length] for v in captured.values])
-
-
-def _as_cache(captured) -> DynamicCache:
-    return DynamicCache(list(zip(captured.keys, captured.values)))
