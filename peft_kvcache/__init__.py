@@ -4,38 +4,56 @@ base model of a PEFT adapter into the target's KV space.
     from peft_kvcache import KVMap, MappedCache
     kv_map = KVMap.calibrate(source_model, target_model, calibration_ids)
     cache = MappedCache.from_source(source_model, kv_map, target_model, input_ids=prompt[:, :-1])
-    out = target_model.generate(input_ids=prompt, past_key_values=cache, max_new_tokens=32)
+    out = target_model.generate(input_ids=prompt, cache=cache, max_new_tokens=32)
 """
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: F401
 
 from .errors import (  # noqa: E402
     ArtifactError,
     CacheMismatchError,
     CalibrationError,
+    CLIUsageError,
     EvaluationError,
     FingerprintMismatchError,
+    FixtureError,
     IncompatibleModelsError,
     NumericalError,
     PeftKVCacheError,
     QualityError,
+    ServerError,
+    SessionError,
     UnsupportedPositionalSchemeError,
 )
-from .kvmap import KVMap, KVMapConfig  # noqa: E402
+from .config import CalibrationConfig, KVMapConfig, Refresh  # noqa: E402
+from .kvmap import KVMap  # noqa: E402
 from .cache import MappedCache  # noqa: E402
+from .adapter_maps import AdapterMaps  # noqa: E402
+from .sessions import AdapterSession, SharedPeftModel, TurnResult  # noqa: E402
+from . import calibrate as _calibrate  # noqa: E402,F401  (attaches KVMap.calibrate)
 
 __all__ = [
+    "AdapterMaps",
+    "AdapterSession",
+    "CalibrationConfig",
     "KVMap",
     "KVMapConfig",
     "MappedCache",
+    "Refresh",
+    "SharedPeftModel",
+    "TurnResult",
     "PeftKVCacheError",
     "ArtifactError",
     "CacheMismatchError",
     "CalibrationError",
+    "CLIUsageError",
     "EvaluationError",
     "FingerprintMismatchError",
+    "FixtureError",
     "IncompatibleModelsError",
     "NumericalError",
     "QualityError",
+    "ServerError",
+    "SessionError",
     "UnsupportedPositionalSchemeError",
 ]

@@ -12,20 +12,8 @@ from collections.abc import Sequence
 import torch
 
 from .errors import CacheMismatchError, NumericalError
-from .positions import RotarySpec, remove_rotary, rotary_cos_sin, apply_rotary
-
-
-def layer_features(states: torch.Tensor) -> torch.Tensor:
-    """``[batch, kv_heads, seq, head_dim]`` -> ``[batch, seq, kv_heads * head_dim]`` (heads side by side)."""
-    batch, heads, seq, dim = states.shape
-    return states.transpose(1, 2).reshape(batch, seq, heads * dim)
-
-
-def position_free_keys(keys: torch.Tensor, spec: RotarySpec, positions: torch.Tensor) -> torch.Tensor:
-    """Remove RoPE from cached keys ``[batch, kv_heads, seq, head_dim]`` at ``positions`` ``[batch, seq]``,
-    in float32."""
-    cos, sin = rotary_cos_sin(spec, positions, device=keys.device)
-    return remove_rotary(keys.float(), cos, sin, spec.attention_scaling)
+from .models import layer_features
+from .positions import RotarySpec, apply_rotary, remove_rotary, rotary_cos_sin
 
 
 class SourceFeatures:
@@ -73,7 +61,7 @@ def map_layer(features: Sequence[torch.Tensor], weight: torch.Tensor, bias: torc
     ``[batch, kv_heads, seq, head_dim]``; ``mlp`` (w1, b1, w2, b2), where the layer has a residual MLP head,
     adds ``gelu(lin @ w1 + b1) @ w2 + b2`` to the linear output ``lin`` (all heads at once)."""
     batch, seq, _ = features[0].shape
-    weight, mapped, row = weight.to(features[0].dtype), None, 0
+    mapped, row = None, 0
     for x in features:
         x = x.reshape(batch * seq, -1)
         rows = weight[row: row + x.shape[1]]

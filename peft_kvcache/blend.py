@@ -25,10 +25,14 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .adapter_maps import AdapterMaps
+from .cache import MappedCache
 from .capture import CapturedKV, run_with_cache
+from .config import KINDS, BlendRecord
 from .errors import CalibrationError
 from .evaluate import cached_logits, full_logits, token_kl
-from .kvmap import KINDS, KVMap
+from .kvmap import KVMap
+from .models import adapter_active
 
 DEFAULT_BLEND_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -44,7 +48,7 @@ def blend_toward_source(kv_map: KVMap, keys: float, values: float) -> KVMap:
     if config.pair_kind != "same_shape":
         raise CalibrationError(f"blending toward the source cache needs a same-shape pair; map "
                                f"{config.source_name!r} -> {config.target_name!r} is {config.pair_kind}")
-    if config.mlp_layers("keys") or config.mlp_layers("values"):
+    if config.nonlinear is not None and (config.mlp_layers("keys") or config.mlp_layers("values")):
         raise CalibrationError("blending toward the source cache is defined for linear maps; this map has "
                                "nonlinear heads (blend first, then fit_nonlinear_heads)")
     alphas = {"keys": keys, "values": values}
@@ -72,13 +76,11 @@ def blend_toward_source(kv_map: KVMap, keys: float, values: float) -> KVMap:
 def _scores(kv_map: KVMap, target_model, examples: Sequence[tuple[torch.Tensor, CapturedKV, torch.Tensor]],
             continuation: int) -> dict[str, float]:
     """Mean next-token KL(target prefill || mapped) and mean NLL of the real next tokens with the mapped cache."""
-    from .cache import MappedCache
-
     kl = nll = 0.0
     for ids, source, full in examples:
         context = ids.numel() - continuation
         cache = MappedCache.from_source(list(zip(source.keys, source.values)), kv_map, target_model,
-                                        input_ids=ids[None, : context - 1], verify_models=False)
+                                        input_ids=ids[None, : context - 1], refresh_tokens=0, verify_models=False)
         logits = cached_logits(target_model, cache, ids, context, 1)
         kl += float(token_kl(full, logits).mean())
         nll += float(F.cross_entropy(logits, ids[context:]))
@@ -148,11 +150,10 @@ def choose_blend(
         best_values = best(lambda a: score(1.0, a))
         best_keys = best(lambda a: score(a, best_values))
     blended = blend_toward_source(kv_map, best_keys, best_values)
-    blended.config.blend = {
-        "keys": best_keys, "values": best_values, "criterion": criterion, "examples": len(examples),
-        "continuation": continuation, "grid": grid,
-        "scores": {f"keys={k},values={v}": {m: round(x, 6) for m, x in s.items()} for (k, v), s in sorted(scores.items())},
-    }
+    blended.config.blend = BlendRecord(
+        keys=best_keys, values=best_values, criterion=criterion, examples=len(examples), continuation=continuation,
+        grid=grid, scores={f"keys={k},values={v}": {m: round(x, 6) for m, x in s.items()}
+                           for (k, v), s in sorted(scores.items())})
     return blended
 
 
@@ -161,4 +162,29 @@ def source_cache_of(model: torch.nn.Module) -> Callable[[torch.Tensor], Captured
     return lambda ids: run_with_cache(model, ids)
 
 
-__all__ = ["DEFAULT_BLEND_GRID", "blend_toward_source", "choose_blend", "source_cache_of"]
+def choose_adapter_blends(maps: AdapterMaps, model: torch.nn.Module, sequences: Sequence[torch.Tensor], *,
+                          continuation: int = 64, criterion: str = "kl", progress: bool = True) -> AdapterMaps:
+    """Every map of ``maps`` blended toward its source cache (`choose_blend`) on held-out ``sequences`` (not the
+    calibration data): the source side's caches are computed first under its own adapter state, then the target
+    side scores the grid under its own.
+
+    Example:
+        >>> maps = choose_adapter_blends(calibrate_adapters(model, data), model, heldout_ids)  # doctest: +SKIP
+    """
+    sequences = [torch.as_tensor(s, dtype=torch.long) for s in sequences]
+    chosen = AdapterMaps()
+    for adapter, reverse, kv_map in maps.all():
+        source, target = (adapter, None) if reverse else (None, adapter)
+        with adapter_active(model, source), torch.no_grad():
+            caches = {}
+            for ids in sequences:
+                prefix = ids[None, : ids.numel() - continuation - 1]
+                caches[prefix.numpy().tobytes()] = run_with_cache(model, prefix)
+        with adapter_active(model, target):
+            store = chosen.to_base if reverse else chosen.to_adapter
+            store[adapter] = choose_blend(kv_map, model, sequences, lambda prefix: caches[prefix.numpy().tobytes()],
+                                          continuation=continuation, criterion=criterion, progress=progress)
+    return chosen
+
+
+__all__ = ["DEFAULT_BLEND_GRID", "blend_toward_source", "choose_adapter_blends", "choose_blend", "source_cache_of"]

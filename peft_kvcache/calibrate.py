@@ -1,28 +1,40 @@
-"""Calibration: capture -> statistics -> fit -> `KVMap`. `KVMap.calibrate` delegates here."""
+"""Calibration: capture -> statistics -> fit -> `KVMap`, one loop for sibling pairs and for a base model and its
+adapters alike (`KVMap.calibrate` delegates here).
+
+The loop (`collect`) runs the models over the calibration chunks of each split and hands their caches to an
+accumulator; it checkpoints the accumulator's state (`peft_kvcache.checkpoint`) so an interrupted run resumes
+to the same result, and under ``torchrun`` each process takes its shard of the chunks and the statistics are
+summed with one all-reduce. The held-out split is whole texts: no text contributes to both splits.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from .capture import CapturedKV, TargetRun, accumulate, batches, run_with_cache
+from .adapter_maps import AdapterMaps
+from .capture import CapturedKV, batches, run_with_cache
 from .checkpoint import CalibrationCheckpoint, Progress, run_digest
+from .config import CalibrationConfig, CalibrationRecord, DataRecord, KVMapConfig, ModelSpec, TextRecord
 from .errors import CalibrationError
-from .fit import DEFAULT_LAMBDA_GRID, SufficientStatistics, all_reduce_statistics, fit_layers
-from .kvmap import KVMap, KVMapConfig
-from .models import KVLayout, check_pair, fingerprint, model_name, vocab_size_of
-from .positions import RotarySpec, rotary_spec_of
+from .fit import SufficientStatistics, all_reduce_statistics, fit_layers, fit_same_layers
+from .kvmap import KVMap
+from .models import (KVLayout, adapter_active, cached_fingerprint, check_pair, is_activated_lora, is_peft_model,
+                     layer_features, model_name, vocab_size_of)
+from .positions import RotarySpec, position_free_keys, positions_from_mask, rotary_spec_of
 
 logger = logging.getLogger(__name__)
 
 SPLITS = ("train", "heldout")
+KINDS = ("keys", "values")
+BASE = "base"  # the name the base model of a PeftModel has in adapter calibration
 
 
 @dataclass(frozen=True)
@@ -35,40 +47,19 @@ class ModelSide:
     rotary: RotarySpec
 
     @classmethod
-    def of(cls, model: torch.nn.Module, name: str | None = None) -> "ModelSide":
-        return cls(name or model_name(model), fingerprint(model), KVLayout.of(model), rotary_spec_of(model))
+    def of(cls, model: torch.nn.Module) -> "ModelSide":
+        return cls(model_name(model), cached_fingerprint(model), KVLayout.of(model), rotary_spec_of(model))
 
 
-def calibration_sequences(data: Iterable, tokenizer=None, max_length: int = 512, min_length: int = 3,
-                          vocab_size: int | None = None) -> list[torch.Tensor]:
-    """1-D token id tensors from token ids or texts (texts need ``tokenizer``), split into chunks of at
-    most ``max_length`` tokens; chunks shorter than ``min_length`` are dropped."""
-    sequences = []
-    for item in data:
-        if isinstance(item, str):
-            if tokenizer is None:
-                raise CalibrationError("calibration texts need a tokenizer: pass tokenizer=...")
-            ids = torch.tensor(tokenizer(item, add_special_tokens=False)["input_ids"], dtype=torch.long)
-        else:
-            ids = torch.as_tensor(item, dtype=torch.long)
-            if ids.dim() != 1:
-                raise CalibrationError(f"calibration token ids must be 1-D tensors, got shape {tuple(ids.shape)}")
-        if vocab_size is not None and ids.numel() and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
-            raise CalibrationError(f"calibration token id {int(ids.max())} is outside the vocabulary ({vocab_size})")
-        sequences.extend(c for c in ids.split(max_length) if c.numel() >= min_length)
-    if not sequences:
-        raise CalibrationError(
-            f"the calibration set is empty: no sequence of at least {min_length} tokens was given"
-        )
-    return sequences
+# ----- data -----
 
 
 def heldout_flags(count: int, heldout_fraction: float) -> list[bool]:
-    """Which sequences form the held-out split: every ``round(1 / fraction)``-th, at least one."""
+    """Which of ``count`` texts form the held-out split: every ``round(1 / fraction)``-th, at least one."""
     if not 0 < heldout_fraction < 1:
         raise CalibrationError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
     if count < 2:
-        raise CalibrationError(f"calibration needs at least 2 sequences (train and held-out), got {count}")
+        raise CalibrationError(f"calibration needs at least 2 texts (train and held-out), got {count}")
     period = max(2, round(1 / heldout_fraction))
     flags = [i % period == period - 1 for i in range(count)]
     if not any(flags):
@@ -76,185 +67,353 @@ def heldout_flags(count: int, heldout_fraction: float) -> list[bool]:
     return flags
 
 
-def collect_statistics(
-    source_run: TargetRun,
-    target_runs: dict[str, TargetRun],
-    source_spec: RotarySpec,
-    target_specs: dict[str, RotarySpec],
-    source_width: int,
-    target_widths: dict[str, int],
-    sequences: list[torch.Tensor],
-    heldout_fraction: float = 0.2,
-    sink_tokens: int = 1,
-    batch_size: int = 1,
-    progress: bool = True,
-    *,
-    checkpoint_dir: str | os.PathLike | None = None,
-    checkpoint_every: int = 50,
-    checkpoint_key: str = "",
-    rank: int | None = None,
-    world_size: int | None = None,
-) -> dict[str, dict[str, SufficientStatistics]]:
-    """Run the source once and every target over the sequences; return
-    ``{"train"|"heldout": {"keys"|"values": statistics}}``, one statistics entry per target name.
+@dataclass
+class CalibrationTexts:
+    """The calibration data cut into chunks; every chunk belongs to one named text and every text to one split."""
 
-    Args:
-        checkpoint_dir: write the statistics there every ``checkpoint_every`` batches (atomically, see
-            `peft_kvcache.checkpoint`) and resume from what is there: an interrupted run started again with
-            the same arguments continues where it stopped and returns the same statistics. A checkpoint of
-            other sequences or options is refused with a `CalibrationError`.
-        checkpoint_key: extra text the checkpoint must match (e.g. the models' fingerprints).
-        rank, world_size: this process's shard: it runs sequences ``rank::world_size`` of each split. Both
-            default to torch.distributed's when it is initialized, in which case the shards' statistics are
-            summed with `all_reduce_statistics` before returning, so every process gets the statistics
-            of all the sequences.
+    names: list[str]
+    chunks: list[list[torch.Tensor]]  # per text
+    heldout: list[bool]  # per text
 
-    Example:
-        >>> stats = collect_statistics(src_run, {"target": tgt_run}, src_spec, {"target": tgt_spec}, 256,
-        ...                            {"target": 384}, sequences, checkpoint_dir="ckpt")  # doctest: +SKIP
+    @classmethod
+    def build(cls, data: Mapping[str, str | torch.Tensor] | Iterable[str | torch.Tensor], tokenizer,
+              config: CalibrationConfig, vocab_size: int | None = None) -> "CalibrationTexts":
+        """Tokenize (texts need ``tokenizer``), cut into chunks of ``config.max_length`` (the first
+        ``config.chunks_per_text`` if set; chunks shorter than the sink + 2 tokens are dropped) and split whole
+        texts. A single text is split by chunks instead, each chunk named ``<name>#<i>``."""
+        items = list(data.items()) if isinstance(data, Mapping) else [(f"text-{i}", x) for i, x in enumerate(data)]
+        names, chunks = [], []
+        for name, item in items:
+            ids = _token_ids(item, tokenizer, vocab_size)
+            pieces = [c for c in ids.split(config.max_length) if c.numel() >= config.sink_tokens + 2]
+            pieces = pieces[: config.chunks_per_text] if config.chunks_per_text else pieces
+            if pieces:
+                names.append(str(name))
+                chunks.append(pieces)
+        if not names:
+            raise CalibrationError(f"the calibration set is empty: no text has {config.sink_tokens + 2} tokens")
+        if len(names) == 1 and len(chunks[0]) > 1:
+            names = [f"{names[0]}#{i}" for i in range(len(chunks[0]))]
+            chunks = [[c] for c in chunks[0]]
+        return cls(names, chunks, heldout_flags(len(names), config.heldout_fraction))
+
+    def split(self, split: str) -> list[torch.Tensor]:
+        """The chunks of ``split`` (``"train"`` or ``"heldout"``), text by text."""
+        return [c for pieces, held in zip(self.chunks, self.heldout) if held == (split == "heldout") for c in pieces]
+
+    def record(self, description: str = "") -> DataRecord:
+        texts = [TextRecord(name, sum(len(c) for c in pieces), "heldout" if held else "train")
+                 for name, pieces, held in zip(self.names, self.chunks, self.heldout)]
+        return DataRecord(description=description, texts=texts)
+
+    def all_chunks(self) -> list[torch.Tensor]:
+        return [c for pieces in self.chunks for c in pieces]
+
+
+def _token_ids(item, tokenizer, vocab_size: int | None) -> torch.Tensor:
+    if isinstance(item, str):
+        if tokenizer is None:
+            raise CalibrationError("calibration texts need a tokenizer: pass tokenizer=...")
+        ids = torch.tensor(tokenizer(item, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    else:
+        ids = torch.as_tensor(item)
+        if ids.dim() != 1 or (ids.numel() and ids.is_floating_point()):
+            raise CalibrationError(f"calibration token ids must be 1-D integer tensors, got {ids.dtype} "
+                                   f"{tuple(ids.shape)}")
+        ids = ids.long()
+    if vocab_size is not None and ids.numel() and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
+        raise CalibrationError(f"calibration token id {int(ids.max())} is outside the vocabulary ({vocab_size})")
+    return ids
+
+
+# ----- the loop -----
+
+
+class StatisticsRun:
+    """Streaming statistics of one calibration pass: for each source (by name), from its KV features to each of
+    its targets', per layer block (all layers side by side, or each layer alone with ``same_layer``), per split
+    and kind."""
+
+    def __init__(self, groups: dict[str, list[str]], sides: dict[str, ModelSide], same_layer: bool, sink_tokens: int):
+        self.groups, self.sides, self.sink_tokens = groups, sides, sink_tokens
+        self.blocks: list[int | None] = list(range(next(iter(sides.values())).layout.num_layers)) if same_layer else [None]
+        self.stats = {}
+        for source, targets in groups.items():
+            for block in self.blocks:
+                for split in SPLITS:
+                    for kind in KINDS:
+                        self.stats[source, block, split, kind] = SufficientStatistics.empty(
+                            self._width(source, block), {t: self._width(t, block) for t in targets})
+
+    def _width(self, name: str, block: int | None) -> int:
+        layout = self.sides[name].layout
+        return layout.layer_width * (layout.num_layers if block is None else 1)
+
+    def add(self, split: str, runs: dict[str, CapturedKV], mask: torch.Tensor) -> None:
+        positions = positions_from_mask(mask)
+        rows = mask.bool() & (positions >= self.sink_tokens)  # the sink is the target's own at inference
+        if not rows.any():
+            return
+        for block in self.blocks:
+            features = {name: stacked_features(run, self.sides[name].rotary, positions, rows, block)
+                        for name, run in runs.items()}
+            for source, targets in self.groups.items():
+                for k, kind in enumerate(KINDS):
+                    self.stats[source, block, split, kind].update(features[source][k],
+                                                                 {t: features[t][k] for t in targets})
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"{source}|{block}|{split}|{kind}|{name}": tensor
+                for (source, block, split, kind), entry in self.stats.items()
+                for name, tensor in entry.state_dict().items()}
+
+    def all_reduce(self) -> None:
+        all_reduce_statistics(list(self.stats.values()))
+
+    def pair(self, source: str, block: int | None, kind: str) -> tuple[SufficientStatistics, SufficientStatistics]:
+        return self.stats[source, block, "train", kind], self.stats[source, block, "heldout", kind]
+
+
+def stacked_features(captured: CapturedKV, spec: RotarySpec, positions: torch.Tensor, rows: torch.Tensor,
+                     block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of all layers (or of layer ``block``) side by side for the selected token ``rows`` (bool
+    ``[batch, seq]``): two ``[n, layers * kv_heads * head_dim]`` float32 matrices, keys without RoPE."""
+    layers = range(len(captured.keys)) if block is None else [block]
+    keys = torch.cat([layer_features(position_free_keys(captured.keys[i], spec, positions.to(captured.keys[i].device)))
+                      [rows.to(captured.keys[i].device)].cpu() for i in layers], dim=-1)
+    values = torch.cat([layer_features(captured.values[i].float())[rows.to(captured.values[i].device)].cpu()
+                        for i in layers], dim=-1)
+    return keys, values
+
+
+def join_process_group() -> tuple[int, int]:
+    """Join torch.distributed's process group when started by ``torchrun`` (``WORLD_SIZE`` > 1; NCCL with GPUs,
+    gloo on CPUs); returns ``(rank, world_size)``, ``(0, 1)`` for a single process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    return (dist.get_rank(), world) if world > 1 else (0, 1)
+
+
+def _shard() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def collect(run_models: Callable[[torch.Tensor, torch.Tensor], dict[str, CapturedKV]], accumulator,
+            texts: CalibrationTexts, batch_size: int = 1, *, progress: bool = True, checkpoint_dir=None,
+            checkpoint_every: int = 50, checkpoint_key: dict | None = None, shard: tuple[int, int] | None = None):
+    """Run the models over every chunk (``run_models(ids, mask) -> {name: CapturedKV}``) and feed the caches to
+    ``accumulator.add(split, runs, mask)``, split by split. Returns the accumulator.
+
+    With ``checkpoint_dir`` the accumulator's ``state_dict()`` is saved there every ``checkpoint_every`` batches and
+    an interrupted run started again with the same arguments resumes where it stopped, with the same result; a
+    checkpoint of other data, options or models is refused. Under ``torchrun`` (or with ``shard=(rank, world)``)
+    each process runs chunks ``rank::world`` of each split and, with torch.distributed, the accumulator's
+    ``all_reduce()`` sums the shards so that every process holds the statistics of all the chunks.
     """
-    distributed = dist.is_available() and dist.is_initialized()
-    if rank is None:
-        rank = dist.get_rank() if distributed else 0
-    if world_size is None:
-        world_size = dist.get_world_size() if distributed else 1
-    if not 0 <= rank < world_size:
-        raise CalibrationError(f"rank must be in 0..{world_size - 1}, got {rank}")
+    rank, world = shard or _shard()
+    if not 0 <= rank < world:
+        raise CalibrationError(f"rank must be in 0..{world - 1}, got {rank}")
     if checkpoint_every < 1:
         raise CalibrationError(f"checkpoint_every must be at least 1 batch, got {checkpoint_every}")
-    flags = heldout_flags(len(sequences), heldout_fraction)  # over all sequences: same split on every rank
-    stats = {split: {kind: SufficientStatistics.empty(source_width, target_widths) for kind in ("keys", "values")}
-             for split in SPLITS}
+    per_split = [texts.split(split)[rank::world] for split in SPLITS]
     checkpoint, done = None, Progress()
     if checkpoint_dir is not None:
-        digest = run_digest(sequences, {
-            "heldout_fraction": heldout_fraction, "sink_tokens": sink_tokens, "batch_size": batch_size,
-            "source_width": source_width, "target_widths": target_widths, "rank": rank,
-            "world_size": world_size, "key": checkpoint_key})
-        checkpoint = CalibrationCheckpoint(checkpoint_dir, digest, rank)
-        done = checkpoint.load(stats) or done
-    for index, split in enumerate(SPLITS):
-        chosen = [s for s, heldout in zip(sequences, flags) if heldout == (split == "heldout")][rank::world_size]
-        skip = done.batches if index == done.split else (0 if index > done.split else None)
-        if done.complete or skip is None:
+        digest = run_digest(texts.all_chunks(), {"names": texts.names, "heldout": texts.heldout, "batch": batch_size,
+                                                 "rank": rank, "world": world, **(checkpoint_key or {})})
+        counts = [-(-len(chunks) // batch_size) for chunks in per_split]
+        checkpoint = CalibrationCheckpoint(checkpoint_dir, digest, counts, rank)
+        done = checkpoint.load(accumulator.state_dict()) or done
+    for index, (split, chosen) in enumerate(zip(SPLITS, per_split)):
+        if done.complete or index < done.split:
             continue
-        total = sum(len(s) for s in chosen)
-        with tqdm(total=total, desc=f"calibration ({split})", unit="tok", disable=not progress) as bar:
+        skip = done.batches if index == done.split else 0
+        with tqdm(total=sum(len(s) for s in chosen), desc=f"calibration ({split})", unit="tok",
+                  disable=not progress) as bar:
             bar.update(sum(len(s) for s in chosen[: skip * batch_size]))
             for count, (ids, mask) in enumerate(batches(chosen, batch_size), start=1):
                 if count <= skip:
                     continue
-                source = source_run(ids, mask)
-                targets = {name: (run(ids, mask), target_specs[name]) for name, run in target_runs.items()}
-                accumulate(stats[split], source, source_spec, targets, mask, sink_tokens)
+                accumulator.add(split, run_models(ids, mask), mask)
                 bar.update(int(mask.sum()))
                 if checkpoint is not None and count % checkpoint_every == 0:
-                    checkpoint.save(stats, Progress(index, count))
+                    checkpoint.save(accumulator.state_dict(), Progress(index, count))
         if checkpoint is not None:
-            checkpoint.save(stats, Progress(index + 1, 0, complete=index + 1 == len(SPLITS)))
-    if distributed and world_size > 1:
-        all_reduce_statistics(stats)
-    return stats
+            checkpoint.save(accumulator.state_dict(), Progress(index + 1, 0, complete=index + 1 == len(SPLITS)))
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        accumulator.all_reduce()
+    return accumulator
 
 
-def build_map(
-    stats: dict[str, dict[str, SufficientStatistics]],
-    target_key: str,
-    source: ModelSide,
-    target: ModelSide,
-    vocab_size: int,
-    top_k: int = 1,
-    lambda_grid: tuple[float, ...] = DEFAULT_LAMBDA_GRID,
-    sink_tokens: int = 1,
-    calibration_info: dict | None = None,
-    progress: bool = True,
-) -> KVMap:
-    """Fit keys and values of every target layer from collected statistics and assemble the `KVMap`."""
-    same_shape = source.layout == target.layout and torch.equal(source.rotary.inv_freq, target.rotary.inv_freq)
-    fits, tensors = {}, {"source.inv_freq": source.rotary.inv_freq, "target.inv_freq": target.rotary.inv_freq}
-    with tqdm(total=2 * source.layout.num_layers, desc="fitting", unit="layer", disable=not progress) as bar:
-        for kind in ("keys", "values"):
-            fits[kind] = fit_layers(stats["train"][kind], stats["heldout"][kind], target_key, source.layout,
-                                    target.layout, top_k=top_k, lambda_grid=lambda_grid,
-                                    identity_prior=same_shape, progress=bar.update)
+# ----- fit -----
+
+
+def build_map(run: StatisticsRun, source: str, target: str, config: CalibrationConfig, record: CalibrationRecord,
+              vocab_size: int, progress: bool = True) -> KVMap:
+    """Fit keys and values of every target layer from ``source``'s statistics and assemble the `KVMap`."""
+    src, tgt = run.sides[source], run.sides[target]
+    same_shape = src.layout == tgt.layout and torch.equal(src.rotary.inv_freq, tgt.rotary.inv_freq)
+    tensors, fits = {"source.inv_freq": src.rotary.inv_freq, "target.inv_freq": tgt.rotary.inv_freq}, {}
+    steps = tgt.layout.num_layers if config.same_layer else src.layout.num_layers
+    with tqdm(total=2 * steps, desc="fitting", unit="layer", disable=not progress) as bar:
+        for kind in KINDS:
+            if config.same_layer:
+                fits[kind] = fit_same_layers([run.pair(source, t, kind) for t in run.blocks], target, tgt.layout,
+                                             config.lambda_grid, identity_prior=same_shape, progress=bar.update)
+            else:
+                fits[kind] = fit_layers(*run.pair(source, None, kind), target, src.layout, tgt.layout,
+                                        top_k=config.top_k, lambda_grid=config.lambda_grid,
+                                        identity_prior=same_shape, progress=bar.update)
             for t, layer in enumerate(fits[kind]):
                 tensors[f"{kind}.{t}.weight"] = layer.fit.weight.float()
                 tensors[f"{kind}.{t}.bias"] = layer.fit.bias.float()
-    info = dict(calibration_info or {})
-    info.update(top_k=top_k, lambda_grid=list(lambda_grid),
-                train_tokens=int(stats["train"]["keys"].count), heldout_tokens=int(stats["heldout"]["keys"].count))
-    config = KVMapConfig(
-        source_name=source.name, target_name=target.name,
-        source_fingerprint=source.fingerprint, target_fingerprint=target.fingerprint,
-        source_layout=source.layout, target_layout=target.layout,
-        source_rotary=source.rotary.describe(), target_rotary=target.rotary.describe(),
+    block = run.blocks[0]
+    record = replace(record, train_tokens=int(run.stats[source, block, "train", "keys"].count),
+                     heldout_tokens=int(run.stats[source, block, "heldout", "keys"].count))
+    k, v = fits["keys"], fits["values"]
+    map_config = KVMapConfig(
+        source_name=src.name, target_name=tgt.name, source_fingerprint=src.fingerprint,
+        target_fingerprint=tgt.fingerprint, source_layout=src.layout, target_layout=tgt.layout,
+        source_rotary=src.rotary.describe(), target_rotary=tgt.rotary.describe(),
         vocab_size=vocab_size, pair_kind="same_shape" if same_shape else "cross_shape",
-        key_layers=[f.source_layers for f in fits["keys"]], value_layers=[f.source_layers for f in fits["values"]],
-        key_r2=[f.fit.r2.tolist() for f in fits["keys"]], value_r2=[f.fit.r2.tolist() for f in fits["values"]],
-        key_lambdas=[f.fit.lambdas.tolist() for f in fits["keys"]],
-        value_lambdas=[f.fit.lambdas.tolist() for f in fits["values"]],
-        key_candidate_r2=[f.candidate_r2 for f in fits["keys"]],
-        value_candidate_r2=[f.candidate_r2 for f in fits["values"]],
-        sink_tokens=sink_tokens, calibration=info,
-    )
-    return KVMap(config, tensors)
+        key_layers=[f.source_layers for f in k], value_layers=[f.source_layers for f in v],
+        key_r2=[f.fit.r2.tolist() for f in k], value_r2=[f.fit.r2.tolist() for f in v],
+        key_lambdas=[f.fit.lambdas.tolist() for f in k], value_lambdas=[f.fit.lambdas.tolist() for f in v],
+        key_candidate_r2=[f.candidate_r2 for f in k] if not config.same_layer else [],
+        value_candidate_r2=[f.candidate_r2 for f in v] if not config.same_layer else [],
+        calibration=record)
+    return KVMap(map_config, tensors)
 
 
-def calibrate(
-    source_model: torch.nn.Module,
-    target_model: torch.nn.Module,
-    calibration_data: Iterable,
-    tokenizer=None,
-    *,
-    top_k: int = 1,
-    lambda_grid: tuple[float, ...] = DEFAULT_LAMBDA_GRID,
-    heldout_fraction: float = 0.2,
-    sink_tokens: int = 1,
-    max_length: int = 512,
-    batch_size: int = 1,
-    description: str = "",
-    progress: bool = True,
-    checkpoint_dir: str | os.PathLike | None = None,
-    checkpoint_every: int = 50,
-) -> KVMap:
+def resolve_config(config: CalibrationConfig | None, options: dict, **defaults) -> CalibrationConfig:
+    """``config`` (or the defaults) with ``options`` (field names of `CalibrationConfig`) applied, validated."""
+    known = {f.name for f in fields(CalibrationConfig)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise CalibrationError(f"unknown calibration options {unknown}; CalibrationConfig has {sorted(known)}")
+    config = replace(config or CalibrationConfig(**defaults), **options)
+    config.validate()
+    return config
+
+
+def _dtypes(*models: torch.nn.Module) -> list[str]:
+    return [str(next(m.parameters()).dtype) for m in models]
+
+
+def calibrate(source_model: torch.nn.Module, target_model: torch.nn.Module, calibration_data, tokenizer=None,
+              config: CalibrationConfig | None = None, *, description: str = "", source_spec: ModelSpec | None = None,
+              target_spec: ModelSpec | None = None, progress: bool = True, checkpoint_dir=None,
+              checkpoint_every: int = 50, **options) -> KVMap:
     """Fit a KV map from ``source_model`` to ``target_model``.
 
     Args:
-        calibration_data: iterable of 1-D LongTensors of token ids, or of texts (with ``tokenizer``).
-        top_k: source layers concatenated per target layer (chosen by held-out R^2).
-        lambda_grid: ridge strengths, relative to the mean eigenvalue of the source Gram, tried per head.
-        heldout_fraction: share of sequences kept for choosing lambdas and layers.
-        sink_tokens: leading tokens excluded from the fit; the target computes them itself at inference.
-        max_length: longer sequences are split into chunks of this many tokens.
-        progress: show tqdm bars.
-        checkpoint_dir: checkpoint the statistics there every ``checkpoint_every`` batches; a calibration
-            interrupted (crash, Ctrl-C) and started again with the same arguments resumes where it stopped
-            and gives the same map. Under ``torchrun`` each process calibrates its shard of the sequences and
-            the statistics are summed before fitting (see `collect_statistics`).
+        calibration_data: 1-D token id tensors or texts (with ``tokenizer``), or a mapping name -> either (the names,
+            e.g. file paths, are recorded in the map).
+        config: the fit's options (`CalibrationConfig`); keyword ``options`` override single fields (``top_k=2``).
+        description: what the data is, for the card.
+        source_spec, target_spec: how to load the models again (recorded for the card's usage snippet).
+        checkpoint_dir: checkpoint the statistics there every ``checkpoint_every`` batches; a calibration interrupted
+            (crash, Ctrl-C) and started again with the same arguments resumes where it stopped and gives the same
+            map. Under ``torchrun`` each process calibrates its shard of the chunks and the statistics are summed.
 
     Example:
-        >>> kv_map = calibrate(small_model, large_model, [torch.randint(0, 100, (256,)) for _ in range(10)])  # doctest: +SKIP
+        >>> kv_map = calibrate(small_model, large_model, [torch.randint(0, 100, (256,)) for _ in range(10)], top_k=2)  # doctest: +SKIP
     """
+    config = resolve_config(config, options)
     check_pair(source_model, target_model, tokenizer)
     started = time.perf_counter()
-    source, target = ModelSide.of(source_model), ModelSide.of(target_model)
-    sequences = calibration_sequences(calibration_data, tokenizer, max_length, sink_tokens + 2,
-                                      vocab_size_of(source_model))
-    stats = collect_statistics(
-        lambda ids, mask: run_with_cache(source_model, ids, mask),
-        {"target": lambda ids, mask: run_with_cache(target_model, ids, mask)},
-        source.rotary, {"target": target.rotary}, source.layout.num_layers * source.layout.layer_width,
-        {"target": target.layout.num_layers * target.layout.layer_width}, sequences,
-        heldout_fraction, sink_tokens, batch_size, progress,
-        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-        checkpoint_key=f"{source.fingerprint}->{target.fingerprint}",
-    )
-    kv_map = build_map(stats, "target", source, target, vocab_size_of(source_model), top_k, lambda_grid,
-                       sink_tokens, {"description": description, "sequences": len(sequences),
-                                     "max_length": max_length}, progress)
-    kv_map.config.calibration["seconds"] = round(time.perf_counter() - started, 2)
+    sides = {"source": ModelSide.of(source_model), "target": ModelSide.of(target_model)}
+    if config.same_layer and sides["source"].layout != sides["target"].layout:
+        raise CalibrationError("same_layer needs models of the same depth and KV width; use top_k layer selection")
+    texts = CalibrationTexts.build(calibration_data, tokenizer, config, vocab_size_of(source_model))
+    run = StatisticsRun({"source": ["target"]}, sides, config.same_layer, config.sink_tokens)
+    collect(lambda ids, mask: {"source": run_with_cache(source_model, ids, mask),
+                               "target": run_with_cache(target_model, ids, mask)},
+            run, texts, config.batch_size, progress=progress, checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every, checkpoint_key={
+                "options": config, "fingerprints": [s.fingerprint for s in sides.values()],
+                "dtypes": _dtypes(source_model, target_model)})
+    record = CalibrationRecord(options=config, data=texts.record(description), sequences=len(texts.all_chunks()),
+                               processes=_shard()[1], source=source_spec, target=target_spec)
+    kv_map = build_map(run, "source", "target", config, record, vocab_size_of(source_model), progress)
+    kv_map.config.calibration.seconds = round(time.perf_counter() - started, 2)
     logger.info("calibrated %r in %.1fs", kv_map, time.perf_counter() - started)
     return kv_map
 
 
-__all__ = ["calibrate", "calibration_sequences", "collect_statistics", "build_map", "ModelSide", "CapturedKV"]
+def calibrate_adapters(model: torch.nn.Module, calibration_data, tokenizer=None, adapters: Sequence[str] | None = None,
+                       config: CalibrationConfig | None = None, *, reverse: bool = True, description: str = "",
+                       base_spec: str | None = None, adapter_paths: Mapping[str, str] | None = None,
+                       progress: bool = True, checkpoint_dir=None, checkpoint_every: int = 50,
+                       **options) -> AdapterMaps:
+    """Fit base -> adapter maps (and, with ``reverse``, adapter -> base maps) for the adapters of a `PeftModel`,
+    in one pass over the calibration data (the base's KV computed once per chunk), through the same loop as
+    `calibrate` (checkpointable, sharded under ``torchrun``).
+
+    Args:
+        model: a `PeftModel` holding the adapters (``model.load_adapter(path, adapter_name=...)``).
+        adapters: adapter names (default: every adapter except Activated LoRAs, whose prefix KV *is* the base's).
+        config: as in `calibrate`; by default ``same_layer=True``: each target layer is mapped from the same source
+            layer (block-diagonal statistics, ``num_layers`` times less memory; the identity prior makes the same
+            layer the natural choice for an adapter). ``same_layer=False`` scores every source layer (``top_k``).
+        base_spec, adapter_paths: how to load the base model and each adapter again (for the cards).
+
+    Example:
+        >>> maps = calibrate_adapters(peft_model, [torch.randint(0, 100, (64,)) for _ in range(8)])  # doctest: +SKIP
+    """
+    if not is_peft_model(model):
+        raise CalibrationError(f"calibrate_adapters needs a PeftModel, got {type(model).__name__}")
+    config = resolve_config(config, options, same_layer=True)
+    adapters = list(adapters) if adapters is not None else [a for a in model.peft_config if not is_activated_lora(model, a)]
+    if not adapters:
+        raise CalibrationError("no adapter to calibrate: load one with model.load_adapter(path, adapter_name=...)")
+    unknown = sorted(set(adapters) - set(model.peft_config))
+    if unknown:
+        raise CalibrationError(f"the model has no adapters {unknown}; it has {sorted(model.peft_config)}")
+    started = time.perf_counter()
+    sides = {}
+    for name in [BASE, *adapters]:
+        with adapter_active(model, None if name == BASE else name):
+            sides[name] = ModelSide.of(model)
+    texts = CalibrationTexts.build(calibration_data, tokenizer, config, vocab_size_of(model))
+    groups = {BASE: list(adapters), **({a: [BASE] for a in adapters} if reverse else {})}
+    run = StatisticsRun(groups, sides, config.same_layer, config.sink_tokens)
+
+    def run_models(ids, mask):
+        runs = {}
+        for name in [BASE, *adapters]:
+            with adapter_active(model, None if name == BASE else name):
+                runs[name] = run_with_cache(model, ids, mask)
+        return runs
+
+    collect(run_models, run, texts, config.batch_size, progress=progress, checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every, checkpoint_key={
+                "options": config, "fingerprints": {n: s.fingerprint for n, s in sides.items()},
+                "dtypes": _dtypes(model), "reverse": reverse})
+    record = CalibrationRecord(options=config, data=texts.record(description), sequences=len(texts.all_chunks()),
+                               processes=_shard()[1])
+    paths = dict(adapter_paths or {})
+    spec = lambda name: ModelSpec(base_spec or sides[BASE].name, None if name == BASE else name,  # noqa: E731
+                                  None if name == BASE else paths.get(name))
+    maps, vocab = AdapterMaps(), vocab_size_of(model)
+    for adapter in adapters:
+        maps.to_adapter[adapter] = build_map(run, BASE, adapter, config, replace(
+            record, source=spec(BASE), target=spec(adapter)), vocab, progress and not config.same_layer)
+        if reverse:
+            maps.to_base[adapter] = build_map(run, adapter, BASE, config, replace(
+                record, source=spec(adapter), target=spec(BASE)), vocab, progress and not config.same_layer)
+    seconds = round(time.perf_counter() - started, 2)
+    for _, _, kv_map in maps.all():
+        kv_map.config.calibration.seconds = seconds
+    logger.info("calibrated %d adapter maps in %.1fs", len(maps.all()), seconds)
+    return maps
+
+
+# The artifact does not know how it is fitted; calibration gives it DESIGN's `KVMap.calibrate(...)` spelling
+# (the package imports this module, so the attribute is there whenever peft_kvcache is).
+KVMap.calibrate = staticmethod(calibrate)
+
+__all__ = ["BASE", "CalibrationTexts", "ModelSide", "StatisticsRun", "build_map", "calibrate", "calibrate_adapters",
+           "collect", "heldout_flags", "join_process_group", "resolve_config", "stacked_features"]

@@ -1,17 +1,17 @@
-"""Run models over token ids, read their KV caches and stream position-free features into statistics."""
+"""Run models over token ids and read their KV caches."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
 
-from .apply import layer_features, position_free_keys
+from ._compat import fill_cache, output_cache, with_cache
 from .errors import CacheMismatchError, UnsupportedPositionalSchemeError
-from .fit import SufficientStatistics
-from .positions import RotarySpec, positions_from_mask
+from .models import model_device
+from .positions import positions_from_mask
 
 
 @dataclass
@@ -27,12 +27,22 @@ class CapturedKV:
 
     def to_cache(self) -> DynamicCache:
         """A transformers `DynamicCache` holding these tensors (a model extends it in place)."""
-        return DynamicCache(list(zip(self.keys, self.values)))
+        return fill_cache(DynamicCache(), zip(self.keys, self.values))
+
+    def clone(self) -> "CapturedKV":
+        return CapturedKV([k.clone() for k in self.keys], [v.clone() for v in self.values])
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
 
 
-def cache_states(cache: Cache) -> CapturedKV:
-    """Per-layer keys and values of a transformers cache; refuses layers that keep only a window."""
-    if isinstance(cache, (tuple, list)):  # legacy ((k, v), ...) caches
+def cache_states(cache: Cache | Sequence) -> CapturedKV:
+    """Per-layer keys and values of a transformers cache (or of ``((keys, values), ...)`` pairs); refuses
+    layers that keep only a window of tokens and empty layers."""
+    if isinstance(cache, (tuple, list)):
+        if not cache or not all(isinstance(pair, (tuple, list)) and len(pair) == 2 for pair in cache):
+            raise CacheMismatchError("a source cache given as a sequence must hold (keys, values) pairs per layer")
         return CapturedKV([k for k, _ in cache], [v for _, v in cache])
     if not isinstance(cache, Cache):
         raise CacheMismatchError(f"expected a transformers Cache, got {type(cache).__name__}")
@@ -41,18 +51,31 @@ def cache_states(cache: Cache) -> CapturedKV:
         if isinstance(layer, DynamicSlidingWindowLayer) or getattr(layer, "is_sliding", False):
             raise UnsupportedPositionalSchemeError(
                 f"source cache layer {i} is a sliding-window layer: it keeps only the last tokens, and mapping "
-                "it gives wrong output; only full-attention caches can be mapped"
-            )
-        if not getattr(layer, "is_initialized", True) or layer.keys is None:
+                "it gives wrong output; only full-attention caches can be mapped")
+        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.dim() != 4:
             raise CacheMismatchError(f"source cache layer {i} is empty")
         keys.append(layer.keys)
         values.append(layer.values)
+    if not keys:
+        raise CacheMismatchError("the source cache holds no layers")
     return CapturedKV(keys, values)
 
 
 # ``logits_to_keep`` for passes that only fill a cache: an empty index keeps no position, so the vocabulary
-# projection is skipped (on Qwen2.5-0.5B, whose 152k-token projection is 136M of its 494M weights).
+# projection is skipped (on Qwen2.5-0.5B the 152k-token projection is over a quarter of the weights).
 NO_LOGITS = torch.empty(0, dtype=torch.long)
+
+
+def forward(model: torch.nn.Module, input_ids: torch.Tensor, cache: Cache | None = None, *,
+            position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+            logits_to_keep: int | torch.Tensor = NO_LOGITS, **kwargs):
+    """One forward pass with a cache, on the model's device, under the cache argument name the installed
+    transformers takes (`_compat.cache_argument`). Returns the model's output."""
+    device = model_device(model)
+    return model(input_ids=input_ids.to(device),
+                 position_ids=None if position_ids is None else position_ids.to(device),
+                 attention_mask=None if attention_mask is None else attention_mask.to(device),
+                 use_cache=True, logits_to_keep=logits_to_keep, **with_cache(model, cache), **kwargs)
 
 
 @torch.no_grad()
@@ -63,59 +86,10 @@ def run_with_cache(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     Positions default to those of the attention mask (as generate() computes them), not ``arange``: a
     forward pass without position_ids would rotate left-padded rows' keys at the wrong positions.
     """
-    device = next(model.parameters()).device
     if position_ids is None and attention_mask is not None:
         position_ids = positions_from_mask(attention_mask)
-    out = model(
-        input_ids=input_ids.to(device),
-        attention_mask=None if attention_mask is None else attention_mask.to(device),
-        position_ids=None if position_ids is None else position_ids.to(device),
-        use_cache=True,
-        logits_to_keep=NO_LOGITS,
-    )
-    cache = getattr(out, "cache", None)
-    return cache_states(cache if cache is not None else out.past_key_values)
-
-
-def stacked_features(captured: CapturedKV, spec: RotarySpec, positions: torch.Tensor,
-                     rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of all layers side by side for the selected token ``rows`` (bool ``[batch, seq]``):
-    two ``[n, num_layers * kv_heads * head_dim]`` float32 matrices, keys without RoPE."""
-    keys = torch.cat([layer_features(position_free_keys(k, spec, positions.to(k.device)))[rows.to(k.device)]
-                      .cpu() for k in captured.keys], dim=-1)
-    values = torch.cat([layer_features(v.float())[rows.to(v.device)].cpu() for v in captured.values], dim=-1)
-    return keys, values
-
-
-def fitted_rows(attention_mask: torch.Tensor, sink_tokens: int) -> torch.Tensor:
-    """Tokens that enter the statistics: real (unpadded) tokens past the sink, which the target always
-    computes itself and which would otherwise dominate the fit with its huge-norm keys."""
-    return attention_mask.bool() & (positions_from_mask(attention_mask) >= sink_tokens)
-
-
-# A target is run through a callable so that PEFT adapters can be switched before each run.
-TargetRun = Callable[[torch.Tensor, torch.Tensor], CapturedKV]
-
-
-def accumulate(
-    stats: dict[str, SufficientStatistics],
-    source: CapturedKV,
-    source_spec: RotarySpec,
-    targets: dict[str, tuple[CapturedKV, RotarySpec]],
-    attention_mask: torch.Tensor,
-    sink_tokens: int,
-) -> None:
-    """Add one batch to ``stats['keys']`` and ``stats['values']`` (one entry per target name)."""
-    positions = positions_from_mask(attention_mask)
-    rows = fitted_rows(attention_mask, sink_tokens)
-    if not rows.any():
-        return
-    x_keys, x_values = stacked_features(source, source_spec, positions, rows)
-    y_keys, y_values = {}, {}
-    for name, (captured, spec) in targets.items():
-        y_keys[name], y_values[name] = stacked_features(captured, spec, positions, rows)
-    stats["keys"].update(x_keys, y_keys)
-    stats["values"].update(x_values, y_values)
+    out = forward(model, input_ids, None, position_ids=position_ids, attention_mask=attention_mask)
+    return cache_states(output_cache(out))
 
 
 def batches(sequences: Sequence[torch.Tensor], batch_size: int, pad_id: int = 0):

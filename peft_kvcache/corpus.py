@@ -1,8 +1,10 @@
-"""A deterministic text corpus that nobody here wrote: the Python standard library's own source files.
+"""Text nobody here wrote, for calibration and evaluation: the Python standard library's own source files, or
+the user's files and folders.
 
-Files are split by a hash of their path, so the calibration and evaluation sets never share a file, and
-ordered by that hash, so ``calibration_texts(n)`` is the same n files on every machine with the same
-Python version (the version is part of `corpus_description`).
+Stdlib files are split by a hash of their path, so the calibration and evaluation sets never share a file, and
+ordered by that hash, so ``calibration_texts(n)`` is the same n files on every machine with the same Python
+version (the version is part of `corpus_description`). Texts come as ``{name: text}``: the names (paths
+relative to the corpus root) are what a map or a results file records.
 """
 
 from __future__ import annotations
@@ -13,9 +15,13 @@ import sysconfig
 from functools import lru_cache
 from pathlib import Path
 
+from .errors import CLIUsageError
+
 # One file in EVALUATION_SHARE goes to evaluation, by hash of its relative path.
 EVALUATION_SHARE = 4
 MIN_BYTES = 4000  # skip tiny files: contexts of 1-2k tokens need long files
+SPLITS = ("calibration", "evaluation")
+DATA_SUFFIXES = (".py", ".txt", ".md", ".rst")
 _SKIPPED_PARTS = {"test", "tests", "idle_test", "site-packages", "lib2to3", "__pycache__", "ensurepip", "turtledemo",
                   "encodings"}  # encodings: codec tables, not prose or code
 
@@ -31,8 +37,8 @@ def _key(relative: str) -> str:
 @lru_cache(maxsize=None)
 def stdlib_files(split: str) -> tuple[Path, ...]:
     """Stdlib ``.py`` files of one split (``"calibration"`` or ``"evaluation"``), in a fixed hashed order."""
-    if split not in ("calibration", "evaluation"):
-        raise ValueError(f"split must be 'calibration' or 'evaluation', got {split!r}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     root = stdlib_root()
     chosen = []
     for path in root.rglob("*.py"):
@@ -45,32 +51,63 @@ def stdlib_files(split: str) -> tuple[Path, ...]:
     return tuple(path for _, path in sorted(chosen))
 
 
-def _texts(split: str, num_files: int) -> list[str]:
+def stdlib_texts(split: str, num_files: int, skip: int = 0) -> dict[str, str]:
+    """``{relative path: text}`` of files ``skip .. skip + num_files`` of a stdlib split.
+
+    Example:
+        >>> len(stdlib_texts("calibration", 2))
+        2
+    """
     files = stdlib_files(split)
-    if num_files > len(files):
-        raise ValueError(f"the {split} split has {len(files)} files, {num_files} were asked for")
-    return [path.read_text(encoding="utf-8", errors="replace") for path in files[:num_files]]
+    if skip + num_files > len(files):
+        raise ValueError(f"the {split} split has {len(files)} files, {skip + num_files} were asked for")
+    root = stdlib_root()
+    return {path.relative_to(root).as_posix(): path.read_text(encoding="utf-8", errors="replace")
+            for path in files[skip: skip + num_files]}
 
 
 def calibration_texts(num_files: int = 32) -> list[str]:
-    """The first ``num_files`` calibration files' text.
-
-    Example:
-        >>> len(calibration_texts(2))
-        2
-    """
-    return _texts("calibration", num_files)
+    """The first ``num_files`` calibration files' text."""
+    return list(stdlib_texts("calibration", num_files).values())
 
 
 def evaluation_texts(num_files: int = 20) -> list[str]:
     """The first ``num_files`` evaluation files' text (disjoint from every calibration file)."""
-    return _texts("evaluation", num_files)
+    return list(stdlib_texts("evaluation", num_files).values())
 
 
 def corpus_description(split: str = "calibration", num_files: int | None = None) -> str:
     """One line saying what the corpus is, for map configs and cards."""
     files = stdlib_files(split)
     count = len(files) if num_files is None else num_files
-    return (f"Python {platform.python_version()} standard library source, {split} split: {count} of "
-            f"{len(files)} files (>= {MIN_BYTES} bytes, tests excluded), ordered by sha256 of the path; "
-            f"1 file in {EVALUATION_SHARE} is held out for evaluation")
+    return (f"Python {platform.python_version()} standard library source, {split} split: {count} distinct files of "
+            f"{len(files)} (>= {MIN_BYTES} bytes, tests excluded), ordered by sha256 of the path; 1 file in "
+            f"{EVALUATION_SHARE} is held out for evaluation")
+
+
+def read_texts(data: str, split: str, num_files: int | None, default_files: int = 32) -> tuple[dict[str, str], str]:
+    """``({name: text}, description)`` for a ``--data`` argument: a text file, a folder of text files
+    (``DATA_SUFFIXES``, sorted by path), or ``stdlib`` (the Python standard library corpus, ``split`` given).
+
+    Example:
+        >>> texts, description = read_texts("stdlib", "evaluation", 2)
+        >>> len(texts)
+        2
+    """
+    if data == "stdlib":
+        count = num_files or default_files
+        try:
+            return stdlib_texts(split, count), corpus_description(split, count)
+        except ValueError as err:
+            raise CLIUsageError(f"--data stdlib: {err}") from None
+    path = Path(data).expanduser()
+    if path.is_file():
+        return {path.name: path.read_text(encoding="utf-8", errors="replace")}, f"the text file {path.name}"
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())
+        files = files[:num_files] if num_files else files
+        if not files:
+            raise CLIUsageError(f"--data {data}: the folder holds no {'/'.join(DATA_SUFFIXES)} files")
+        texts = {p.relative_to(path).as_posix(): p.read_text(encoding="utf-8", errors="replace") for p in files}
+        return texts, f"{len(files)} distinct files ({'/'.join(DATA_SUFFIXES)}) from the folder {path.name}"
+    raise CLIUsageError(f"--data {data!r} is neither a file, a folder, nor 'stdlib'")

@@ -24,11 +24,12 @@ class ArtifactError(PeftKVCacheError, ValueError):
 
 
 class CalibrationError(PeftKVCacheError, ValueError):
-    """Calibration cannot run on the data given (empty, too short, non-finite statistics)."""
+    """Calibration cannot run on the data or options given (empty, too short, non-finite statistics)."""
 
 
 class CacheMismatchError(PeftKVCacheError, ValueError):
-    """A cache does not fit what it is used with: shapes, lengths, devices or the prompt it continues."""
+    """A cache or the ids given with it do not fit what they are used with: shapes, lengths, devices, token
+    ids outside the vocabulary, or a prompt that does not continue the cached context."""
 
 
 class NumericalError(PeftKVCacheError, ArithmeticError):
@@ -42,3 +43,19 @@ class EvaluationError(PeftKVCacheError, ValueError):
 class QualityError(PeftKVCacheError, ValueError):
     """A map's predicted quality or a per-request context check fails the user's bar and the chosen
     fallback cannot run (or the fallback chosen is to raise)."""
+
+
+class SessionError(PeftKVCacheError, ValueError):
+    """A session was asked for something it cannot do (unknown adapter, missing map, malformed turn)."""
+
+
+class FixtureError(PeftKVCacheError, RuntimeError):
+    """A fixture model could not be fetched, verified or converted."""
+
+
+class CLIUsageError(PeftKVCacheError, ValueError):
+    """An argument of the command line names something that cannot be used (a missing file, an empty corpus)."""
+
+
+class ServerError(PeftKVCacheError, ValueError):
+    """The chat server was started with options it cannot serve (unknown model, missing map, bad memory bound)."""

@@ -20,6 +20,7 @@ bootstrap over examples.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -27,29 +28,30 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ._compat import truncate
 from .cache import MappedCache
-from .capture import run_with_cache
+from .capture import forward, run_with_cache
+from .config import Refresh
 from .errors import EvaluationError
-from .refresh import truncate_cache
+from .quality import ContextCheck, check_context
 
 
-def token_sequences(texts: Sequence[str], tokenizer, length: int) -> list[torch.Tensor]:
-    """The first ``length`` tokens of every text that has that many (shorter texts are skipped)."""
+def token_sequences(texts: Sequence[str], tokenizer, length: int, keep: int | None = None) -> list[torch.Tensor]:
+    """The first ``keep`` (default ``length``) tokens of every text that has at least ``length`` (shorter texts
+    are skipped)."""
     sequences = []
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
         if ids.numel() >= length:
-            sequences.append(ids[:length])
+            sequences.append(ids[: keep or length])
     return sequences
 
 
 @torch.no_grad()
 def _logits(model, ids: torch.Tensor, positions: torch.Tensor, cache=None, keep: int = 0) -> torch.Tensor:
-    device = next(model.parameters()).device
-    # use_cache=True even without a cache: without one, transformers reads a jump in position_ids (the
-    # window control's sink at 0, then the window at C-W) as packed sequences and masks the sink out.
-    out = model(input_ids=ids[None].to(device), position_ids=positions[None].to(device), past_key_values=cache,
-                use_cache=True, logits_to_keep=keep)
+    # a cache even when none is given: without one, transformers reads a jump in position_ids (the window
+    # control's sink at 0, then the window at C-W) as packed sequences and masks the sink out.
+    out = forward(model, ids[None], cache, position_ids=positions[None], logits_to_keep=keep)
     return out.logits[0].float().cpu()
 
 
@@ -247,7 +249,7 @@ def evaluate_retention(
             prefix = ids[None, : context_length - w]
             source_cache = context_cache.prefix(context_length - w)
             mapped = MappedCache.from_source(source_cache.to_cache(), kv_map, target_model, input_ids=prefix,
-                                             verify_models=False)
+                                             refresh_tokens=0, verify_models=False)
             scores[f"mapped@{w}"].add(cached_logits(target_model, mapped, ids, context_length, w), full, labels)
             if naive_reuse:
                 naive = source_cache.to_cache()
@@ -255,18 +257,32 @@ def evaluate_retention(
         for w, k in refreshed:
             context = ids[None, :context_length]
             cache = MappedCache.from_source(context_cache.to_cache(), kv_map, target_model, input_ids=context,
-                                            verify_models=False, refresh_tokens=k, probe_tokens=w,
-                                            refresh_span=refresh_span)
+                                            verify_models=False, refresh_tokens=Refresh(k, w, refresh_span))
             # the last context token's logits predict the first label: drop it and let the target redo it
-            truncate_cache(cache, context_length - 1)
+            truncate(cache, context_length - 1)
             cache.next_positions = cache.next_positions - 1
             scores[f"mapped@{w}+r{k}"].add(cached_logits(target_model, cache, ids, context_length, 1), full, labels)
         for w in controls if window_control else []:
             scores[f"window@{w}"].add(window_logits(target_model, ids, context_length, w, sink), full, labels)
         if check_tokens:
-            checked = MappedCache.from_source(context_cache.to_cache(), kv_map, target_model,
-                                              input_ids=ids[None, :context_length], verify_models=False,
-                                              check_tokens=check_tokens, check_margin=check_margin,
-                                              on_bad_context="drop_middle")
-            checks.append(checked.context_check)
+            context = ids[None, :context_length]
+            mapped = MappedCache.from_source(context_cache.to_cache(), kv_map, target_model, input_ids=context,
+                                             refresh_tokens=0, verify_models=False)
+            result = check_context(mapped, target_model, context, ContextCheck(check_tokens, check_margin, "drop_middle"))
+            checks.append({"flagged": result.flagged, "mapped_loss": result.mapped_loss,
+                           "window_loss": result.window_loss})
     return RetentionReport(scores, context_length, continuation_length, context_checks=checks)
+
+
+def record_figures(kv_map, report: RetentionReport, folder, data: dict) -> None:
+    """Write ``report`` as ``evaluation.json`` (with its provenance and ``data``: the evaluation texts) into the map
+    folder and copy its mapped rows' figures into ``kv_map.config.quality``, citing that file; the caller saves."""
+    from pathlib import Path
+
+    from .provenance import write_results
+
+    write_results(Path(folder) / "evaluation.json", {"retention": report.to_dict()}, data=data)
+    kv_map.config.quality.figures = {f"{row['variant']}.{key}": round(row[key], 4) for row in report.rows()
+                                     if row["variant"].startswith("mapped@") for key in ("normalized_retention", "kl")
+                                     if math.isfinite(row[key])}  # undefined where full and no-context tie
+    kv_map.config.quality.results = "evaluation.json"

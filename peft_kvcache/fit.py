@@ -96,7 +96,7 @@ class SufficientStatistics:
         return stats
 
 
-def all_reduce_statistics(stats: dict[str, dict[str, SufficientStatistics]]) -> None:
+def all_reduce_statistics(stats: list[SufficientStatistics]) -> None:
     """Sum every process's statistics in place with one ``torch.distributed.all_reduce`` (gloo on the CPU,
     NCCL on GPUs); a no-op when torch.distributed is not initialized or runs a single process.
 
@@ -104,14 +104,14 @@ def all_reduce_statistics(stats: dict[str, dict[str, SufficientStatistics]]) -> 
     the sequences.
 
     Example:
-        >>> stats = {"train": {"keys": SufficientStatistics.empty(3, {"target": 2})}}
+        >>> stats = [SufficientStatistics.empty(3, {"target": 2})]
         >>> all_reduce_statistics(stats)  # outside torchrun: nothing to do
     """
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
-    tensors = [t for split in stats.values() for entry in split.values() for t in entry.state_dict().values()]
+    tensors = [t for entry in stats for t in entry.state_dict().values()]
     device = torch.device("cpu")
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
@@ -261,4 +261,27 @@ def fit_layers(
         rows = torch.cat([_block(s, d_src) for s in chosen])
         fit = solve_ridge(stats, rows, _block(t, d_tgt), head, prior_for(chosen, t), lambda_grid)
         fits.append(LayerFit(source_layers=chosen, fit=fit, candidate_r2=scores[:, t].tolist()))
+    return fits
+
+
+def fit_same_layers(
+    blocks: list[tuple[SufficientStatistics, SufficientStatistics]],
+    target: str,
+    layout,
+    lambda_grid: tuple[float, ...] = DEFAULT_LAMBDA_GRID,
+    identity_prior: bool = False,
+    progress=None,
+) -> list[LayerFit]:
+    """Per layer ``t``: ridge from source layer ``t`` to target layer ``t`` on that layer's own (train,
+    held-out) statistics ``blocks[t]`` (block-diagonal statistics of same-depth pairs); ``identity_prior``
+    shrinks toward copying the source layer. ``progress`` is advanced once per layer."""
+    width = layout.layer_width
+    columns = torch.arange(width)
+    prior = torch.eye(width, dtype=torch.float64) if identity_prior else None
+    fits = []
+    for t, (train, heldout) in enumerate(blocks):
+        fit = solve_ridge(_Centered(train, heldout, target), columns, columns, layout.head_dim, prior, lambda_grid)
+        fits.append(LayerFit(source_layers=[t], fit=fit, candidate_r2=[]))
+        if progress is not None:
+            progress()
     return fits

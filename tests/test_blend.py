@@ -52,10 +52,10 @@ def test_choose_blend_keeps_the_map_when_it_is_right_and_drops_it_when_it_is_noi
     heldout = random_ids(3, 40, seed=11)
     chosen = choose_blend(kv_map, target, heldout, source_cache_of(source), continuation=8, progress=False)
     blend = chosen.config.blend
-    scores = blend["scores"]
-    assert blend["examples"] == 3 and len(scores) == 2 * len(blend["grid"]) - 1
-    assert blend["criterion"] == "kl"
-    assert scores[f"keys={blend['keys']},values={blend['values']}"]["kl"] == min(s["kl"] for s in scores.values())
+    scores = blend.scores
+    assert blend.examples == 3 and len(scores) == 2 * len(blend.grid) - 1
+    assert blend.criterion == "kl"
+    assert scores[f"keys={blend.keys},values={blend.values}"]["kl"] == min(s["kl"] for s in scores.values())
     assert scores["keys=1.0,values=1.0"]["kl"] < scores["keys=1.0,values=0.0"]["kl"]  # the map helps here
     # A map whose value correction is pure noise: the blend must fall back to the source's values.
     noisy = dict(kv_map.tensors)
@@ -65,11 +65,11 @@ def test_choose_blend_keeps_the_map_when_it_is_right_and_drops_it_when_it_is_noi
         noisy[f"values.{t}.weight"] = weight + 3 * weight.std() * torch.randn(weight.shape, generator=generator)
     bad = KVMap(kv_map.config, noisy)
     assert choose_blend(bad, target, heldout, source_cache_of(source), continuation=8,
-                        progress=False).config.blend["values"] == 0.0
+                        progress=False).config.blend.values == 0.0
     by_nll = choose_blend(kv_map, target, heldout, source_cache_of(source), continuation=8, criterion="nll",
                           progress=False).config.blend
-    assert by_nll["scores"][f"keys={by_nll['keys']},values={by_nll['values']}"]["nll"] == min(
-        s["nll"] for s in by_nll["scores"].values())
+    assert by_nll.scores[f"keys={by_nll.keys},values={by_nll.values}"]["nll"] == min(
+        s["nll"] for s in by_nll.scores.values())
 
 
 def test_blend_is_refused_where_it_has_no_meaning(pair, sibling_map):
@@ -90,4 +90,4 @@ def test_blend_survives_save_and_load(pair, tmp_path):
     torch.testing.assert_close(loaded.tensors["values.0.weight"], chosen.tensors["values.0.weight"])
     card = (tmp_path / "README.md").read_text()
     blend = chosen.config.blend
-    assert f"**{blend['keys']}** for keys and **{blend['values']}** for values" in card
+    assert f"**{blend.keys}** for keys and **{blend.values}** for values" in card

@@ -1,11 +1,12 @@
 """MappedCache end to end through generate() (issue 2's must-shows)."""
 
-import warnings
+import contextlib
 
 import pytest
 import torch
 
 from conftest import random_ids, tiny_model
+from peft_kvcache._compat import cache_argument
 from peft_kvcache import (
     CacheMismatchError, CalibrationError, FingerprintMismatchError, IncompatibleModelsError, KVMap, MappedCache,
     UnsupportedPositionalSchemeError,
@@ -27,7 +28,7 @@ def test_same_model_reproduces_next_token_logits_batch_of_one(identity):
     prompt = torch.randint(0, 128, (1, 30))
     cache = MappedCache.from_source(model, kv_map, model, input_ids=prompt[:, :-1])
     full = model(prompt).logits[:, -1]
-    mapped = model(prompt[:, -1:], past_key_values=cache, position_ids=torch.tensor([[29]])).logits[:, -1]
+    mapped = model(prompt[:, -1:], cache=cache, position_ids=torch.tensor([[29]])).logits[:, -1]
     assert _relative_error(mapped, full) < 1e-3
 
 
@@ -39,12 +40,12 @@ def test_same_model_reproduces_logits_and_greedy_output_left_padded_batch(identi
     mask[0, :7] = 0  # row 0 is left-padded
     full = model.generate(prompt, attention_mask=mask, max_new_tokens=8, do_sample=False)
     cache = MappedCache.from_source(model, kv_map, model, input_ids=prompt[:, :-1], attention_mask=mask[:, :-1])
-    mapped = model.generate(prompt, attention_mask=mask, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    mapped = model.generate(prompt, attention_mask=mask, cache=cache, max_new_tokens=8, do_sample=False)
     assert torch.equal(mapped, full)
 
     cache = MappedCache.from_source(model, kv_map, model, input_ids=prompt[:, :-1], attention_mask=mask[:, :-1])
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
-    logits = model(prompt[:, -1:], attention_mask=mask, past_key_values=cache, position_ids=positions[:, -1:]).logits
+    logits = model(prompt[:, -1:], attention_mask=mask, cache=cache, position_ids=positions[:, -1:]).logits
     reference = model(prompt, attention_mask=mask, position_ids=positions).logits
     assert _relative_error(logits[:, -1], reference[:, -1]) < 1e-3
 
@@ -55,8 +56,8 @@ def test_generate_accepts_both_cache_spellings(identity):
     expected = model.generate(prompt, max_new_tokens=6, do_sample=False)
     for spelling in ("past_key_values", "cache"):
         cache = MappedCache.from_source(model, kv_map, model, input_ids=prompt[:, :-1])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
+        renamed = spelling == "past_key_values" and cache_argument(model) == "cache"
+        with pytest.warns(FutureWarning, match="past_key_values") if renamed else contextlib.nullcontext():
             out = model.generate(prompt, max_new_tokens=6, do_sample=False, **{spelling: cache})
         assert torch.equal(out, expected), spelling
 
@@ -66,7 +67,7 @@ def test_a_source_cache_can_be_mapped_directly(identity):
     prompt = torch.randint(0, 128, (1, 20))
     source_cache = model(prompt[:, :-1], use_cache=True).cache
     cache = MappedCache.from_source(source_cache, kv_map, model, input_ids=prompt[:, :-1])
-    out = model.generate(prompt, past_key_values=cache, max_new_tokens=6, do_sample=False)
+    out = model.generate(prompt, cache=cache, max_new_tokens=6, do_sample=False)
     assert torch.equal(out, model.generate(prompt, max_new_tokens=6, do_sample=False))
 
 
@@ -75,7 +76,7 @@ def test_cache_as_long_as_the_prompt_is_refused(identity):
     prompt = torch.randint(0, 128, (1, 20))
     cache = MappedCache.from_source(model, kv_map, model, input_ids=prompt)
     with pytest.raises(CacheMismatchError, match=r"prompt\[:, :-1\]"):
-        model.generate(prompt, past_key_values=cache, max_new_tokens=3, do_sample=False)
+        model.generate(prompt, cache=cache, max_new_tokens=3, do_sample=False)
 
 
 def test_differently_shaped_pair_gives_the_targets_shapes_dtype_and_length(sibling_pair, sibling_map):
@@ -90,7 +91,7 @@ def test_differently_shaped_pair_gives_the_targets_shapes_dtype_and_length(sibli
             assert layer.keys.shape == layer.values.shape == (2, 3, 32, 32)  # target: 3 KV heads x head_dim 32
             assert layer.keys.dtype == torch.bfloat16 and layer.keys.device == target16.device
         assert cache.get_seq_length() == 32
-        out = target16.generate(prompt, past_key_values=cache, max_new_tokens=5, do_sample=False)
+        out = target16.generate(prompt, cache=cache, max_new_tokens=5, do_sample=False)
         assert out.shape == (2, 38)
     finally:
         target.to(torch.float32)
@@ -103,14 +104,14 @@ def test_position_offset_gives_the_same_continuation(sibling_pair, sibling_map):
     logits = []
     for offset in (0, 37):
         cache = MappedCache.from_source(source, sibling_map, target, input_ids=prompt[:, :-1], position_offset=offset)
-        out = target(prompt[:, -1:], past_key_values=cache, position_ids=torch.tensor([[24 + offset]]))
+        out = target(prompt[:, -1:], cache=cache, position_ids=torch.tensor([[24 + offset]]))
         logits.append(out.logits[:, -1])
     assert _relative_error(logits[1], logits[0]) < 1e-4
 
     # generate() with default positions would continue at 24, not 61: the cache refuses that.
     cache = MappedCache.from_source(source, sibling_map, target, input_ids=prompt[:, :-1], position_offset=37)
     with pytest.raises(CacheMismatchError):
-        target.generate(prompt, past_key_values=cache, max_new_tokens=2)
+        target.generate(prompt, cache=cache, max_new_tokens=2)
 
 
 def test_sink_is_computed_by_the_target_itself(sibling_pair, sibling_map):
@@ -118,7 +119,8 @@ def test_sink_is_computed_by_the_target_itself(sibling_pair, sibling_map):
     prompt = torch.randint(0, 128, (1, 20))
     own = target(prompt[:, :1], use_cache=True).cache
     with_sink = MappedCache.from_source(source, sibling_map, target, input_ids=prompt)
-    without = MappedCache.from_source(source, sibling_map, target, input_ids=prompt, sink_tokens=0)
+    source_cache = source(prompt, use_cache=True).cache
+    without = MappedCache.from_source(source_cache, sibling_map, target)  # no ids: the sink is mapped too
     for layer, mine, bare in zip(own.layers, with_sink.layers, without.layers):
         torch.testing.assert_close(mine.keys[:, :, :1], layer.keys)
         assert not torch.allclose(bare.keys[:, :, :1], layer.keys)
@@ -158,7 +160,7 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused():
 
 
 @pytest.mark.parametrize("data,match", [([], "empty"), ([torch.tensor([1, 2])], "empty"),
-                                        ([torch.arange(20)], "at least 2 sequences"),
+                                        ([torch.arange(20)], "at least 2 texts"),
                                         (["text without tokenizer"], "tokenizer"),
                                         ([torch.full((20,), 999)], "outside the vocabulary")])
 def test_bad_calibration_sets_are_refused(data, match):

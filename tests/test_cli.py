@@ -20,32 +20,12 @@ from huggingface_hub import ModelCard, constants
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
+from conftest import save_tiny_model
 from peft_kvcache import KVMap
 from peft_kvcache.cli import build_parser, main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("calibrate", "calibrate-adapters", "evaluate", "card", "inspect", "push")
-
-
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer with one token per printable ASCII character (100 tokens), built offline."""
-    chars = [chr(c) for c in range(33, 127)] + ["Ġ", "Ċ", "ĉ"]  # byte-level spellings of space, \n, \t
-    vocab = {token: i for i, token in enumerate(["[UNK]", "[PAD]", "[EOS]"] + chars)}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]",
-                                   eos_token="[EOS]")
-
-
-def save_tiny_model(folder: Path, layers: int, seed: int, license_: str = "mit") -> Path:
-    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    (folder / "README.md").write_text(f"---\nlicense: {license_}\n---\n# a tiny random model\n")
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +62,7 @@ def calibrated(workspace) -> Path:
                       "--top-k", "2", "--sink-tokens", "2", "--heldout-fraction", "0.25", "--no-progress"],
                      workspace["root"])
     assert result.returncode == 0, result.stderr
-    assert f"to {output}" in result.stdout and "layers keys" in result.stdout
+    assert f"to {output}" in result.stdout and "layers keys" in result.stdout and "(1 process(es))" in result.stdout
     assert "Traceback" not in result.stderr
     return output
 
@@ -104,11 +84,13 @@ def test_calibrate_writes_a_complete_map(calibrated, workspace):
     c = kv_map.config
     assert c.target_layout.num_layers == 3 and c.source_layout.num_layers == 2
     assert all(len(group) == 2 for group in c.key_layers + c.value_layers)  # --top-k 2 of 2 source layers
-    assert c.sink_tokens == 2 and c.calibration["max_length"] == 64
-    assert c.calibration["source_spec"] == str(workspace["source"])
-    assert c.calibration["description"] == "3 .py/.txt files from the folder data"
-    assert c.calibration["train_tokens"] > 500
-    assert c.calibration["license"] == "mit"  # both models' cards say mit
+    assert c.sink_tokens == 2 and c.calibration.options.max_length == 64 and c.calibration.options.top_k == 2
+    assert c.calibration.source.model == str(workspace["source"])
+    assert c.calibration.data.description.startswith("3 distinct files")
+    assert sorted(c.calibration.data.names()) == ["part0.py", "part1.py", "part2.py"]  # each file, once, by name
+    assert c.calibration.data.names("heldout") == ["part2.py"]  # every 4th text (--heldout-fraction 0.25), whole
+    assert c.calibration.train_tokens > 500
+    assert c.calibration.license == "mit"  # both models' cards say mit
     assert ModelCard.load(calibrated / "README.md").data.license == "mit"
 
 
@@ -125,7 +107,7 @@ def test_bad_arguments_exit_nonzero_and_name_the_argument(workspace):
     result = run_cli(["calibrate", "--source", "s", "--target", "t", "--output", "o", "--top-k", "0"],
                      workspace["root"])
     assert result.returncode == 2
-    assert "--top-k" in result.stderr and "positive" in result.stderr
+    assert "--top-k" in result.stderr and "positive" in result.stderr and "cannot be loaded" not in result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -165,11 +147,7 @@ def test_inspect(calibrated):
     assert "layers keys  0<-0+1 1<-0+1 2<-0+1" in out
     assert f"{kv_map.num_parameters:,} parameters" in out and "model.safetensors (" in out
     status, out, _ = cli(["inspect", str(calibrated), "--json"])
-    summary = json.loads(out)
-    assert summary["parameters"] == kv_map.num_parameters
-    assert summary["key_layers"] == kv_map.config.key_layers
-    assert summary["target"]["num_layers"] == 3
-    assert summary["files"]["model.safetensors"] == (calibrated / "model.safetensors").stat().st_size
+    assert json.loads(out) == json.loads((calibrated / "config.json").read_text())
 
 
 def test_a_corrupted_map_is_a_one_line_error(calibrated, tmp_path):
@@ -196,15 +174,17 @@ def test_card_regenerates_the_readme(calibrated, tmp_path):
     for path in calibrated.iterdir():
         (folder / path.name).write_bytes(path.read_bytes())
     (folder / "README.md").write_text("stale")
-    weights = (folder / "model.safetensors").read_bytes()
+    before = KVMap.from_pretrained(folder)
     status, out, _ = cli(["card", str(folder), "--repo-id", "my-org/tiny-kvmap"])
     assert status == 0 and "README.md" in out
     readme = (folder / "README.md").read_text()
     assert 'KVMap.from_pretrained("my-org/tiny-kvmap")' in readme and "## Limitations" in readme
-    assert (folder / "model.safetensors").read_bytes() == weights
+    after = KVMap.from_pretrained(folder)
+    assert all(torch.equal(after.tensors[k], v) for k, v in before.tensors.items())
+    assert after.config.to_dict() == before.config.to_dict()
     status, _, _ = cli(["card", str(folder), "--license", "apache-2.0"])
     assert status == 0 and ModelCard.load(folder / "README.md").data.license == "apache-2.0"
-    assert KVMap.from_pretrained(folder).config.calibration["license"] == "apache-2.0"
+    assert KVMap.from_pretrained(folder).config.calibration.license == "apache-2.0"
 
 
 def test_card_refuses_a_repo_id(tmp_path):
@@ -212,26 +192,33 @@ def test_card_refuses_a_repo_id(tmp_path):
     assert status == 2 and "not a local map folder" in err
 
 
-def test_evaluate_prints_a_table_and_records_figures(calibrated, workspace, tmp_path):
-    pytest.importorskip("peft_kvcache.evaluate")
+def test_evaluate_prints_a_table_and_records_figures_only_for_held_out_text(calibrated, workspace, tmp_path):
     folder = tmp_path / "map"
     folder.mkdir()
     for path in calibrated.iterdir():
         (folder / path.name).write_bytes(path.read_bytes())
-    status, out, err = cli(["evaluate", str(folder), "--data", str(workspace["data"]), "--context-length", "24",
-                            "--continuation-length", "8", "--max-examples", "2", "--no-progress"])
+    evaluation = tmp_path / "evaluation"
+    evaluation.mkdir()
+    for f in range(2):
+        (evaluation / f"other{f}.py").write_text("".join(f"def g{f}_{i}(a):\n    return a + {i}\n" for i in range(12)))
+    args = ["--context-length", "24", "--continuation-length", "8", "--max-examples", "2", "--no-progress"]
+    status, out, err = cli(["evaluate", str(folder), "--data", str(workspace["data"]), *args])
     assert status == 0, err
     assert "mapped@1" in out and "| variant |" in out
-    status, out, err = cli(["evaluate", str(folder), "--data", str(workspace["data"]), "--context-length", "24",
-                            "--continuation-length", "8", "--max-examples", "2", "--json", "--write",
-                            "--no-progress"])
+    # the calibration text itself: no figures may be recorded from it
+    status, _, err = cli(["evaluate", str(folder), "--data", str(workspace["data"]), "--write", *args])
+    assert status == 2 and "disjoint" in err and "part0.py" in err
+    status, out, err = cli(["evaluate", str(folder), "--data", str(evaluation), "--json", "--write", *args])
     assert status == 0, err
     report = json.loads(out)
     assert report["context_length"] == 24 and report["examples"] == 2
-    assert "mapped@1" in {row["variant"] for row in report["rows"]}
-    recorded = KVMap.from_pretrained(folder).config.quality["retention"]
-    assert recorded["rows"] == report["rows"]
-    assert "mapped@1" in (folder / "README.md").read_text()
+    quality = KVMap.from_pretrained(folder).config.quality
+    results = json.loads((folder / quality.results).read_text())
+    assert results["retention"]["rows"] == report["rows"]
+    assert results["provenance"]["data"]["texts"] == ["other0.py", "other1.py"]
+    mapped = next(row for row in report["rows"] if row["variant"] == "mapped@1")
+    assert quality.figures["mapped@1.kl"] == round(mapped["kl"], 4)
+    assert "mapped@1.kl" in (folder / "README.md").read_text()
 
 
 def test_evaluate_needs_enough_tokens(calibrated, workspace):
@@ -300,12 +287,13 @@ def test_the_console_script_points_at_main():
 
 def test_stdlib_data_reads_the_split_asked_for():
     corpus = pytest.importorskip("peft_kvcache.corpus")
-    from peft_kvcache.cli import read_texts
+    from peft_kvcache.corpus import read_texts
 
     texts, description = read_texts("stdlib", "calibration", 2)
-    assert texts == corpus.calibration_texts(2) and "calibration split" in description
+    assert list(texts.values()) == corpus.calibration_texts(2) and "calibration split" in description
+    assert all(name.endswith(".py") and not name.startswith("/") for name in texts)  # relative paths
     texts, description = read_texts("stdlib", "evaluation", 1)
-    assert texts == corpus.evaluation_texts(1) and "evaluation split" in description
+    assert list(texts.values()) == corpus.evaluation_texts(1) and "evaluation split" in description
     status, _, err = cli(["calibrate", "--source", "s", "--target", "t", "--output", "o", "--data", "stdlib",
                           "--num-files", "100000"])
     assert status == 2 and err.startswith("peft-kvcache: error: --data stdlib")
@@ -332,7 +320,8 @@ def test_calibrate_adapters_writes_both_directions_for_every_adapter(workspace, 
 
     from peft_kvcache import FingerprintMismatchError, MappedCache
     from peft_kvcache.capture import run_with_cache
-    from peft_kvcache.peft_maps import AdapterMaps, adapter_active
+    from peft_kvcache import AdapterMaps
+    from peft_kvcache.models import adapter_active
 
     status, out, err = cli(["calibrate-adapters", "--base", str(workspace["target"]),
                             "--adapter", f"terse={adapter_folders['terse']}", "--adapter",

@@ -16,7 +16,7 @@ def test_window_control_sees_its_sink():
     assert not torch.allclose(with_sink, without, atol=1e-4)
     # Reference: the sink's KV in a cache, then the window at its true positions.
     cache = model(ids[None, :1], use_cache=True).cache
-    reference = model(ids[None, 26:39], position_ids=torch.arange(26, 39)[None], past_key_values=cache).logits[0, -10:]
+    reference = model(ids[None, 26:39], position_ids=torch.arange(26, 39)[None], cache=cache).logits[0, -10:]
     torch.testing.assert_close(with_sink, reference, rtol=1e-4, atol=1e-4)
 
 

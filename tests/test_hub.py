@@ -15,6 +15,7 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from peft_kvcache import ArtifactError, KVMap, MappedCache
+from peft_kvcache.config import QualityRecord
 
 REPO = "org/tiny-kvmap"
 MAIN_SHA = "1" * 40
@@ -44,8 +45,8 @@ def saved_maps(pair, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("maps")
     main = kv_map.save_pretrained(root / "main")
     other = KVMap(kv_map.config, {k: v if k.endswith("inv_freq") else v * 0.5 for k, v in kv_map.tensors.items()})
-    other.config = type(kv_map.config).from_dict(dict(kv_map.config.to_dict(), quality={"marker": 2.0}))
-    pinned = other.save_pretrained(root / "pinned", card=False)
+    other.config = type(kv_map.config).from_dict(dict(kv_map.config.to_dict(), quality={"figures": {"marker": 2.0}}))
+    pinned = other.save_pretrained(root / "pinned", chart=False)
     return {"main": main, "pinned": pinned}
 
 
@@ -93,9 +94,9 @@ def test_repo_id_resolves_at_the_default_and_at_pinned_revisions(offline_cache, 
     assert not _same_tensors(main, pinned)
 
     by_default = KVMap.from_pretrained(REPO)
-    assert _same_tensors(by_default, main) and by_default.config.quality == {}
+    assert _same_tensors(by_default, main) and by_default.config.quality == QualityRecord()
     by_commit = KVMap.from_pretrained(REPO, revision=PINNED_SHA)
-    assert _same_tensors(by_commit, pinned) and by_commit.config.quality == {"marker": 2.0}
+    assert _same_tensors(by_commit, pinned) and by_commit.config.quality.figures == {"marker": 2.0}
     by_branch = KVMap.from_pretrained(REPO, revision="v1")
     assert _same_tensors(by_branch, pinned)
     assert _same_tensors(KVMap.from_pretrained(REPO, revision=MAIN_SHA), main)
@@ -116,10 +117,10 @@ def test_a_missing_repo_gives_the_hubs_not_found_error(offline_cache):
     assert "no local folder" in " ".join(getattr(info.value, "__notes__", []))
 
 
-def test_a_missing_file_gives_the_hubs_not_found_error(offline_cache, saved_maps):
+def test_a_snapshot_missing_the_weights_is_an_artifact_error(offline_cache, saved_maps):
     write_hub_cache(offline_cache, REPO, {MAIN_SHA: saved_maps["main"]}, {"main": MAIN_SHA},
                     files=("config.json", "README.md"))  # no model.safetensors in the snapshot
-    with pytest.raises(LocalEntryNotFoundError):
+    with pytest.raises(ArtifactError, match="model.safetensors is missing"):
         KVMap.from_pretrained(REPO)
 
 
@@ -220,6 +221,8 @@ def test_push_to_a_branch_creates_it_first(pair, monkeypatch):
     _, _, kv_map = pair
     hub = FakeHub()
     hub.install(monkeypatch)
-    kv_map.push_to_hub(REPO, revision="v2")
-    assert [name for name, _ in hub.calls] == ["create_repo", "create_branch", "upload_folder"]
-    assert hub.calls[1][1]["branch"] == "v2" and hub.calls[2][1]["revision"] == "v2"
+    kv_map.push_to_hub(REPO, branch="v2")
+    names = [name for name, _ in hub.calls]
+    assert names.index("create_repo") < names.index("create_branch") < names.index("upload_folder")
+    assert hub.calls[names.index("create_branch")][1]["branch"] == "v2"
+    assert hub.calls[names.index("upload_folder")][1]["revision"] == "v2"

@@ -80,11 +80,11 @@ def test_weak_layers_follow_the_threshold(pair):
 
 def test_fit_on_tiny_models_keeps_only_improving_heads(nonlinear_map):
     info = nonlinear_map.config.nonlinear
-    assert len(info["candidates"]) == 6
-    for row in info["candidates"]:
-        assert row["kept"] == (row["r2_mlp"] >= row["r2_linear"] + info["min_gain"])
-        assert (row["layer"] in info[row["kind"]]) == row["kept"]
-    assert info["keys"] or info["values"]  # random tiny models: KV are nonlinear in the source's, the MLP helps
+    assert len(info.candidates) == 6
+    for row in info.candidates:
+        assert row.kept == (row.r2_mlp >= row.r2_linear + info.min_gain)
+        assert (row.layer in info.layers(row.kind)) == row.kept
+    assert info.keys or info.values  # random tiny models: KV are nonlinear in the source's, the MLP helps
 
 
 def test_linear_map_stays_linear_where_it_is_exact():
@@ -93,12 +93,12 @@ def test_linear_map_stays_linear_where_it_is_exact():
     kv_map = KVMap.calibrate(model, model, sequences, progress=False)  # same model: identity prior, R^2 ~ 1
     out = fit_nonlinear_heads(kv_map, model, model, sequences, r2_threshold=1.1, hidden=16, steps=40,
                               max_rows=256, progress=False)
-    assert out.config.nonlinear["keys"] == [] and out.config.nonlinear["values"] == []
+    assert out.config.nonlinear.keys == [] and out.config.nonlinear.values == []
     assert not any(".mlp." in name for name in out.tensors)
 
 
 def test_artifact_round_trip_with_mlp_tensors(nonlinear_map, tmp_path):
-    folder = nonlinear_map.save_pretrained(tmp_path / "map", card=False)
+    folder = nonlinear_map.save_pretrained(tmp_path / "map", chart=False)
     loaded = KVMap.from_pretrained(folder)
     assert loaded.config.nonlinear == nonlinear_map.config.nonlinear
     assert set(loaded.tensors) == set(nonlinear_map.tensors)
@@ -122,7 +122,7 @@ def test_apply_path_adds_the_mlp_residual_only_on_its_layers(pair, nonlinear_map
     source, target, _, linear = pair
     ids = random_ids(2, 12, seed=9)
     mask = torch.ones(2, 12, dtype=torch.long)
-    captured = source(input_ids=torch.stack(ids), use_cache=True).past_key_values
+    captured = source(input_ids=torch.stack(ids), use_cache=True).cache
     keys = [layer.keys for layer in captured.layers]
     values = [layer.values for layer in captured.layers]
     positions = positions_from_mask(mask)
@@ -132,7 +132,7 @@ def test_apply_path_adds_the_mlp_residual_only_on_its_layers(pair, nonlinear_map
     info = nonlinear_map.config.nonlinear
     for t, ((k, v), (k0, v0)) in enumerate(zip(with_mlp, plain)):
         assert k.shape == k0.shape == (2, 3, 12, 32) and v.shape == v0.shape
-        assert torch.equal(k, k0) != (t in info["keys"])
-        assert torch.equal(v, v0) != (t in info["values"])
+        assert torch.equal(k, k0) != (t in info.keys)
+        assert torch.equal(v, v0) != (t in info.values)
     cache = MappedCache.from_source(source, nonlinear_map, target, input_ids=torch.stack(ids))
     assert cache.get_seq_length() == 12

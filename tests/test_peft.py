@@ -9,7 +9,9 @@ from peft import LoraConfig, get_peft_model
 from conftest import random_ids, tiny_model
 from peft_kvcache import FingerprintMismatchError, MappedCache
 from peft_kvcache.capture import run_with_cache
-from peft_kvcache.peft_maps import AdapterMaps, adapter_active, calibrate_adapters, folder_name
+from peft_kvcache.adapter_maps import AdapterMaps, folder_name
+from peft_kvcache.calibrate import calibrate_adapters
+from peft_kvcache.models import adapter_active
 from transformers.cache_utils import DynamicCache
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -43,7 +45,7 @@ def _continuation_kl(model, cache, ids: torch.Tensor, context: int) -> float:
     with torch.no_grad():
         full = model(input_ids=ids[None]).logits[0, context:]
         out = model(input_ids=ids[None, context:], position_ids=torch.arange(context, len(ids))[None],
-                    past_key_values=cache, use_cache=True).logits[0]
+                    cache=cache, use_cache=True).logits[0]
     p, q = full.log_softmax(-1), out.log_softmax(-1)
     return float((p.exp() * (p - q)).sum(-1).mean())
 
@@ -54,7 +56,8 @@ def test_one_pass_fits_both_directions_with_adapter_names(peft_pair):
     forward, backward = maps.to_adapter["strong"].config, maps.to_base["strong"].config
     assert forward.target_name.endswith("+strong") and "+" not in forward.source_name
     assert backward.source_name.endswith("+strong") and "+" not in backward.target_name
-    assert forward.calibration["target_adapter"] == "strong" and backward.calibration["source_adapter"] == "strong"
+    assert forward.calibration.target.adapter == "strong" and backward.calibration.source.adapter == "strong"
+    assert forward.calibration.source.adapter is None and backward.calibration.target.adapter is None
     assert forward.pair_kind == "same_shape"
     assert forward.key_layers == [[0], [1]]
     # The base side of every map carries the base fingerprint; the adapter side its own.
@@ -114,7 +117,7 @@ def test_save_and_load_round_trip(peft_pair, tmp_path):
     for a in ("strong", "mild"):
         for name, tensor in maps.to_adapter[a].tensors.items():
             assert torch.equal(loaded.to_adapter[a].tensors[name], tensor)
-        assert loaded.to_base[a].config.calibration["source_adapter"] == a
+        assert loaded.to_base[a].config.calibration.source.adapter == a
 
 
 def test_calibrate_adapters_refuses_a_plain_model():
@@ -192,7 +195,7 @@ def test_same_layer_statistics_give_the_maps_of_full_layer_selection(peft_pair):
 
 
 def test_adapter_blends_are_scored_with_each_side_in_its_own_adapter_state(peft_pair):
-    from peft_kvcache.peft_maps import choose_adapter_blends
+    from peft_kvcache.blend import choose_adapter_blends
 
     model, maps = peft_pair
     active = model.active_adapter
@@ -204,7 +207,7 @@ def test_adapter_blends_are_scored_with_each_side_in_its_own_adapter_state(peft_
     for source, target, kv_map in ((None, "strong", chosen.to_adapter["strong"]),
                                    ("strong", None, chosen.to_base["strong"])):
         blend = kv_map.config.blend
-        recorded = blend["scores"][f"keys={blend['keys']},values={blend['values']}"]["kl"]
+        recorded = blend.scores[f"keys={blend.keys},values={blend.values}"]["kl"]
         kls = []
         for ids in sequences:  # the recorded score, recomputed with the sides' adapter states set by hand
             prefix = ids[None, : context - 1]

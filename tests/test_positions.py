@@ -4,10 +4,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, BloomConfig, GPT2Conf
 
 from conftest import tiny_model
 from peft_kvcache import UnsupportedPositionalSchemeError
-from peft_kvcache.apply import position_free_keys
 from peft_kvcache.capture import run_with_cache
 from peft_kvcache.positions import (
-    apply_rotary, find_rotary_embedding, positions_from_mask, remove_rotary, rotary_cos_sin, rotary_spec_of,
+    apply_rotary, find_rotary_embedding, position_free_keys, positions_from_mask, remove_rotary, rotary_cos_sin,
+    rotary_spec_of,
 )
 
 ROPE_VARIANTS = [

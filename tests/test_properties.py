@@ -9,12 +9,13 @@ from hypothesis import strategies as st
 
 from conftest import tiny_model
 from peft_kvcache import KVMap, KVMapConfig
-from peft_kvcache.apply import map_cache, position_free_keys
+from peft_kvcache.apply import map_cache
 from peft_kvcache.capture import run_with_cache
 from peft_kvcache.models import KVLayout
 from peft_kvcache.positions import (
     RotarySpec,
     apply_rotary,
+    position_free_keys,
     positions_from_mask,
     remove_rotary,
     rotary_cos_sin,

@@ -13,7 +13,9 @@ from conftest import random_ids, tiny_model
 from peft_kvcache import KVMap, MappedCache
 from peft_kvcache.capture import run_with_cache
 from peft_kvcache.errors import QualityError
-from peft_kvcache.quality import measure_quality, predicted_retention
+from peft_kvcache.config import GateRecord
+from peft_kvcache.quality import (ContextCheck, check_context, measure_quality, meets_quality, predicted_retention,
+                                   prefill_context)
 
 
 @pytest.fixture(scope="module")
@@ -45,16 +47,22 @@ def noisy(kv_map: KVMap, scale: float, seed: int = 0) -> KVMap:
     return KVMap(copy.deepcopy(kv_map.config), tensors)
 
 
+def _with_prediction(kv_map: KVMap, value: float) -> KVMap:
+    layers = kv_map.config.target_layout.num_layers
+    kv_map.config.quality.gate = GateRecord(value, [1.0] * layers, [0.5] * layers, sequences=1, query_tokens=4)
+    return kv_map
+
+
 def test_gate_cosine_is_one_for_identity_and_lower_for_a_noisy_map(model, identity_map):
     sequences = random_ids(3, 28, seed=5)
     good = measure_quality(identity_map, model, model, sequences, query_tokens=8, progress=False, write=False)
-    assert all(c > 0.9999 for c in good["attention_cosine_per_layer"])
-    assert good["predicted_retention"] == pytest.approx(1.0, abs=1e-3)
+    assert all(c > 0.9999 for c in good.attention_cosine_per_layer)
+    assert good.predicted_retention == pytest.approx(1.0, abs=1e-3)
     bad_map = noisy(identity_map, 1.0)
     bad = measure_quality(bad_map, model, model, sequences, query_tokens=8, progress=False)
-    assert all(b < g - 0.01 for b, g in zip(bad["attention_cosine_per_layer"], good["attention_cosine_per_layer"]))
-    assert bad["predicted_retention"] < good["predicted_retention"] - 0.05
-    assert bad_map.config.quality["predicted_retention"] == bad["predicted_retention"]  # written to the config
+    assert all(b < g - 0.01 for b, g in zip(bad.attention_cosine_per_layer, good.attention_cosine_per_layer))
+    assert bad.predicted_retention < good.predicted_retention - 0.05
+    assert bad_map.config.quality.predicted_retention == bad.predicted_retention  # written to the config
 
 
 def test_gate_figures_survive_save_and_show_on_the_card(model, identity_map, tmp_path):
@@ -62,7 +70,7 @@ def test_gate_figures_survive_save_and_show_on_the_card(model, identity_map, tmp
     measure_quality(kv_map, model, model, random_ids(2, 20, seed=6), query_tokens=4, progress=False)
     folder = kv_map.save_pretrained(tmp_path / "map")
     loaded = KVMap.from_pretrained(folder)
-    assert loaded.config.quality["predicted_retention"] == kv_map.config.quality["predicted_retention"]
+    assert loaded.config.quality.predicted_retention == kv_map.config.quality.predicted_retention
     assert "predicted_retention" in (folder / "README.md").read_text()
 
 
@@ -72,36 +80,33 @@ def test_predicted_retention_formula():
     assert predicted_retention([0.4], [0.6]) < 0
 
 
-def test_min_quality_falls_back_to_the_targets_own_prefill(model, identity_map, caplog):
-    kv_map = noisy(identity_map, 0.5)
-    kv_map.config.quality["predicted_retention"] = 0.2
+def test_below_the_bar_the_targets_own_prefill_serves(model, identity_map):
+    kv_map = _with_prediction(noisy(identity_map, 0.5), 0.2)
     prompt = random_ids(1, 16, seed=7)[0][None]
-    with caplog.at_level(logging.WARNING, logger="peft_kvcache.cache"):
-        cache = MappedCache.from_source(model, kv_map, model, input_ids=prompt[:, :-1], min_quality=0.5)
-    assert cache.fallback == "min_quality"
-    assert any("min_quality" in r.getMessage() for r in caplog.records)
+    assert not meets_quality(kv_map, 0.5) and meets_quality(kv_map, 0.1) and meets_quality(kv_map, 0.2)
+    cache = prefill_context(model, prompt[:, :-1])
     own = run_with_cache(model, prompt[:, :-1])
     for layer, k, v in zip(cache.layers, own.keys, own.values):
         assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
     with torch.no_grad():
-        logits = model(input_ids=prompt[:, -1:], past_key_values=cache).logits[0, -1]
+        logits = model(input_ids=prompt[:, -1:], cache=cache).logits[0, -1]
         full = model(input_ids=prompt).logits[0, -1]
     torch.testing.assert_close(logits, full, atol=1e-5, rtol=1e-5)
-    # above the bar: the map is used
-    assert MappedCache.from_source(model, kv_map, model, input_ids=prompt[:, :-1], min_quality=0.1).fallback is None
 
 
-def test_min_quality_errors_are_clear(model, identity_map):
-    prompt = random_ids(1, 12, seed=8)[0][None]
+@pytest.mark.parametrize("bar", [float("nan"), "0.5", None, True])
+def test_the_bar_itself_must_be_a_number(identity_map, bar):
+    with pytest.raises(QualityError, match="min_quality"):
+        meets_quality(_with_prediction(noisy(identity_map, 0.0), 0.9), bar)
+
+
+def test_a_missing_or_non_finite_prediction_never_passes_the_bar(identity_map):
     with pytest.raises(QualityError, match="measure_quality"):
-        MappedCache.from_source(model, identity_map, model, input_ids=prompt, min_quality=0.5)
-    kv_map = noisy(identity_map, 0.0)
-    kv_map.config.quality["predicted_retention"] = 0.1
-    source_cache = run_with_cache(model, prompt)
-    from transformers.cache_utils import DynamicCache
-    with pytest.raises(QualityError, match="input_ids"):
-        MappedCache.from_source(DynamicCache(list(zip(source_cache.keys, source_cache.values))), kv_map, model,
-                                min_quality=0.5)
+        meets_quality(identity_map, 0.5)
+    kv_map = _with_prediction(noisy(identity_map, 0.0), 0.9)
+    kv_map.config.quality.gate.predicted_retention = float("nan")  # in memory: load refuses it already
+    with pytest.raises(QualityError, match="no finite predicted retention"):
+        meets_quality(kv_map, 0.5)
 
 
 def corrupted(kv_map: KVMap) -> KVMap:
@@ -119,24 +124,23 @@ def corrupted(kv_map: KVMap) -> KVMap:
 def test_context_check_passes_a_good_map_and_flags_a_corrupted_one(model, identity_map, caplog):
     # A random tiny model predicts near-uniformly (loss ~ log 128 whatever the context), so the margin is
     # scaled down to its logit range: the corrupted map costs ~0.15 nats here, the identity map ~0.
-    margin = 0.05
     prompt = random_ids(1, 33, seed=9)[0][None]
     context = prompt[:, :-1]
-    good = MappedCache.from_source(model, identity_map, model, input_ids=context, check_tokens=8, check_margin=margin)
-    assert good.fallback is None and not good.context_check["flagged"]
-    assert good.get_seq_length() == context.shape[1]
-    bad_map = corrupted(identity_map)
-    with caplog.at_level(logging.WARNING, logger="peft_kvcache.cache"):
-        fallback = MappedCache.from_source(model, bad_map, model, input_ids=context, check_tokens=8, check_margin=margin)
-    assert fallback.fallback == "bad_context" and fallback.context_check["flagged"]
+    check = ContextCheck(tokens=8, margin=0.05)
+    mapped = MappedCache.from_source(model, identity_map, model, input_ids=context)
+    good = check_context(mapped, model, context, check)
+    assert good.action == "mapped" and not good.flagged and good.cache.get_seq_length() == context.shape[1]
+    bad = MappedCache.from_source(model, corrupted(identity_map), model, input_ids=context)
+    with caplog.at_level(logging.WARNING, logger="peft_kvcache.quality"):
+        fallback = check_context(bad, model, context, check)
+    assert fallback.action == "prefill" and fallback.flagged
     assert any("fallback" in r.getMessage() for r in caplog.records)
     own = run_with_cache(model, context)
-    assert all(torch.equal(layer.keys, k) for layer, k in zip(fallback.layers, own.keys))
-    dropped = MappedCache.from_source(model, bad_map, model, input_ids=context, check_tokens=8,
-                                      check_margin=margin, on_bad_context="drop_middle")
-    assert dropped.get_seq_length() == 1 + 8 and dropped.kept_positions.tolist() == [0] + list(range(24, 32))
+    assert all(torch.equal(layer.keys, k) for layer, k in zip(fallback.cache.layers, own.keys))
+    dropped = check_context(bad, model, context, ContextCheck(8, 0.05, "drop_middle"))
+    assert dropped.cache.get_seq_length() == 1 + 8 and dropped.kept_positions.tolist() == [0] + list(range(24, 32))
     with torch.no_grad():  # continue at the true position of the next token
-        model(input_ids=prompt[:, -1:], position_ids=dropped.next_positions[:, None], past_key_values=dropped)
+        model(input_ids=prompt[:, -1:], position_ids=dropped.next_positions[:, None], cache=dropped.cache)
     with pytest.raises(QualityError, match="per-request check"):
-        MappedCache.from_source(model, bad_map, model, input_ids=context, check_tokens=8, check_margin=margin,
-                                on_bad_context="raise")
+        check_context(bad, model, context, ContextCheck(8, 0.05, "raise"))
+    assert bad.get_seq_length() == context.shape[1]  # the mapped cache itself is left as it was

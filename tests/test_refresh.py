@@ -9,9 +9,16 @@ from transformers.cache_utils import DynamicCache
 from conftest import random_ids, tiny_model
 from peft_kvcache import MappedCache
 from peft_kvcache.capture import run_with_cache
-from peft_kvcache.errors import CacheMismatchError, QualityError
+from peft_kvcache._compat import attention_implementation, fill_cache
+from peft_kvcache.config import Refresh
+from peft_kvcache.errors import CacheMismatchError
 from peft_kvcache.evaluate import evaluate_retention
 from peft_kvcache.refresh import attention_scores, refresh_positions, select_spans
+
+
+def _plain(cache) -> DynamicCache:
+    """The mapped context as a plain cache (the refresh's own passes do not continue the context)."""
+    return fill_cache(DynamicCache(), [(layer.keys, layer.values) for layer in cache.layers])
 
 
 def _max_error(cache, own) -> float:
@@ -22,7 +29,7 @@ def _max_error(cache, own) -> float:
 def test_refreshing_every_position_gives_the_targets_own_prefill(sibling_pair, sibling_map):
     source, target = sibling_pair
     ids = random_ids(1, 30, seed=5)[0][None]
-    cache = MappedCache.from_source(source, sibling_map, target, input_ids=ids)
+    cache = _plain(MappedCache.from_source(source, sibling_map, target, input_ids=ids))
     own = run_with_cache(target, ids)
     assert _max_error(cache, own) > 1e-2  # the map is approximate...
     refresh_positions(target, cache, ids, torch.arange(1, 30))
@@ -33,7 +40,7 @@ def test_refreshing_every_position_gives_the_targets_own_prefill(sibling_pair, s
 def test_refresh_changes_only_the_chosen_positions(sibling_pair, sibling_map):
     source, target = sibling_pair
     ids = random_ids(1, 30, seed=6)[0][None]
-    cache = MappedCache.from_source(source, sibling_map, target, input_ids=ids)
+    cache = _plain(MappedCache.from_source(source, sibling_map, target, input_ids=ids))
     before = [layer.keys.clone() for layer in cache.layers]
     chosen = torch.tensor([3, 4, 17])
     refresh_positions(target, cache, ids, chosen)
@@ -50,9 +57,9 @@ def test_attention_scores_match_the_models_own_attention_and_leave_cache_and_mod
     model = tiny_model("llama", seed=2)
     model.set_attn_implementation("sdpa")
     ids = random_ids(1, 24, seed=7)[0][None]
-    cache = DynamicCache(list(zip(*(lambda c: (c.keys, c.values))(run_with_cache(model, ids[:, :20])))))
+    cache = run_with_cache(model, ids[:, :20]).to_cache()
     scores = attention_scores(model, cache, ids[:, 20:])
-    assert cache.get_seq_length() == 20 and model.config._attn_implementation == "sdpa"
+    assert cache.get_seq_length() == 20 and attention_implementation(model) == "sdpa"
     model.set_attn_implementation("eager")
     attentions = model(ids, output_attentions=True).attentions
     expected = torch.stack([a[0, :, -1, :20].amax(dim=0) for a in attentions]).mean(0)
@@ -75,21 +82,21 @@ def test_from_source_refresh_covers_the_whole_context_and_continues(sibling_pair
     ids = random_ids(1, 33, seed=8)[0][None]
     context = ids[:, :-1]
     own_logits = target(ids).logits[0, -1]
-    full = MappedCache.from_source(source, sibling_map, target, input_ids=context, refresh_tokens=32, probe_tokens=4)
-    assert full.get_seq_length() == 32 and full.refreshed_positions.tolist() == list(range(1, 28))
-    logits = target(ids[:, -1:], past_key_values=full, position_ids=torch.tensor([[32]])).logits[0, -1]
+    full = MappedCache.from_source(source, sibling_map, target, input_ids=context, refresh_tokens=Refresh(27, 4))
+    assert full.get_seq_length() == 32 and full.refresh.positions.tolist() == list(range(1, 28))
+    logits = target(ids[:, -1:], cache=full, position_ids=torch.tensor([[32]])).logits[0, -1]
     assert torch.allclose(logits, own_logits, atol=1e-4)  # everything refreshed: the target's own prefill
 
     plain = MappedCache.from_source(source, sibling_map, target, input_ids=context)
-    some = MappedCache.from_source(source, sibling_map, target, input_ids=context, refresh_tokens=6, probe_tokens=4)
-    assert some.refreshed_positions.numel() == 6
+    some = MappedCache.from_source(source, sibling_map, target, input_ids=context, refresh_tokens=Refresh(6, 4))
+    assert some.refresh.positions.numel() == 6
     def error(cache) -> float:
-        return float((target(ids[:, -1:], past_key_values=cache).logits[0, -1] - own_logits).abs().max())
+        return float((target(ids[:, -1:], cache=cache).logits[0, -1] - own_logits).abs().max())
 
     assert error(some) < error(plain)
     with pytest.raises(CacheMismatchError, match="next tokens start"):
-        target(ids, position_ids=torch.arange(33)[None], past_key_values=MappedCache.from_source(
-            source, sibling_map, target, input_ids=context, refresh_tokens=6, probe_tokens=4))
+        target(ids, position_ids=torch.arange(33)[None], cache=MappedCache.from_source(
+            source, sibling_map, target, input_ids=context, refresh_tokens=Refresh(6, 4)))
 
 
 def test_the_switch_passes_skip_the_vocabulary_projection(sibling_pair, sibling_map):
@@ -100,7 +107,7 @@ def test_the_switch_passes_skip_the_vocabulary_projection(sibling_pair, sibling_
     rows = []
     handle = target.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[1]))
     try:
-        MappedCache.from_source(source, sibling_map, target, input_ids=ids[:, :-1], refresh_tokens=8, probe_tokens=2)
+        MappedCache.from_source(source, sibling_map, target, input_ids=ids[:, :-1], refresh_tokens=Refresh(8, 2))
     finally:
         handle.remove()
     assert rows and set(rows) == {0}  # the target ran (sink, probe, refresh) and projected no position
@@ -112,10 +119,19 @@ def test_refresh_errors_are_clear(sibling_pair, sibling_map):
     batch = torch.stack(ids)
     with pytest.raises(CacheMismatchError, match="batch 1"):
         MappedCache.from_source(source, sibling_map, target, input_ids=batch, refresh_tokens=4)
-    with pytest.raises(QualityError, match="cannot be combined"):
-        MappedCache.from_source(source, sibling_map, target, input_ids=batch[:1], refresh_tokens=4, check_tokens=4)
-    with pytest.raises(CacheMismatchError, match="probe_tokens"):
-        MappedCache.from_source(source, sibling_map, target, input_ids=batch[:1], refresh_tokens=4, probe_tokens=19)
+    for bad in (-1, Refresh(4, 0), Refresh(4, 2, 0), 2.5, "4"):
+        with pytest.raises(CacheMismatchError, match="refresh_tokens"):
+            MappedCache.from_source(source, sibling_map, target, input_ids=batch[:1], refresh_tokens=bad)
+
+
+def test_a_budget_past_the_context_is_clamped_with_a_warning(sibling_pair, sibling_map, caplog):
+    source, target = sibling_pair
+    ids = random_ids(1, 20, seed=11)[0][None]
+    with caplog.at_level("WARNING", logger="peft_kvcache.refresh"):
+        cache = MappedCache.from_source(source, sibling_map, target, input_ids=ids, refresh_tokens=Refresh(500, 4))
+    assert "clamped to 15" in caplog.text
+    assert cache.refresh.budget == 15 and cache.refresh.positions.tolist() == list(range(1, 16))
+    assert _max_error(cache, run_with_cache(target, ids)) < 1e-5  # the whole context: the target's own prefill
 
 
 def test_evaluate_scores_refresh_beside_its_equal_compute_control(sibling_pair, sibling_map):

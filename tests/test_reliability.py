@@ -183,45 +183,56 @@ def _loads_as(folder: Path, expected: KVMap) -> bool:
     return same
 
 
-@pytest.mark.parametrize("crash_before", [1, 2, 3, None])
-def test_a_save_killed_at_any_step_leaves_the_old_map_the_new_one_or_nothing_loadable(tmp_path, crash_before):
-    """A real hard crash (the process exits with no cleanup) before the n-th rename of the save."""
+def _leftovers(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+
+
+@pytest.mark.parametrize("crash_at", ["weights", "swap", "between_renames", None])
+def test_a_save_killed_at_any_step_leaves_the_old_map_or_the_new_one(tmp_path, crash_at):
+    """A real hard crash (the process exits with no cleanup) while saving over an existing map. At every step
+    the path loads as the old map or the new one; where the system cannot swap folders atomically and the kill
+    falls between the two renames, the next load puts the old map back. Leftovers go with the next save."""
     old, new = _old_and_new_maps()
-    folder = old.save_pretrained(tmp_path / "map", card=False)
+    folder = old.save_pretrained(tmp_path / "map", chart=False)
     (folder / "notes.txt").write_text("keep me")
     pid = os.fork()
-    if pid == 0:  # child: save the new map, dying before rename number `crash_before`
+    if pid == 0:  # child: save the new map, dying at `crash_at`
         try:
-            real, calls = os.replace, [0]
+            from peft_kvcache import _files, kvmap
 
-            def replace(*args, **kwargs):
-                calls[0] += 1
-                if calls[0] == crash_before:
-                    os._exit(9)
-                return real(*args, **kwargs)
+            die = lambda *args, **kwargs: os._exit(9)  # noqa: E731
+            if crash_at == "weights":
+                kvmap.save_file = die
+            elif crash_at == "swap":
+                _files.exchange = die
+            elif crash_at == "between_renames":
+                _files.exchange = lambda a, b: False  # a system without the atomic swap
+                real, calls = os.replace, [0]
 
-            os.replace = replace
-            new.save_pretrained(folder, card=False)
+                def replace(*args, **kwargs):
+                    calls[0] += 1
+                    if calls[0] == 2:  # the old folder is aside, the new one not yet in
+                        os._exit(9)
+                    return real(*args, **kwargs)
+
+                os.replace = replace
+            new.save_pretrained(folder, chart=False)
         finally:
             os._exit(0)
     _, status = os.waitpid(pid, 0)
-    assert os.WEXITSTATUS(status) == (0 if crash_before in (None, 3) else 9)
-    if crash_before == 1:
-        assert _loads_as(folder, old)
-    elif crash_before == 2:  # between the two renames: no map there, and the old one is kept aside
-        with pytest.raises(ArtifactError):
-            KVMap.from_pretrained(folder)
-        backups = list(tmp_path.glob(".map.old-*"))
-        assert len(backups) == 1 and _loads_as(backups[0], old)
-    else:
-        assert _loads_as(folder, new) and (folder / "notes.txt").read_text() == "keep me"
+    assert os.WEXITSTATUS(status) == (0 if crash_at is None else 9)
+    if crash_at == "between_renames":
+        assert not folder.exists() and len(list(tmp_path.glob(".map.old-*"))) == 1
+    assert bool(_leftovers(tmp_path)) == (crash_at is not None)  # the dead process's staging (or backup) folder
+    expected = new if crash_at is None else old
+    assert _loads_as(folder, expected) and (folder / "notes.txt").read_text() == "keep me"
+    assert _leftovers(tmp_path) == []  # the next load cleaned up after the dead process
 
 
 @pytest.mark.parametrize("fail_at", ["weights", "config", "swap"])
 def test_a_save_that_raises_midway_keeps_the_old_map(tmp_path, monkeypatch, fail_at):
     old, new = _old_and_new_maps()
-    folder = old.save_pretrained(tmp_path / "map", card=False)
-    real_replace = os.replace
+    folder = old.save_pretrained(tmp_path / "map", chart=False)
 
     def fail(*args, **kwargs):
         raise OSError("disk full")
@@ -231,17 +242,9 @@ def test_a_save_that_raises_midway_keeps_the_old_map(tmp_path, monkeypatch, fail
     elif fail_at == "config":
         monkeypatch.setattr(Path, "write_text", fail)
     else:
-        calls = []
-
-        def replace(src, dst):
-            calls.append(dst)
-            if len(calls) == 2:  # the staging folder moving in
-                raise OSError("disk full")
-            return real_replace(src, dst)
-
-        monkeypatch.setattr(os, "replace", replace)
+        monkeypatch.setattr("peft_kvcache._files.exchange", fail)
     with pytest.raises(OSError, match="disk full"):
-        new.save_pretrained(folder, card=False)
+        new.save_pretrained(folder, chart=False)
     monkeypatch.undo()
     assert _loads_as(folder, old)
     assert [p.name for p in tmp_path.iterdir()] == ["map"], "staging or backup folders left behind"
@@ -249,10 +252,10 @@ def test_a_save_that_raises_midway_keeps_the_old_map(tmp_path, monkeypatch, fail
 
 def test_saving_through_a_symlink_replaces_the_folder_it_points_to(tmp_path):
     old, new = _old_and_new_maps()
-    real = old.save_pretrained(tmp_path / "real", card=False)
+    real = old.save_pretrained(tmp_path / "real", chart=False)
     link = tmp_path / "link"
     link.symlink_to(real)
-    new.save_pretrained(link, card=False)
+    new.save_pretrained(link, chart=False)
     assert link.is_symlink() and _loads_as(real, new)
 
 
@@ -396,7 +399,7 @@ def _spy_on_tensor_reads(monkeypatch) -> list[str]:
 
 
 def test_a_huge_layout_in_config_is_refused_before_any_tensor_is_read(tmp_path, monkeypatch):
-    folder = make_map().save_pretrained(tmp_path / "map", card=False)
+    folder = make_map().save_pretrained(tmp_path / "map", chart=False)
     reads = _spy_on_tensor_reads(monkeypatch)
     KVMap.from_pretrained(folder)
     assert reads, "the spy does not see tensor reads"
@@ -412,14 +415,14 @@ def test_a_huge_layout_in_config_is_refused_before_any_tensor_is_read(tmp_path, 
 
 def test_a_header_claiming_a_huge_tensor_that_matches_the_config_is_refused_unread(tmp_path, monkeypatch):
     """The header agrees with a (plausible) config about a 16 GiB weight, but the file holds a few bytes."""
-    folder = make_map().save_pretrained(tmp_path / "map", card=False)
+    folder = make_map().save_pretrained(tmp_path / "map", chart=False)
     data = json.loads((folder / "config.json").read_text())
     data["source_layout"] = {"num_layers": 2, "kv_heads": 1024, "head_dim": 2048}
     data["source_rotary"]["head_dim"] = data["source_rotary"]["rotary_dim"] = 2048
     (folder / "config.json").write_text(json.dumps(data))
     config = peft_kvcache.KVMapConfig.from_dict(data)
     header = {name: {"dtype": "F32", "shape": list(shape), "data_offsets": [0, 4 * int(torch.tensor(shape).prod())]}
-              for name, shape in peft_kvcache.kvmap._expected_shapes(config).items()}
+              for name, shape in peft_kvcache.config.expected_shapes(config).items()}
     offset = 0
     for entry in header.values():  # contiguous offsets, as a real file would have, but no data behind them
         size = entry["data_offsets"][1]

@@ -9,9 +9,11 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from conftest import random_ids, tiny_model
+from peft_kvcache.cache import _SINK_MEMO
 from peft_kvcache.models import unwrap_peft
-from peft_kvcache.peft_maps import adapter_active, calibrate_adapters
-from peft_kvcache.sessions import AdapterSession, SessionError, SharedPeftModel
+from peft_kvcache.calibrate import calibrate_adapters
+from peft_kvcache.models import adapter_active
+from peft_kvcache import AdapterSession, SessionError, SharedPeftModel
 from test_peft import MODULES, peft_with_adapters
 
 GEN = dict(max_new_tokens=6, eos_token_id=None, pad_token_id=0)  # fixed reply length: no early stop
@@ -74,7 +76,7 @@ def test_a_switch_never_prefills_the_history(real_shared):
         session.turn(random_ids(1, 60, seed=1)[0], adapter="strong")  # a long first turn: the history
         for adapter in ("mild", "strong", None, "mild"):
             m, counted[:] = 5, []
-            real_shared.model.__dict__.pop("_peft_kvcache_sink_memo", None)  # count the sink's own pass
+            _SINK_MEMO.clear()  # count the sink's own pass
             turn = session.turn(random_ids(1, m, seed=2)[0], adapter=adapter)
             g = turn.new_ids.shape[1]
             # sink (mapped turns) + the new message and the last reply token + decode steps + base catch-up

@@ -1,0 +1,101 @@
+"""Every place peft-kvcache depends on how transformers (or torch) behave inside, in one small module.
+
+transformers 5.24 renamed the cache argument of ``forward``/``generate`` from ``past_key_values`` to
+``cache`` (the old name warns and goes away in 5.40 / 6.0); the supported range starts before that, so the
+name is detected once per model class. The other functions read state transformers does not document as
+public; ``tests/test_compat.py`` checks each against the installed version and fails loudly when one breaks.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from functools import lru_cache
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+logger = logging.getLogger(__name__)
+
+
+def _transformers_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a PEFT wrapper (the model itself otherwise)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@lru_cache(maxsize=None)
+def _cache_argument_of(model_class: type) -> str:
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """``"cache"`` where the model's ``forward`` and ``generate`` take it (transformers >= 5.24), else
+    ``"past_key_values"``.
+
+    Example:
+        >>> model(input_ids=ids, **{cache_argument(model): cache})   # doctest: +SKIP
+    """
+    return _cache_argument_of(type(_transformers_model(model)))
+
+
+def with_cache(model: torch.nn.Module, cache: Cache | None) -> dict:
+    """The keyword argument that hands ``cache`` to ``model(...)`` or ``model.generate(...)``."""
+    return {cache_argument(model): cache}
+
+
+def output_cache(output) -> Cache:
+    """The cache a forward pass returned (``output.cache`` since 5.24, ``output.past_key_values`` before)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
+def update_positions(update_kwargs: dict) -> torch.Tensor | None:
+    """The ``position_ids`` of the tokens a ``Cache.update`` call appends: attention modules forward their
+    keyword arguments to ``update`` as ``kwargs=...``; ``None`` where they do not."""
+    forwarded = update_kwargs.get("kwargs")
+    position_ids = update_kwargs.get("position_ids")
+    if position_ids is None and isinstance(forwarded, dict):
+        position_ids = forwarded.get("position_ids")
+    return position_ids if isinstance(position_ids, torch.Tensor) else None
+
+
+def attention_implementation(model: torch.nn.Module) -> str:
+    """The attention implementation a model runs (``"eager"``, ``"sdpa"``, ...)."""
+    return _transformers_model(model).config._attn_implementation
+
+
+def fill_cache(cache: DynamicCache, layers_kv) -> DynamicCache:
+    """Put per-layer ``(keys, values)`` into an empty `DynamicCache` without copying them (``update`` would
+    concatenate each onto an empty tensor: a copy of the whole context)."""
+    for keys, values in layers_kv:
+        layer = DynamicLayer()
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+        cache.layers.append(layer)
+    return cache
+
+
+def replay_attention(module: torch.nn.Module, args: tuple, kwargs: dict, keys: torch.Tensor, values: torch.Tensor,
+                     attention_mask: torch.Tensor) -> torch.Tensor:
+    """Run an attention module again on the inputs of the call a forward hook (``with_kwargs=True``) just saw,
+    attending to the fixed context ``keys``/``values`` ``[batch, kv_heads, ctx, head_dim]`` plus the call's own
+    tokens, under ``attention_mask``. Returns its attention output."""
+    call = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values", "past_key_value")}
+    call["attention_mask"] = attention_mask
+    # the module writes its own layer of the cache: give every layer up to it the fixed context
+    context = fill_cache(DynamicCache(), [(keys, values)] * (module.layer_idx + 1))
+    return module(*args, **call, **{_cache_argument_of(type(module)): context})[0]
+
+
+def truncate(cache: Cache, length: int) -> None:
+    """Keep the first ``length`` positions of every layer (slicing: ``DynamicCache.crop``'s argument changed
+    meaning in transformers 5.24)."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+
+
+def weights_version(model: torch.nn.Module) -> tuple:
+    """Changes whenever a parameter of ``model`` is replaced or written in place (``load_state_dict``,
+    ``copy_``, an optimizer step): each tensor's storage address and torch's in-place version counter."""
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())

@@ -1,0 +1,58 @@
+"""`AdapterMaps`: the maps of one `PeftModel`'s adapters, base -> adapter and adapter -> base, saved as one map
+folder each and loaded by adapter name."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .kvmap import KVMap, is_map_folder
+
+
+def folder_name(prefix: str, adapter: str, reverse: bool) -> str:
+    """``<prefix>-base-to-<adapter>`` or, reversed, ``<prefix>-<adapter>-to-base`` (underscores become dashes)."""
+    slug = adapter.replace("_", "-")
+    return f"{prefix}-{slug}-to-base" if reverse else f"{prefix}-base-to-{slug}"
+
+
+@dataclass
+class AdapterMaps:
+    """The maps of one `PeftModel`: ``to_adapter[name]`` (base -> adapter) and ``to_base[name]`` (adapter -> base).
+
+    Example:
+        >>> maps = AdapterMaps.from_pretrained("hub_cards", "smollm2-135m-instruct", ["shout"])  # doctest: +SKIP
+        >>> maps.to_adapter["shout"]                                                           # doctest: +SKIP
+    """
+
+    to_adapter: dict[str, KVMap] = field(default_factory=dict)
+    to_base: dict[str, KVMap] = field(default_factory=dict)
+
+    def all(self) -> list[tuple[str, bool, KVMap]]:
+        """``(adapter, reverse, map)`` for every map, base -> adapter first."""
+        return [(a, False, m) for a, m in self.to_adapter.items()] + [(a, True, m) for a, m in self.to_base.items()]
+
+    def save_pretrained(self, root: str | Path, prefix: str, repo_namespace: str | None = None) -> list[Path]:
+        """Save every map to ``root/<prefix>-base-to-<adapter>`` and ``root/<prefix>-<adapter>-to-base`` (config.json,
+        model.safetensors and a model card each; the cards load ``repo_namespace/<folder>``). Returns the folders."""
+        folders = []
+        for adapter, reverse, kv_map in self.all():
+            folder = Path(root) / folder_name(prefix, adapter, reverse)
+            kv_map.save_pretrained(folder, repo_id=f"{repo_namespace}/{folder.name}" if repo_namespace else None)
+            folders.append(folder)
+        return folders
+
+    @classmethod
+    def from_pretrained(cls, root: str | Path, prefix: str, adapters: Sequence[str], reverse: bool = True,
+                        missing_ok: bool = False) -> "AdapterMaps":
+        """Load the maps saved by `save_pretrained` for ``adapters`` (``missing_ok``: skip absent folders)."""
+        maps = cls()
+        for adapter in adapters:
+            for is_reverse, store in ((False, maps.to_adapter), (True, maps.to_base)):
+                if is_reverse and not reverse:
+                    continue
+                folder = Path(root) / folder_name(prefix, adapter, reverse=is_reverse)
+                if missing_ok and not is_map_folder(folder):
+                    continue
+                store[adapter] = KVMap.from_pretrained(folder)
+        return maps

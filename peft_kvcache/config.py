@@ -1,0 +1,416 @@
+"""The typed records of a map artifact and of a calibration, each declared once.
+
+`KVMapConfig` is ``config.json``: every field is a typed value or record, validated on load by type, range
+and known keys (`from_json`), so the mapping path, the quality gate, the card and the CLI can trust what
+they read. `CalibrationConfig` holds the options of a fit: the Python API takes it, the CLI derives its
+flags from it, distributed runs pass it along and the artifact stores it as is.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
+from typing import Any, Union
+
+from ._version import __version__
+from .errors import ArtifactError, CalibrationError
+from .fit import DEFAULT_LAMBDA_GRID
+from .models import KVLayout
+from .positions import RotaryRecord
+
+FORMAT_VERSION = 2
+KINDS = ("keys", "values")
+PAIR_KINDS = ("same_shape", "cross_shape")
+# Refuse configs describing absurd models before allocating anything for them.
+MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 1024, 1024, 4096
+
+
+def _help(text: str, **kwargs) -> Any:
+    return field(metadata={"help": text}, **kwargs)
+
+
+# ----- generic JSON <-> record conversion -----
+
+
+def to_json(record) -> dict:
+    """A record as JSON-ready data (tuples become lists)."""
+    return asdict(record)
+
+
+def from_json(cls: type, data: Any, where: str, error: type[Exception] = ArtifactError):
+    """Build record ``cls`` from JSON ``data``, checking every field against its annotation (numbers finite,
+    ints not bools, nested records recursively) and refusing unknown and missing keys; then the record's own
+    ``validate`` checks ranges. Every problem raises ``error`` naming the dotted field."""
+    if not isinstance(data, dict):
+        raise error(f"{where} must be a JSON object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in fields(cls) if f.init}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise error(f"{where} has unknown keys {unknown}; known: {sorted(known)}")
+    missing = sorted(name for name, f in known.items()
+                     if name not in data and f.default is MISSING and f.default_factory is MISSING)
+    if missing:
+        raise error(f"{where} is missing keys {missing}")
+    values = {name: _convert(hints[name], data[name], f"{where}.{name}", error) for name in known if name in data}
+    record = cls(**values)
+    if hasattr(record, "validate"):
+        record.validate(where, error)
+    return record
+
+
+def _convert(annotation, value, where: str, error: type[Exception]):
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:
+            return _convert(options[0], value, where, error)
+        for option in options:
+            try:
+                return _convert(option, value, where, error)
+            except error:
+                continue
+        raise error(f"{where} must be one of {options}, got {value!r}")
+    if is_dataclass(annotation):
+        return from_json(annotation, value, where, error)
+    if annotation is bool:
+        if type(value) is not bool:
+            raise error(f"{where} must be true or false, got {value!r}")
+        return value
+    if annotation is int:
+        if type(value) is not int:
+            raise error(f"{where} must be an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise error(f"{where} must be a finite number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise error(f"{where} must be a string, got {type(value).__name__}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise error(f"{where} must be a list, got {type(value).__name__}")
+        item = args[0] if args else Any
+        converted = [_convert(item, v, f"{where}[{i}]", error) for i, v in enumerate(value)]
+        return tuple(converted) if origin is tuple else converted
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise error(f"{where} must be an object with string keys")
+        return {k: _convert(args[1], v, f"{where}.{k}", error) for k, v in value.items()}
+    raise TypeError(f"no JSON conversion for {annotation!r}")  # a programming error, not bad input
+
+
+# ----- calibration -----
+
+
+@dataclass
+class CalibrationConfig:
+    """Options of a calibration. The same dataclass is the Python API's ``config=``, the source of the CLI's
+    flags (``--top-k`` ...) and the ``calibration.options`` record of the artifact.
+
+    Example:
+        >>> CalibrationConfig(top_k=2).max_length
+        512
+    """
+
+    top_k: int = _help("source layers feeding each target layer, chosen by held-out R^2", default=1)
+    same_layer: bool = _help("map each target layer from the same source layer only (block-diagonal statistics, "
+                             "num_layers times less memory; for same-depth pairs such as base -> adapter)",
+                             default=False)
+    heldout_fraction: float = _help("share of the calibration texts (whole texts) held out to choose ridge "
+                                    "strengths and source layers", default=0.2)
+    sink_tokens: int = _help("leading tokens left out of the fit; the target computes them itself", default=1)
+    max_length: int = _help("texts are cut into chunks of at most this many tokens", default=512)
+    chunks_per_text: int = _help("chunks kept per text, from its start (0: all)", default=0)
+    batch_size: int = _help("chunks per forward pass", default=1)
+    lambda_grid: tuple[float, ...] = _help("ridge strengths tried per head, relative to the mean eigenvalue of the "
+                                           "source Gram", default=DEFAULT_LAMBDA_GRID)
+
+    def validate(self, where: str = "CalibrationConfig", error: type[Exception] = CalibrationError) -> None:
+        """Refuse out-of-range options; the message names the field (the CLI turns it into its flag)."""
+        checks = [
+            ("top_k", self.top_k >= 1, "must be a positive integer"),
+            ("heldout_fraction", 0 < self.heldout_fraction < 1, "must be strictly between 0 and 1"),
+            ("sink_tokens", self.sink_tokens >= 0, "must be a non-negative integer"),
+            ("max_length", self.max_length >= self.sink_tokens + 2, "must exceed sink_tokens + 1"),
+            ("chunks_per_text", self.chunks_per_text >= 0, "must be a non-negative integer"),
+            ("batch_size", self.batch_size >= 1, "must be a positive integer"),
+            ("lambda_grid", len(self.lambda_grid) > 0 and all(v > 0 for v in self.lambda_grid), "must be positive"),
+        ]
+        for name, ok, message in checks:
+            if not ok:
+                raise error(f"{where}: {name} {message}, got {getattr(self, name)!r}")
+
+
+@dataclass
+class TextRecord:
+    """One calibration or evaluation text: its name (a file path relative to its corpus), how many of its
+    tokens were used, and its split."""
+
+    name: str
+    tokens: int
+    split: str = "train"
+
+
+@dataclass
+class DataRecord:
+    """What text a fit or a measurement used: a description and every distinct text with its token count."""
+
+    description: str = ""
+    texts: list[TextRecord] = field(default_factory=list)
+
+    def names(self, split: str | None = None) -> list[str]:
+        return [t.name for t in self.texts if split is None or t.split == split]
+
+
+@dataclass
+class ModelSpec:
+    """How to load one side of a pair: ``model`` is what `peft_kvcache.fixtures.load_model` takes (a Hub id,
+    a folder or a fixture name); ``adapter`` names a PEFT adapter loaded from ``adapter_path`` on top."""
+
+    model: str
+    adapter: str | None = None
+    adapter_path: str | None = None
+
+
+@dataclass
+class CalibrationRecord:
+    """How a map was fitted: the options, the data, token counts and how to load both models."""
+
+    options: CalibrationConfig = field(default_factory=CalibrationConfig)
+    data: DataRecord = field(default_factory=DataRecord)
+    train_tokens: int = 0
+    heldout_tokens: int = 0
+    sequences: int = 0
+    processes: int = 1
+    seconds: float | None = None
+    source: ModelSpec | None = None
+    target: ModelSpec | None = None
+    license: str | None = None
+
+
+# ----- what inference applies by default -----
+
+
+@dataclass(frozen=True)
+class Refresh:
+    """The refresh (`peft_kvcache.refresh`): the last ``probe_tokens`` context tokens run on the mapped cache,
+    the ``tokens`` context positions the last of them attends to most (in spans of ``span``) are recomputed by
+    the target, then the probe tokens on top. Target compute: ``2 * probe_tokens + tokens`` tokens.
+
+    Example:
+        >>> Refresh(tokens=64).probe_tokens
+        16
+    """
+
+    tokens: int = 32
+    probe_tokens: int = 16
+    span: int = 8
+
+    def validate(self, where: str = "Refresh", error: type[Exception] = ArtifactError) -> None:
+        if self.tokens < 0 or self.probe_tokens < 1 or self.span < 1:
+            raise error(f"{where}: tokens must be >= 0, probe_tokens and span >= 1, got {to_json(self)}")
+
+
+# ----- figures -----
+
+
+@dataclass
+class GateRecord:
+    """The quality gate's measurement (`peft_kvcache.quality.measure_quality`)."""
+
+    predicted_retention: float
+    attention_cosine_per_layer: list[float]
+    no_context_cosine_per_layer: list[float]
+    sequences: int
+    query_tokens: int
+    data: DataRecord = field(default_factory=DataRecord)
+
+
+@dataclass
+class QualityRecord:
+    """Measured figures of a map: the gate, and figures copied from a results file that code wrote."""
+
+    gate: GateRecord | None = None
+    figures: dict[str, float] = field(default_factory=dict)
+    results: str | None = None  # the results file (repository-relative) the figures come from
+
+    @property
+    def predicted_retention(self) -> float | None:
+        return None if self.gate is None else self.gate.predicted_retention
+
+
+@dataclass
+class BlendRecord:
+    """Scale of a same-shape map's correction of the source cache per kind (`peft_kvcache.blend`)."""
+
+    keys: float
+    values: float
+    criterion: str
+    examples: int
+    continuation: int
+    grid: list[float]
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass
+class NonlinearCandidate:
+    kind: str
+    layer: int
+    r2_linear: float
+    r2_mlp: float
+    steps: int
+    kept: bool
+
+
+@dataclass
+class NonlinearRecord:
+    """Residual MLP heads (`peft_kvcache.nonlinear`): the target layers that have one, per kind."""
+
+    keys: list[int] = field(default_factory=list)
+    values: list[int] = field(default_factory=list)
+    hidden: int = 64
+    activation: str = "gelu"
+    r2_threshold: float = 0.9
+    min_gain: float = 0.01
+    max_rows: int = 4096
+    steps: int = 400
+    candidates: list[NonlinearCandidate] = field(default_factory=list)
+
+    def layers(self, kind: str) -> list[int]:
+        return list(self.keys if kind == "keys" else self.values)
+
+
+# ----- the artifact's config -----
+
+
+@dataclass
+class KVMapConfig:
+    """Everything about a map except its tensors; serialized as ``config.json``.
+
+    Per-layer lists are indexed by target layer; per-head lists by target KV head.
+    """
+
+    source_name: str = _help("what the source model is: Hub id or path, '+adapter' for an active adapter")
+    target_name: str = _help("what the target model is, same form")
+    source_fingerprint: str = _help("sha256 of the source weights (see models.fingerprint)")
+    target_fingerprint: str = _help("sha256 of the target weights")
+    source_layout: KVLayout = _help("source KV cache shape")
+    target_layout: KVLayout = _help("target KV cache shape")
+    source_rotary: RotaryRecord = _help("source RoPE (inv_freq is in the safetensors)")
+    target_rotary: RotaryRecord = _help("target RoPE")
+    vocab_size: int = _help("shared vocabulary size")
+    pair_kind: str = _help("'same_shape' (e.g. base -> adapter) or 'cross_shape' (siblings)")
+    key_layers: list[list[int]] = _help("source layers feeding each target layer's keys")
+    value_layers: list[list[int]] = _help("source layers feeding each target layer's values")
+    key_r2: list[list[float]] = _help("held-out R^2 per target layer and KV head", default_factory=list)
+    value_r2: list[list[float]] = _help("held-out R^2 per target layer and KV head", default_factory=list)
+    key_lambdas: list[list[float]] = _help("ridge strength per layer and head", default_factory=list)
+    value_lambdas: list[list[float]] = _help("ridge strength per layer and head", default_factory=list)
+    key_candidate_r2: list[list[float]] = _help("[target][source] held-out R^2 of single source layers",
+                                                default_factory=list)
+    value_candidate_r2: list[list[float]] = _help("[target][source] held-out R^2", default_factory=list)
+    calibration: CalibrationRecord = _help("options, data and token counts of the fit",
+                                           default_factory=CalibrationRecord)
+    quality: QualityRecord = _help("the quality gate and measured figures", default_factory=QualityRecord)
+    refresh: Refresh | None = _help("the refresh MappedCache.from_source applies by default (None: none)",
+                                    default=None)
+    nonlinear: NonlinearRecord | None = _help("residual MLP heads (None: a purely linear map)", default=None)
+    blend: BlendRecord | None = _help("same-shape maps: the blend toward the source cache folded into the weights",
+                                      default=None)
+    format_version: int = FORMAT_VERSION
+    library_version: str = __version__
+
+    @property
+    def sink_tokens(self) -> int:
+        """Leading tokens the target computes itself (left out of the fit)."""
+        return self.calibration.options.sink_tokens
+
+    def mlp_layers(self, kind: str) -> list[int]:
+        """Target layers whose ``kind`` ('keys' or 'values') has a residual MLP head."""
+        return [] if self.nonlinear is None else self.nonlinear.layers(kind)
+
+    def to_dict(self) -> dict:
+        return to_json(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "config.json") -> "KVMapConfig":
+        """Build and validate a config read from ``config.json``; every problem is an `ArtifactError` naming the
+        field, so a tampered or truncated file never fails later inside the mapping path."""
+        if not isinstance(data, dict):
+            raise ArtifactError(f"{where} must hold a JSON object, got {type(data).__name__}")
+        version = data.get("format_version")
+        if type(version) is not int or version != FORMAT_VERSION:
+            raise ArtifactError(f"{where}: map format_version {version!r} is not supported by peft-kvcache "
+                                f"{__version__} (expects {FORMAT_VERSION}); re-calibrate or re-publish the map")
+        return from_json(cls, data, where)
+
+    def validate(self, where: str = "config.json", error: type[Exception] = ArtifactError) -> None:
+        for name, layout in (("source_layout", self.source_layout), ("target_layout", self.target_layout)):
+            if not (0 < layout.num_layers <= MAX_LAYERS and 0 < layout.kv_heads <= MAX_HEADS
+                    and 0 < layout.head_dim <= MAX_HEAD_DIM and layout.head_dim % 2 == 0):
+                raise error(f"{where}.{name} is implausible: {layout} (at most {MAX_LAYERS} layers, {MAX_HEADS} KV "
+                            f"heads and an even head_dim up to {MAX_HEAD_DIM})")
+        if self.pair_kind not in PAIR_KINDS:
+            raise error(f"{where}.pair_kind is {self.pair_kind!r}; expected one of {PAIR_KINDS}")
+        if self.vocab_size <= 0:
+            raise error(f"{where}.vocab_size must be positive, got {self.vocab_size}")
+        sources, targets = self.source_layout.num_layers, self.target_layout.num_layers
+        for name, groups in (("key_layers", self.key_layers), ("value_layers", self.value_layers)):
+            if len(groups) != targets or not all(0 < len(g) <= sources and all(0 <= s < sources for s in g)
+                                                 for g in groups):
+                raise error(f"{where}.{name} must list, for each of {targets} target layers, source layers in "
+                            f"0..{sources - 1}")
+        for side, rotary, layout in (("source", self.source_rotary, self.source_layout),
+                                     ("target", self.target_rotary, self.target_layout)):
+            if not (rotary.head_dim == layout.head_dim and 0 < rotary.rotary_dim <= rotary.head_dim
+                    and rotary.rotary_dim % 2 == 0 and rotary.attention_scaling > 0):
+                raise error(f"{where}.{side}_rotary is malformed: {rotary} (expects head_dim {layout.head_dim}, an "
+                            "even rotary_dim up to it and a positive attention_scaling)")
+        heads = self.target_layout.kv_heads
+        for name, width in (("key_r2", heads), ("value_r2", heads), ("key_lambdas", heads),
+                            ("value_lambdas", heads), ("key_candidate_r2", sources), ("value_candidate_r2", sources)):
+            rows = getattr(self, name)
+            if rows and (len(rows) != targets or any(len(row) != width for row in rows)):
+                raise error(f"{where}.{name} must be empty or list {width} numbers for each of {targets} target layers")
+        if self.nonlinear is not None:
+            for kind in KINDS:
+                chosen = self.nonlinear.layers(kind)
+                if len(set(chosen)) != len(chosen) or not all(0 <= t < targets for t in chosen):
+                    raise error(f"{where}.nonlinear.{kind} must list distinct target layers in 0..{targets - 1}")
+            if not 0 < self.nonlinear.hidden <= 65536:
+                raise error(f"{where}.nonlinear.hidden must be in 1..65536, got {self.nonlinear.hidden}")
+        self.calibration.options.validate(f"{where}.calibration.options", error)
+        gate = self.quality.gate
+        if gate is not None and len(gate.attention_cosine_per_layer) != targets:
+            raise error(f"{where}.quality.gate lists {len(gate.attention_cosine_per_layer)} layer cosines for "
+                        f"{targets} target layers")
+
+
+def expected_shapes(config: KVMapConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor a map with this config holds (``model.safetensors``)."""
+    src, tgt = config.source_layout, config.target_layout
+    shapes = {"source.inv_freq": (config.source_rotary.rotary_dim // 2,),
+              "target.inv_freq": (config.target_rotary.rotary_dim // 2,)}
+    hidden = config.nonlinear.hidden if config.nonlinear is not None else 0
+    for kind, layers in (("keys", config.key_layers), ("values", config.value_layers)):
+        for t, sources in enumerate(layers):
+            shapes[f"{kind}.{t}.weight"] = (len(sources) * src.layer_width, tgt.layer_width)
+            shapes[f"{kind}.{t}.bias"] = (tgt.layer_width,)
+        for t in config.mlp_layers(kind):  # residual MLP heads (peft_kvcache.nonlinear)
+            shapes.update({f"{kind}.{t}.mlp.w1": (tgt.layer_width, hidden), f"{kind}.{t}.mlp.b1": (hidden,),
+                           f"{kind}.{t}.mlp.w2": (hidden, tgt.layer_width), f"{kind}.{t}.mlp.b2": (tgt.layer_width,)})
+    return shapes
+
+
+def parameter_count(config: KVMapConfig) -> int:
+    """Weights of a map with this config (the rotary frequencies excluded)."""
+    return sum(math.prod(shape) for name, shape in expected_shapes(config).items() if not name.endswith("inv_freq"))

@@ -1,0 +1,94 @@
+"""Where a figure comes from: every results file records the commit (and whether the tree was dirty), the exact
+command line, the date, the machine, the torch threads, the library versions, the seeds and the data."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from ._files import atomic_write
+
+PACKAGES = ("torch", "transformers", "peft", "huggingface_hub", "accelerate", "safetensors", "peft-kvcache")
+
+
+def _git(*args: str, cwd: Path) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def provenance(seeds: dict[str, int] | None = None, data: Any = None, cwd: str | os.PathLike | None = None) -> dict:
+    """The provenance block of a results file, for the current process.
+
+    Example:
+        >>> sorted(provenance())[:3]
+        ['command', 'commit', 'cpu']
+    """
+    import torch
+
+    root = Path(cwd or os.getcwd())
+    status = _git("status", "--porcelain", "--untracked-files=no", cwd=root)
+    return {
+        "commit": _git("rev-parse", "HEAD", cwd=root),
+        "dirty": None if status is None else bool(status),
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.machine(),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "versions": {p: _version(p) for p in PACKAGES},
+        "seeds": seeds or {},
+        "data": data,
+    }
+
+
+def write_results(path: str | os.PathLike, payload: dict, markdown: str | None = None, **provenance_kwargs) -> Path:
+    """Write ``payload`` with its ``provenance`` as JSON to ``path`` (and ``markdown`` beside it as ``.md``),
+    each file replaced atomically. Returns the JSON path."""
+    path = Path(path).with_suffix(".json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"provenance": provenance(**provenance_kwargs), **payload}
+    text = json.dumps(record, indent=2, default=_jsonable) + "\n"
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+    if markdown is not None:
+        atomic_write(path.with_suffix(".md"), lambda tmp: Path(tmp).write_text(markdown.rstrip() + "\n"))
+    return path
+
+
+def _jsonable(value):
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    from dataclasses import asdict, is_dataclass
+
+    if is_dataclass(value):
+        return asdict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
