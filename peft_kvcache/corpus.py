@@ -9,8 +9,11 @@ relative to the corpus root) are what a map or a results file records.
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import inspect
 import platform
+import textwrap
 import sysconfig
 from functools import lru_cache
 from pathlib import Path
@@ -111,3 +114,60 @@ def read_texts(data: str, split: str, num_files: int | None, default_files: int 
         texts = {p.relative_to(path).as_posix(): p.read_text(encoding="utf-8", errors="replace") for p in files}
         return texts, f"{len(files)} distinct files ({'/'.join(DATA_SUFFIXES)}) from the folder {path.name}"
     raise CLIUsageError(f"--data {data!r} is neither a file, a folder, nor 'stdlib'")
+
+
+# The task of the committed SmolLM2 adapters (scripts/train_adapters.py): a function without its docstring in,
+# the docstring's first paragraph out.
+DOCSTRING_INSTRUCTION = "Write the docstring of this Python function:\n```python\n{code}\n```"
+
+
+def functions_with_docstrings(split: str, limit: int, max_code_chars: int = 400,
+                              max_doc_chars: int = 200) -> list[tuple[str, str]]:
+    """``(code without its docstring, first docstring paragraph)`` pairs from the stdlib files of ``split``."""
+    pairs = []
+    for path in stdlib_files(split):
+        source = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        lines = source.splitlines()
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            doc = ast.get_docstring(node)
+            first = node.body[0]
+            if not doc or len(node.body) < 2:
+                continue
+            paragraph = " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
+            if len(paragraph) < 30:
+                continue
+            body = lines[node.lineno - 1 : first.lineno - 1] + lines[first.end_lineno : node.end_lineno]
+            code = textwrap.dedent("\n".join(body)).strip()[:max_code_chars]
+            pairs.append((code, paragraph[:max_doc_chars]))
+            if len(pairs) >= limit:
+                return pairs
+    return pairs
+
+
+PROSE_ROOT = Path("/usr/share/doc/git")  # git's own documentation: prose that nobody here wrote, in every image
+
+
+def prose_texts(num_files: int, skip: int = 0, min_bytes: int = 6000) -> dict[str, str]:
+    """``{relative path: text}`` of documents ``skip .. skip + num_files`` of git's plain-text documentation
+    (release notes, guides) of at least ``min_bytes``, ordered by sha256 of the path: text that is not Python, for
+    evaluation only (never calibrated on).
+
+    Example:
+        >>> len(prose_texts(2)) == 2 or not PROSE_ROOT.is_dir()
+        True
+    """
+    found = []
+    for path in PROSE_ROOT.rglob("*.txt") if PROSE_ROOT.is_dir() else []:
+        if path.is_file() and not path.is_symlink() and path.stat().st_size >= min_bytes:
+            found.append((_key(path.relative_to(PROSE_ROOT).as_posix()), path))
+    chosen = [path for _, path in sorted(found)][skip: skip + num_files]
+    if len(chosen) < num_files:
+        raise ValueError(f"{PROSE_ROOT} holds {len(found)} documents of >= {min_bytes} bytes, {skip + num_files} were "
+                         "asked for")
+    return {p.relative_to(PROSE_ROOT).as_posix(): p.read_text(encoding="utf-8", errors="replace") for p in chosen}

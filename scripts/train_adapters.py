@@ -19,51 +19,19 @@ measured on functions from evaluation-split files. Adapters go to ``adapters/<na
 from __future__ import annotations
 
 import argparse
-import ast
-import inspect
 import json
 import random
-import textwrap
 import time
 from pathlib import Path
 
 import torch
 
-from peft_kvcache.corpus import stdlib_files
+from peft_kvcache.corpus import DOCSTRING_INSTRUCTION as INSTRUCTION
+from peft_kvcache.corpus import functions_with_docstrings
 
 MODEL = "gguf:smollm2-135m-instruct"
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-INSTRUCTION = "Write the docstring of this Python function:\n```python\n{code}\n```"
 ASSISTANT_HEADER = "<|im_start|>assistant\n"
-
-
-def functions_with_docstrings(split: str, limit: int, max_code_chars: int = 400,
-                              max_doc_chars: int = 200) -> list[tuple[str, str]]:
-    """``(code without its docstring, first docstring paragraph)`` pairs from the stdlib files of ``split``."""
-    pairs = []
-    for path in stdlib_files(split):
-        source = path.read_text(encoding="utf-8", errors="replace")
-        try:
-            tree = ast.parse(source)
-        except SyntaxError:
-            continue
-        lines = source.splitlines()
-        for node in ast.walk(tree):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            doc = ast.get_docstring(node)
-            first = node.body[0]
-            if not doc or len(node.body) < 2:
-                continue
-            paragraph = " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
-            if len(paragraph) < 30:
-                continue
-            body = lines[node.lineno - 1 : first.lineno - 1] + lines[first.end_lineno : node.end_lineno]
-            code = textwrap.dedent("\n".join(body)).strip()[:max_code_chars]
-            pairs.append((code, paragraph[:max_doc_chars]))
-            if len(pairs) >= limit:
-                return pairs
-    return pairs
 
 
 def answer_for(task: str, docstring: str) -> str:

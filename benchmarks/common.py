@@ -1,0 +1,53 @@
+"""What every benchmark shares: the fixture models, one timer, one results writer, table formatting."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from peft_kvcache.provenance import write_results
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SMALL, LARGE = "gguf:qwen2.5-coder-0.5b-instruct", "gguf:qwen2.5-coder-1.5b-instruct"
+SMOLLM = "gguf:smollm2-135m-instruct"
+ADAPTERS = ("docstring", "shout")
+ROOT = RESULTS.parents[1]
+
+
+def timed(fn: Callable[[], object], repeats: int = 5, warmup: int = 1, before: Callable[[], None] | None = None) -> dict:
+    """Wall seconds of ``fn()``: ``warmup`` untimed calls, then ``repeats`` timed ones (``before()`` runs untimed
+    ahead of each, e.g. to clear a memo for a cold measurement). Returns median, min, max and every run; CUDA
+    work is synchronized before the clock stops."""
+    runs = []
+    for i in range(warmup + repeats):
+        if before is not None:
+            before()
+        started = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if i >= warmup:
+            runs.append(time.perf_counter() - started)
+    return {"median": statistics.median(runs), "min": min(runs), "max": max(runs), "runs": runs}
+
+
+def save(stem: str, payload: dict, markdown: str, **provenance) -> Path:
+    """Write ``benchmarks/results/<stem>.json`` (``payload`` + provenance) and ``<stem>.md``; print the markdown."""
+    path = write_results(RESULTS / f"{stem}.json", payload, markdown, **provenance)
+    print(markdown, flush=True)
+    return path
+
+
+def interval(point: float, low: float, high: float, digits: int = 2) -> str:
+    return f"{point:.{digits + 1}f} [{low:.{digits}f}, {high:.{digits}f}]"
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)

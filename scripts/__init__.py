@@ -1,0 +1,1 @@
+"""Training and publishing scripts, run from the repository root as modules (python -m scripts.publish)."""
