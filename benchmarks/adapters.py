@@ -1,57 +1,52 @@
-"""Base -> adapter KV maps on SmolLM2-135M-Instruct with the committed adapters (issue 3).
+"""Base <-> adapter KV maps on SmolLM2-135M-Instruct with the committed adapters (adapters/docstring, shout).
 
-1. Retention per adapter on held-out stdlib files (evaluation split): context C, continuation M,
-   teacher-forced; full prefill under the adapter, mapped base cache (sink computed by the adapter),
-   naive reuse of the unmapped base cache, window-only control, no context; KL(full || variant).
-2. The adapters' own task (held-out docstring prompts, evaluation split): answer NLL when the prompt's
-   KV comes from the adapter's own prefill, the mapped base cache, or the base cache reused as is; and the
-   Activated LoRA adapter (if trained) reusing the base cache exactly.
-   2b. (``task_history``) the same task after a long chat: the function is shared first, in a ~1k-token
-   module, and asked for by name at the end, so the answer depends on far context; also scored: the
-   refreshed mapped cache (``--refresh``), the last request alone (no context) and the base model; with
-   ``--session-switch``, what `AdapterSession` does at a switch: the history (everything before the last
-   request) mapped or reused as is, the adapter computing the request itself.
-3. Session policy after an adapter's turn: base prefill of the new tokens vs the reverse map (quality of
-   every later turn and cost), over a scripted chat that switches adapters.
-4. TTFT of a switch (map + sink + one target step) vs full target prefill at 1k and 4k tokens of history.
+1. Retention on held-out stdlib files (evaluation split): context C, continuation M, teacher-forced; full
+   prefill under the adapter, mapped base cache (sink computed by the adapter), naive reuse of the unmapped
+   base cache, window-only control, no context; KL(full || variant); paired 95% bootstrap intervals.
+2. The adapters' own task (held-out docstring prompts): answer NLL and top-1 when the prompt's KV comes from
+   the adapter's own prefill, the mapped base cache, or the base cache reused as is; Activated LoRA too.
+   2b. The same task after a long chat (the function shared first, in a ~1k-token module, asked for by name at
+   the end), also as `AdapterSession` switches (history mapped, the adapter computing the request).
+3. Session policy after an adapter's turn: base prefill of the new tokens vs the reverse map.
 
-    PYTHONPATH=. python benchmarks/adapters.py          # ~10-15 min on 1 thread (+ ~25 min for task_history)
-    # the committed results (all sections, ~45 min):
-    PYTHONPATH=. python benchmarks/adapters.py --examples 48 --task-examples 34 --refresh 32 --session-switch \
-        --threads 2 --update-cards
+    python -m benchmarks.adapters --maps hub_cards --output adapters
 
-Writes benchmarks/results/adapters.md and adapters.json.
+`scripts/publish.py` runs it on the maps it publishes. Writes only under benchmarks/results/.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+from peft_kvcache import AdapterMaps, AdapterSession, MappedCache, SharedPeftModel
+from peft_kvcache.apply import map_cache
+from peft_kvcache.capture import forward, run_with_cache
+from peft_kvcache.config import Refresh
+from peft_kvcache.corpus import DOCSTRING_INSTRUCTION as INSTRUCTION
+from peft_kvcache.corpus import docstring_chat as encode
+from peft_kvcache.corpus import functions_with_docstrings, stdlib_texts
+from peft_kvcache.evaluate import RetentionReport, VariantScores, evaluate_retention, token_kl
+from peft_kvcache.fixtures import load_model
+from peft_kvcache.models import adapter_active, is_activated_lora, layer_placements, load_adapters
 
-from calibrate_adapter_maps import MODEL, ensure_maps, load_peft_smollm2  # noqa: E402
-from train_adapters import INSTRUCTION, encode, functions_with_docstrings  # noqa: E402
+from .common import ADAPTERS, ROOT, SMOLLM, save, timed
+from .tasks import continuation_examples
 
-from peft_kvcache import MappedCache  # noqa: E402
-from peft_kvcache.capture import run_with_cache  # noqa: E402
-from peft_kvcache.corpus import corpus_description, evaluation_texts  # noqa: E402
-from peft_kvcache.evaluate import RetentionReport, VariantScores, evaluate_retention, token_kl, token_sequences  # noqa: E402
-from peft_kvcache.fixtures import load_model  # noqa: E402
-from peft_kvcache.peft_maps import adapter_active, is_activated_lora  # noqa: E402
-from peft_kvcache.sessions import AdapterSession, SharedPeftModel  # noqa: E402
+PREFIX = "smollm2-135m-instruct"
 
-RESULTS = ROOT / "benchmarks" / "results"
+
+def load_smollm2(adapters: Sequence[str] = ADAPTERS):
+    """SmolLM2-135M-Instruct with the committed adapters loaded by name: ``(peft_model, tokenizer)``."""
+    base, tokenizer = load_model(SMOLLM)
+    return load_adapters(base, {a: str(ROOT / "adapters" / a) for a in adapters}), tokenizer
 
 
 # ----- 1. retention -----
@@ -62,7 +57,7 @@ def retention(model, base, adapters, maps, sequences, context, continuation, ref
         model.set_adapter(adapter)
         started = time.perf_counter()
         report = evaluate_retention(base, model, maps.to_adapter[adapter], sequences, context, continuation,
-                                    refresh=refresh)
+                                    refresh=refresh, progress=False)
         out[adapter] = {"table": report.table(), **report.to_dict(),
                         "mapped_minus_naive_kl": report.paired_difference("mapped@1", "naive@1", metric="kl"),
                         "mapped_minus_naive_normalized": report.paired_difference("mapped@1", "naive@1"),
@@ -82,8 +77,8 @@ def retention(model, base, adapters, maps, sequences, context, continuation, ref
 def answer_nll(model, adapter, ids, labels, prompt_cache=None, cached=0) -> tuple[float, int, int]:
     """(summed NLL, top-1 hits, count) over the answer tokens."""
     with adapter_active(model, adapter):
-        logits = model(input_ids=ids[None, cached:], position_ids=torch.arange(cached, len(ids))[None],
-                       past_key_values=prompt_cache, use_cache=prompt_cache is not None).logits[0]
+        logits = forward(model, ids[None, cached:], prompt_cache, position_ids=torch.arange(cached, len(ids))[None],
+                         logits_to_keep=0).logits[0]
     target = labels[cached + 1:]
     scored = target != -100
     hits = int((logits[:-1].argmax(-1) == target)[scored].sum())
@@ -214,15 +209,15 @@ def task_with_history(model, tokenizer, adapters, maps, examples: int, history_t
                     for k in refresh:
                         caches[f"mapped + refresh {k}"] = (MappedCache.from_source(
                             base_kv.to_cache(), maps.to_adapter[adapter], model, input_ids=ids[None, :cut],
-                            refresh_tokens=k, probe_tokens=1), cut)
+                            refresh_tokens=Refresh(k, 1)), cut)
                     if session:
                         caches["session: mapped history"] = (MappedCache.from_source(
                             base_kv.prefix(history).to_cache(), maps.to_adapter[adapter], model,
                             input_ids=ids[None, :history]), history)
                 for name, (cache, start) in caches.items():
-                    logits[name] = model(input_ids=ids[None, start:-1], past_key_values=cache,
-                                         position_ids=torch.arange(start, len(ids) - 1)[None]
-                                         ).logits[0, prompt_len - 1 - start:]
+                    logits[name] = forward(model, ids[None, start:-1], cache, logits_to_keep=0,
+                                           position_ids=torch.arange(start, len(ids) - 1)[None]
+                                           ).logits[0, prompt_len - 1 - start:]
                 alone, alone_len = chat_ids(tokenizer, messages[-1:], answer)  # the last request alone
                 logits["no_context"] = model(input_ids=alone[None]).logits[0, alone_len - 1:-1]
             for name, value in {"full": full, **logits}.items():
@@ -300,80 +295,40 @@ def session_policies(model, tokenizer, maps, turns: int) -> dict:
 
 
 @torch.no_grad()
-def catch_up_cost(model, maps, tokenizer, history: int = 1024, new: int = 96, repeats: int = 3) -> dict:
-    from peft_kvcache.apply import map_cache
-    from peft_kvcache.models import layer_placements
-
+def catch_up_cost(model, maps, tokenizer, history: int = 1024, new: int = 96, repeats: int = 5) -> dict:
+    """Seconds to bring the base cache up to date after ``new`` tokens of an adapter's turn: the base model's pass
+    over them vs the reverse map of the adapter's KV (median of ``repeats``)."""
     ids = long_ids(tokenizer, history + new)
     adapter = "shout" if "shout" in maps.to_base else next(iter(maps.to_base))
     with adapter_active(model, None):
         base_kv = run_with_cache(model, ids[None, :history])
     with adapter_active(model, adapter):
         adapter_kv = run_with_cache(model, ids[None])
-    prefill, reverse = [], []
-    for _ in range(repeats):
-        cache = base_kv.to_cache()
-        started = time.perf_counter()
+    positions = torch.arange(history, history + new)[None]
+
+    def prefill():
         with adapter_active(model, None):
-            model(input_ids=ids[None, history:], position_ids=torch.arange(history, history + new)[None],
-                  past_key_values=cache, use_cache=True, logits_to_keep=1)
-        prefill.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        positions = torch.arange(history, history + new)[None]
+            forward(model, ids[None, history:], base_kv.to_cache(), position_ids=positions)
+
+    def reverse():
         map_cache(maps.to_base[adapter], [k[:, :, history:] for k in adapter_kv.keys],
                   [v[:, :, history:] for v in adapter_kv.values], positions, positions, layer_placements(model))
-        reverse.append(time.perf_counter() - started)
-    return {"history": history, "new_tokens": new, "base_prefill_of_new_tokens": round(min(prefill), 4),
-            "reverse_map_of_new_tokens": round(min(reverse), 4)}
 
+    return {"history": history, "new_tokens": new, "base_prefill_of_new_tokens": timed(prefill, repeats),
+            "reverse_map_of_new_tokens": timed(reverse, repeats)}
 
-# ----- 4. TTFT -----
 
 def long_ids(tokenizer, length: int) -> torch.Tensor:
-    ids = torch.cat([tokenizer(t, add_special_tokens=False, return_tensors="pt").input_ids[0]
-                     for t in evaluation_texts(40)])
+    """``length`` tokens of held-out stdlib text (files concatenated)."""
+    texts = stdlib_texts("evaluation", 40)
+    ids = torch.cat([tokenizer(t, add_special_tokens=False, return_tensors="pt").input_ids[0] for t in texts.values()])
     return ids[:length]
-
-
-@torch.no_grad()
-def ttft(model, tokenizer, maps, adapter: str, lengths, repeats: int = 2) -> list[dict]:
-    rows = []
-    for length in lengths:
-        ids = long_ids(tokenizer, length)
-        with adapter_active(model, None):
-            base_kv = run_with_cache(model, ids[None, :-1])  # what a session holds
-        mapped_times, full_times = [], []
-        for _ in range(repeats + 1):  # the first round warms up
-            with adapter_active(model, adapter):
-                started = time.perf_counter()
-                cache = MappedCache.from_source(base_kv.to_cache(), maps.to_adapter[adapter], model,
-                                                input_ids=ids[None, :-1])
-                mapped_logits = model(input_ids=ids[None, -1:], position_ids=torch.tensor([[length - 1]]),
-                                      past_key_values=cache, use_cache=True).logits[0, -1]
-                mapped_times.append(time.perf_counter() - started)
-                started = time.perf_counter()
-                full_logits = model(input_ids=ids[None], use_cache=True, logits_to_keep=1).logits[0, -1]
-                full_times.append(time.perf_counter() - started)
-        row = {"adapter": adapter, "history_tokens": length, "mapped_seconds": round(min(mapped_times[1:]), 4),
-               "full_prefill_seconds": round(min(full_times[1:]), 4),
-               "first_token_agrees": bool(mapped_logits.argmax() == full_logits.argmax()),
-               "kl_first_token": round(float(token_kl(full_logits[None], mapped_logits[None])[0]), 5)}
-        row["speedup"] = round(row["full_prefill_seconds"] / row["mapped_seconds"], 2)
-        rows.append(row)
-        print(row, flush=True)
-    return rows
 
 
 def markdown(results: dict) -> str:
     lines = ["# Base -> adapter KV maps: SmolLM2-135M-Instruct with real LoRA adapters", "",
-             f"Machine: {results['machine']}. Model {results['model']} (float32). Maps: "
-             f"hub_cards/smollm2-135m-instruct-base-to-<adapter> (top_k=1, identity-prior ridge, sink computed "
-             f"by the target). Evaluation text: {results['evaluation_corpus']}.", ""]
-    lines += ["## Adapters (held-out answer NLL, base vs adapter, from adapters/<name>/training.json)", "",
-              "| adapter | task | aLoRA | base NLL | adapter NLL | train time |", "|---|---|---|---|---|---|"]
-    for name, t in results["adapters"].items():
-        lines.append(f"| {name} | {t['task']} | {t['alora']} | {t['base_answer_nll']:.3f} | "
-                     f"{t['adapter_answer_nll']:.3f} | {t['train_seconds']:.0f} s ({t['threads']} thread) |")
+             f"Model {results['model']} (float32); the maps of `{PREFIX}-base-to-<adapter>` (same-layer "
+             "identity-prior ridge, sink computed by the target). Held-out text and provenance: the JSON beside this.", ""]
     if "retention" in results:
         lines += ["", "## Retention on held-out stdlib files (teacher-forced)", ""]
     for adapter, r in results.get("retention", {}).items():
@@ -430,97 +385,54 @@ def markdown(results: dict) -> str:
     for policy in ("prefill", "reverse_map"):
         lines.append(f"| {policy} | {s[policy]['mean_kl']:.5f} | {s[policy]['mean_top1_agreement']:.4f} |")
     c = s["catch_up_seconds"]
-    lines += ["", f"Cost of catching up {c['new_tokens']} new tokens after {c['history']} tokens of history: base "
-              f"prefill {c['base_prefill_of_new_tokens']:.3f} s, reverse map {c['reverse_map_of_new_tokens']:.3f} s.",
+    lines += ["", f"Cost of catching up {c['new_tokens']} new tokens after {c['history']} tokens of history (median): base "
+              f"prefill {c['base_prefill_of_new_tokens']['median']:.3f} s, reverse map "
+              f"{c['reverse_map_of_new_tokens']['median']:.3f} s.",
               "", "Per turn (KL):", "", "| turn | adapter | history | new | KL prefill | KL reverse_map |",
               "|---|---|---|---|---|---|"]
     for i, (a, b) in enumerate(zip(s["prefill"]["turns"], s["reverse_map"]["turns"])):
         lines.append(f"| {i} | {a['adapter'] or 'base'} | {a['history']} | {a['new_tokens']} | {a['kl']:.5f} | "
                      f"{b['kl']:.5f} |")
-    lines += ["", f"## TTFT of a switch vs full prefill ({results['threads']} CPU thread, warm, best of repeats)", "",
-              "| adapter | history | mapped (map + sink + 1 step) | full prefill | speedup | same first token | KL |",
-              "|---|---|---|---|---|---|---|"]
-    for r in results["ttft"]:
-        lines.append(f"| {r['adapter']} | {r['history_tokens']} | {r['mapped_seconds']:.3f} s | "
-                     f"{r['full_prefill_seconds']:.3f} s | {r['speedup']:.1f}x | {r['first_token_agrees']} | "
-                     f"{r['kl_first_token']:.5f} |")
     return "\n".join(lines) + "\n"
-
-
-def update_cards(maps, results: dict) -> None:
-    """Record the measured figures in each published base -> adapter map (config.quality and its card)."""
-    from calibrate_adapter_maps import HUB_CARDS, PREFIX
-
-    from peft_kvcache.peft_maps import folder_name
-
-    for adapter, kv_map in maps.to_adapter.items():
-        quality = {"measured_by": "benchmarks/adapters.py", "threads": results["threads"]}
-        if adapter in results.get("retention", {}):
-            r = results["retention"][adapter]
-            quality["retention"] = {k: r[k] for k in ("context_length", "continuation_length", "examples")}
-            quality["retention"]["rows"] = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
-                                            for row in r["rows"]]
-        if adapter in results.get("task", {}):
-            quality["task_answer_nll"] = results["task"][adapter]
-        ttft_rows = [row for row in results.get("ttft", []) if row["adapter"] == adapter]
-        if ttft_rows:
-            quality["ttft"] = ttft_rows
-        kv_map.config.quality = quality
-        kv_map.save_pretrained(HUB_CARDS / folder_name(PREFIX, adapter, reverse=False))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--examples", type=int, default=16)
+    parser.add_argument("--maps", default=str(ROOT / "hub_cards"), help="folder holding the adapter map folders")
+    parser.add_argument("--examples", type=int, default=48, help="held-out files for continuation")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--continuation", type=int, default=64)
-    parser.add_argument("--task-examples", type=int, default=24)
-    parser.add_argument("--history-tokens", type=int, default=1024,
-                        help="the own task at the end of a chat with this much history (section task_history)")
-    parser.add_argument("--history-examples", type=int, default=34)
-    parser.add_argument("--history-kind", choices=["module", "docstrings"], default="module")
-    parser.add_argument("--session-switch", action="store_true",
-                        help="task_history also scores what a session does at a switch: the history mapped (or "
-                             "reused as is), the adapter computing the last request itself")
+    parser.add_argument("--task-examples", type=int, default=34)
+    parser.add_argument("--history-tokens", type=int, default=1024)
     parser.add_argument("--turns", type=int, default=8)
-    parser.add_argument("--ttft", type=int, nargs="*", default=[1024, 4096])
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--refresh", type=int, nargs="*", default=[],
-                        help="also score mapped@1+rK: the target recomputes the K positions its last token attends to")
-    parser.add_argument("--skip", nargs="*", default=[], help="sections to skip: retention task task_history session ttft")
-    parser.add_argument("--out", default=str(RESULTS / "adapters"))
-    parser.add_argument("--update-cards", action="store_true", help="write the figures into hub_cards/ maps")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["retention", "task", "task_history", "session"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output", default="adapters")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    model, tokenizer = load_smollm2(ADAPTERS + ("shout_alora",))
+    maps = AdapterMaps.from_pretrained(args.maps, PREFIX, ADAPTERS)
+    results = run(model, tokenizer, maps, args)
+    save(args.output, results, markdown(results), data=results.pop("data"))
 
-    model, tokenizer, names = load_peft_smollm2(extra=("shout_alora",))
-    mapped = [n for n in names if not is_activated_lora(model, n)]
-    maps = ensure_maps(model, tokenizer, mapped)
-    base, _ = load_model(MODEL)
-    results = {"machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
-               "threads": args.threads, "model": MODEL, "evaluation_corpus": corpus_description("evaluation"),
-               "adapters": {n: json.loads((ROOT / "adapters" / n / "training.json").read_text()) for n in names}}
+
+def run(model, tokenizer, maps, args) -> dict:
+    """Every section not in ``args.skip``; the held-out text each used is under ``data``."""
+    base, _ = load_model(SMOLLM)
+    examples, names = continuation_examples(tokenizer, stdlib_texts("evaluation", 83), args.context,
+                                            args.continuation, args.examples)
+    results = {"model": SMOLLM, "data": {"continuation": names, "docstring_prompts": "evaluation-split functions"}}
     if "retention" not in args.skip:
-        sequences = token_sequences(evaluation_texts(60), tokenizer, args.context + args.continuation)[: args.examples]
-        results["retention"] = retention(model, base, mapped, maps, sequences, args.context, args.continuation,
-                                         args.refresh)
+        results["retention"] = retention(model, base, list(maps.to_adapter), maps, examples, args.context,
+                                         args.continuation)
     if "task" not in args.skip:
-        results["task"] = task_answers(model, tokenizer, names, maps, args.task_examples)
+        results["task"] = task_answers(model, tokenizer, [*maps.to_adapter, "shout_alora"], maps, args.task_examples)
     if "task_history" not in args.skip:
-        results["task_history"] = task_with_history(model, tokenizer, names, maps, args.history_examples,
-                                                    args.history_tokens, args.history_kind, args.refresh,
-                                                    args.session_switch)
+        results["task_history"] = task_with_history(model, tokenizer, list(maps.to_adapter), maps, args.task_examples,
+                                                    args.history_tokens, session=True)
     if "session" not in args.skip:
         results["session_policy"] = session_policies(model, tokenizer, maps, args.turns)
-    if "ttft" not in args.skip:
-        results["ttft"] = ttft(model, tokenizer, maps, mapped[-1], args.ttft)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(results))
-    if args.update_cards:
-        update_cards(maps, results)
-    print("wrote", out.with_suffix(".json"))
+    return results
 
 
 if __name__ == "__main__":

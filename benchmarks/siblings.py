@@ -17,12 +17,13 @@ from pathlib import Path
 
 import torch
 
-from peft_kvcache import KVMap
+from peft_kvcache import KVMap, MappedCache
 from peft_kvcache.calibrate import CalibrationTexts, ModelSide, StatisticsRun, build_map, collect
 from peft_kvcache.capture import run_with_cache
 from peft_kvcache.config import CalibrationConfig, CalibrationRecord, ModelSpec, Refresh
 from peft_kvcache.corpus import corpus_description, prose_texts, stdlib_texts
-from peft_kvcache.evaluate import evaluate_retention
+from peft_kvcache.evaluate import (RetentionReport, VariantScores, cached_logits, evaluate_retention, full_logits,
+                                   window_logits)
 from peft_kvcache.fixtures import load_model
 
 from .common import LARGE, SMALL, interval, save, table
@@ -122,6 +123,26 @@ def evaluate_map(models: dict, direction: str, kv_map: KVMap, task_sets: dict, c
                      "versus_window": [report.paired_difference(a, b) for a, b in pairs],
                      "versus_window_kl": [report.paired_difference(a, b, metric="kl") for a, b in pairs]}
     return out
+
+
+@torch.no_grad()
+def score_maps(source, target, maps: dict[str, KVMap], sequences, context: int, continuation: int,
+               progress: bool = True) -> RetentionReport:
+    """The plain switch (``mapped@1``) of several maps of one pair on the same examples, sharing the target's
+    full prefill and the source's cache: variants ``full``, ``no_context`` and ``<label>`` per map."""
+    from tqdm.auto import tqdm
+
+    scores = {name: VariantScores() for name in ("full", "no_context", *maps)}
+    for ids in tqdm(sequences, desc="scoring maps", disable=not progress):
+        labels, full = ids[context:], full_logits(target, ids, context)
+        scores["full"].add(full, full, labels)
+        scores["no_context"].add(window_logits(target, ids, context, 1, 0), full, labels)
+        source_kv = run_with_cache(source, ids[None, : context - 1])
+        for label, kv_map in maps.items():
+            cache = MappedCache.from_source(source_kv.to_cache(), kv_map, target, input_ids=ids[None, : context - 1],
+                                            refresh_tokens=0)
+            scores[label].add(cached_logits(target, cache, ids, context, 1), full, labels)
+    return RetentionReport(scores, context, continuation)
 
 
 def markdown(results: dict) -> str:

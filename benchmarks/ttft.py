@@ -1,35 +1,36 @@
-"""Time to first token after a switch: mapped path vs full target prefill, side by side in one run.
+"""Time to first token after a switch, measured one way for every map: the target's full prefill of L tokens vs
+the switch (map the source cache the source already holds, the target computes the sink and the last token),
+side by side in one run, each the median of ``--repeats`` runs with min and max.
 
-    python benchmarks/ttft.py --lengths 512 2048 8192                      # Qwen2.5-Coder 0.5B -> 1.5B fixtures
-    python benchmarks/ttft.py --random-models qwen2.5-1.5b qwen2.5-7b --device cuda --dtype bfloat16
+- ``cold``: the target's sink pass is paid (its memo is cleared before every run);
+- ``warm``: the sink memo already holds this conversation's first tokens (a chat template starts every
+  conversation the same way);
+- ``recipe``: cold, with the map's recommended refresh (its ``config.refresh``), as ``from_source`` does by default;
+- ``map only``: the mapping alone, its tokens/s, and its floors: cache bytes written over the measured memory
+  bandwidth, and the map's multiply-adds over the measured matmul throughput.
 
-For each context length L (the source cache over the first L-1 tokens already exists after a switch, so
-it is not timed):
-- full: the target's prefill of all L tokens (logits for the last position only);
-- mapped: MappedCache.from_source(source cache) + the target's step over the last token;
-- map only: the mapping alone, its throughput (tokens/s) and its two floors: bytes of target cache written
-  over the measured memory bandwidth, and the map's multiply-adds over the measured matmul throughput (on a
-  CPU the map is compute-bound: every token costs 2 * d_in * d_out flops per target layer and kind);
-- decode step: the target's one-token step over the mapped cache, the floor of the mapped path.
-Prints a table, writes benchmarks/results/ttft-<name>.json and a plot of TTFT vs length.
+    python -m benchmarks.ttft --pair up --lengths 512 2048 8192
+    python -m benchmarks.ttft --random-models qwen2.5-1.5b qwen2.5-7b --device cuda --dtype bfloat16
+
+Writes benchmarks/results/ttft-<name>.json/.md and a plot.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
 
 import torch
 
 from peft_kvcache import KVMap, MappedCache
+from peft_kvcache.cache import _SINK_MEMO
 from peft_kvcache.calibrate import ModelSide
-from peft_kvcache.capture import run_with_cache
-from peft_kvcache.kvmap import KVMapConfig
+from peft_kvcache.capture import forward, run_with_cache
+from peft_kvcache.config import KVMapConfig
 
-RESULTS = Path(__file__).parent / "results"
-# Real configs of sizes we time with random weights (timing does not need trained weights).
+from .common import RESULTS, interval, save, table, timed
+
+# Real configs of sizes timed with random weights (timing does not need trained weights).
 RANDOM_CONFIGS = {
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2),
@@ -43,12 +44,11 @@ RANDOM_CONFIGS = {
 def random_model(name: str, device: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    config = Qwen2Config(vocab_size=151936, max_position_embeddings=32768, rope_parameters={
-        "rope_type": "default", "rope_theta": 1e6}, **RANDOM_CONFIGS[name])
-    config._attn_implementation = "sdpa"
+    config = Qwen2Config(vocab_size=151936, max_position_embeddings=32768,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **RANDOM_CONFIGS[name])
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    model.config._name_or_path = f"random-{name}"
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+    model.config.name_or_path = f"random-{name}"
     return model
 
 
@@ -67,68 +67,72 @@ def random_map(source, target, top_k: int = 2) -> KVMap:
         source_name=src.name, target_name=tgt.name, source_fingerprint=src.fingerprint,
         target_fingerprint=tgt.fingerprint, source_layout=src.layout, target_layout=tgt.layout,
         source_rotary=src.rotary.describe(), target_rotary=tgt.rotary.describe(), vocab_size=151936,
-        pair_kind="cross_shape", key_layers=layers, value_layers=layers, sink_tokens=1)
+        pair_kind="cross_shape", key_layers=layers, value_layers=layers)
     return KVMap(config, tensors)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def best_time(fn, device, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        started = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - started)
-    return min(times)
-
-
-def matmul_throughput(device: torch.device, dtype: torch.dtype, size: int = 2048) -> float:
-    """Flops/s of a large square matmul: the compute floor's denominator."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    seconds = best_time(lambda: a @ a, device, 5)
-    return 2 * size**3 / seconds
-
-
-def memory_bandwidth(device: torch.device, megabytes: int = 512) -> float:
-    """Bytes/s of a large device-to-device copy (read + write counted)."""
-    data = torch.empty(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
+def floors(device: torch.device, dtype: torch.dtype) -> dict:
+    """Memory bandwidth (a large copy, read + write) and matmul throughput of this machine."""
+    data = torch.empty(512 * 2**20 // 4, dtype=torch.float32, device=device)
     out = torch.empty_like(data)
-    seconds = best_time(lambda: out.copy_(data), device, 5)
-    return 2 * data.numel() * 4 / seconds
+    copy = timed(lambda: out.copy_(data), 5)["median"]
+    square = torch.randn(2048, 2048, device=device, dtype=dtype)
+    matmul = timed(lambda: square @ square, 5)["median"]
+    return {"bandwidth_bytes_per_s": 2 * data.numel() * 4 / copy, "matmul_flops_per_s": 2 * 2048**3 / matmul}
 
 
 @torch.no_grad()
-def measure(source, target, kv_map, length: int, repeats: int) -> dict:
-    device = next(target.parameters()).device
-    ids = torch.randint(100, 20000, (1, length), device=device)
-    source_cache = run_with_cache(source, ids[:, :-1])  # exists at a switch: not timed
-    source_kv = list(zip(source_cache.keys, source_cache.values))
-    context = ids[:, :-1]
-    step_positions = torch.tensor([[length - 1]], device=device)
+def measure(source_run, target, kv_map, ids: torch.Tensor, repeats: int = 5, recipe: bool = True,
+            full: dict | None = None) -> dict:
+    """TTFT at ``ids``' length: ``source_run(ids) -> source cache`` (untimed: the source holds it at a switch), the
+    target's full prefill (unless its timing ``full`` is given), and the switch cold, warm and with the map's
+    recipe; medians with min and max."""
+    length = ids.shape[1]
+    context, last = ids[:, :-1], ids[:, -1:]
+    source_kv = source_run(context)
+    step = torch.tensor([[length - 1]])
 
-    full = best_time(lambda: target(ids, logits_to_keep=1), device, repeats)
-    map_only = best_time(lambda: MappedCache.from_source(source_kv, kv_map, target, input_ids=context,
-                                                         verify_models=False), device, repeats)
+    def switch(refresh):
+        def run():
+            cache = MappedCache.from_source(source_kv.to_cache(), kv_map, target, input_ids=context,
+                                            refresh_tokens=refresh)
+            forward(target, last, cache, position_ids=step, logits_to_keep=1)
+        return run
 
-    def mapped_path():
-        cache = MappedCache.from_source(source_kv, kv_map, target, input_ids=context, verify_models=False)
-        target(ids[:, -1:], past_key_values=cache, position_ids=step_positions, logits_to_keep=1)
+    clear = _SINK_MEMO.clear
+    row = {"context": length, "full": full or timed(lambda: forward(target, ids, None, logits_to_keep=1), repeats),
+           "cold": timed(switch(0), repeats, before=clear), "warm": timed(switch(0), repeats),
+           "map_only": timed(lambda: MappedCache.from_source(source_kv.to_cache(), kv_map, target, input_ids=context,
+                                                             refresh_tokens=0), repeats)}
+    if recipe and kv_map.config.refresh is not None:
+        row["recipe"] = timed(switch(None), repeats, before=clear)
+    for name in ("cold", "warm", "recipe"):
+        if name in row:
+            row[f"speedup_{name}"] = row["full"]["median"] / row[name]["median"]
+    layout = kv_map.config.target_layout
+    element = torch.finfo(next(target.parameters()).dtype).bits // 8
+    row["cache_bytes_written"] = 2 * layout.num_layers * layout.layer_width * (length - 1) * element
+    row["map_flops"] = 2 * (length - 1) * sum(t.numel() for n, t in kv_map.tensors.items() if n.endswith(".weight"))
+    row["map_tokens_per_s"] = (length - 1) / row["map_only"]["median"]
+    return row
 
-    mapped = best_time(mapped_path, device, repeats)
-    cache = MappedCache.from_source(source_kv, kv_map, target, input_ids=context, verify_models=False)
-    decode = best_time(lambda: target(ids[:, -1:], past_key_values=cache, position_ids=step_positions,
-                                      logits_to_keep=1), device, 1)
-    layout, dtype_bytes = kv_map.config.target_layout, torch.finfo(next(target.parameters()).dtype).bits // 8
-    written = 2 * layout.num_layers * layout.layer_width * (length - 1) * dtype_bytes
-    flops = 2 * (length - 1) * sum(t.numel() for n, t in kv_map.tensors.items() if n.endswith(".weight"))
-    return {"map_flops": flops, "context": length, "full_prefill_s": full, "mapped_s": mapped, "speedup": full / mapped,
-            "map_only_s": map_only, "map_tokens_per_s": (length - 1) / map_only, "decode_step_s": decode,
-            "ceiling_speedup": full / decode, "cache_bytes_written": written}
+
+def markdown(name: str, rows: list[dict], machine: dict) -> str:
+    def cell(timing: dict) -> str:
+        return interval(timing["median"], timing["min"], timing["max"], 2) + " s"
+
+    header = ["context", "full prefill", "switch, cold", "switch, warm", "with the recipe", "speedup cold / warm / recipe",
+              "map only (tok/s)", "map vs bandwidth / matmul floor"]
+    body = []
+    for r in rows:
+        speedups = " / ".join(f"{r[f'speedup_{k}']:.1f}x" if f"speedup_{k}" in r else "-" for k in ("cold", "warm", "recipe"))
+        bandwidth = r["cache_bytes_written"] / machine["bandwidth_bytes_per_s"] / r["map_only"]["median"]
+        compute = r["map_flops"] / machine["matmul_flops_per_s"] / r["map_only"]["median"]
+        body.append([r["context"], cell(r["full"]), cell(r["cold"]), cell(r["warm"]),
+                     cell(r["recipe"]) if "recipe" in r else "-", speedups,
+                     f"{r['map_only']['median']:.3f} s ({r['map_tokens_per_s']:,.0f})", f"{bandwidth:.0%} / {compute:.0%}"])
+    return (f"## TTFT after a switch: {name}\n\nMedian [min, max] of the runs; {torch.get_num_threads()} threads.\n\n"
+            + table(header, body) + "\n")
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -139,11 +143,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    lengths = [r["context"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("full_prefill_s", "full target prefill"), ("mapped_s", "mapped cache + 1 step"),
-                       ("decode_step_s", "one decode step (floor)")):
-        ax.plot(lengths, [r[key] for r in rows], marker="o", label=label)
+    for key, label in (("full", "full target prefill"), ("cold", "switch (cold sink)"), ("warm", "switch (warm sink)"),
+                       ("recipe", "switch with the recipe")):
+        points = [(r["context"], r[key]["median"]) for r in rows if key in r]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=label)
     ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="time to first token (s)", title=title)
     ax.legend()
     fig.tight_layout()
@@ -151,54 +156,45 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def run(name: str, source_run, target, kv_map, lengths, repeats: int, device: torch.device, dtype: torch.dtype,
+        vocab_low: int = 100, vocab_high: int = 20000) -> dict:
+    """Measure every length and write ``benchmarks/results/ttft-<name>``; returns the payload."""
+    generator = torch.Generator().manual_seed(0)
+    machine = floors(device, dtype)
+    rows = [measure(source_run, target, kv_map, torch.randint(vocab_low, vocab_high, (1, n), generator=generator),
+                    repeats) for n in lengths]
+    payload = {"name": name, "repeats": repeats, "machine_floors": machine, "rows": rows}
+    save(f"ttft-{name}", payload, markdown(name, rows, machine), seeds={"ids": 0})
+    plot(rows, RESULTS / f"ttft-{name}.png", f"TTFT after a switch: {name}")
+    return payload
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
-    parser.add_argument("--map", default="hub_cards/qwen2.5-coder-0.5b-to-1.5b-top2",
-                        help="map folder for the fixture pair (a random map of the same shapes if missing)")
+    parser.add_argument("--pair", choices=["up", "down"], default="up", help="the Qwen2.5-Coder sibling direction")
+    parser.add_argument("--map", default=None, help="map folder (default: hub_cards/<the pair's map>)")
     parser.add_argument("--random-models", nargs=2, metavar=("SOURCE", "TARGET"), choices=sorted(RANDOM_CONFIGS),
                         help="time randomly initialised models of real shapes instead of the fixtures")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     dtype, device = getattr(torch, args.dtype), torch.device(args.device)
-    torch.manual_seed(0)
-
     if args.random_models:
         source, target = (random_model(name, args.device, dtype) for name in args.random_models)
-        kv_map, name = random_map(source, target), f"{args.random_models[0]}-to-{args.random_models[1]}"
+        kv_map, name = random_map(source, target), "-to-".join(args.random_models) + f"-{args.device}"
     else:
-        from peft_kvcache.fixtures import load_model
+        from . import siblings
 
-        source, _ = load_model("gguf:qwen2.5-coder-0.5b-instruct", dtype=dtype)
-        target, _ = load_model("gguf:qwen2.5-coder-1.5b-instruct", dtype=dtype)
-        source, target = source.to(device), target.to(device)
-        kv_map = KVMap.from_pretrained(args.map) if Path(args.map).is_dir() else random_map(source, target)
-        name = "qwen2.5-coder-0.5b-to-1.5b"
-    measure(source, target, kv_map, 64, 1)  # warm-up
-    bandwidth, peak = memory_bandwidth(device), matmul_throughput(device, dtype)
-    rows = []
-    print(f"{name} on {args.device} ({args.dtype}, {torch.get_num_threads()} threads); memory bandwidth "
-          f"{bandwidth / 1e9:.1f} GB/s, matmul {peak / 1e9:.0f} GFLOP/s")
-    print("| context | full prefill s | mapped + 1 step s | speedup | ceiling (prefill / decode step) | "
-          "map only s | map tok/s | map vs bandwidth floor | map vs matmul floor |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for length in args.lengths:
-        row = measure(source, target, kv_map, length, args.repeats)
-        row["bandwidth_floor_s"] = row["cache_bytes_written"] / bandwidth
-        row["floor_fraction"] = row["bandwidth_floor_s"] / row["map_only_s"]
-        row["compute_floor_s"] = row["map_flops"] / peak
-        row["compute_floor_fraction"] = row["compute_floor_s"] / row["map_only_s"]
-        rows.append(row)
-        print(f"| {length} | {row['full_prefill_s']:.3f} | {row['mapped_s']:.3f} | {row['speedup']:.1f}x | "
-              f"{row['ceiling_speedup']:.1f}x | {row['map_only_s']:.4f} | {row['map_tokens_per_s']:,.0f} | "
-              f"{row['floor_fraction']:.1%} | {row['compute_floor_fraction']:.0%} |", flush=True)
-    RESULTS.mkdir(exist_ok=True)
-    tag = f"{name}-{args.device}-{args.dtype}"
-    (RESULTS / f"ttft-{tag}.json").write_text(json.dumps({"bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": peak, "rows": rows,
-                                                           "threads": torch.get_num_threads()}, indent=2))
-    plot(rows, RESULTS / f"ttft-{tag}.png", f"TTFT after a switch: {name}")
+        models, _ = siblings.load_pair()
+        small_to_large = args.pair == "up"
+        source, target = (models["small"], models["large"]) if small_to_large else (models["large"], models["small"])
+        name = siblings.pair_name(args.pair)
+        kv_map = KVMap.from_pretrained(args.map or Path(RESULTS.parents[1] / "hub_cards" / name))
+    run(name, lambda ids: run_with_cache(source, ids), target, kv_map, args.lengths, args.repeats, device, dtype)
 
 
 if __name__ == "__main__":

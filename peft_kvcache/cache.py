@@ -127,6 +127,13 @@ class MappedCache(DynamicCache):
         cache.refresh = result
         return cache
 
+    def get_mask_sizes(self, query_length, *args, **kwargs):
+        if not self._continuation_checked and isinstance(query_length, int) and query_length == 0:
+            raise CacheMismatchError(  # generate() sliced away every token: the prompt is not longer than the cache
+                f"generate() was given no token beyond the {self.get_seq_length()} the mapped cache holds: pass the "
+                "whole conversation as input_ids (the mapped context plus at least one new token)")
+        return super().get_mask_sizes(query_length, *args, **kwargs)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if not self._continuation_checked and layer_idx == 0:
             self._check_continuation(key_states, kwargs)

@@ -110,7 +110,7 @@ def card_data(config: KVMapConfig) -> ModelCardData:
     figures = {k: round(v, 4) for k, v in figures.items() if math.isfinite(v)}
     if c.quality.gate is not None:
         figures["predicted_retention"] = c.quality.gate.predicted_retention
-    figures.update(c.quality.figures)
+    figures.update({name: figure.value for name, figure in c.quality.figures.items()})
     base_models = _hub_ids(_hub_id_of(c.calibration.source, c.source_name),
                            _hub_id_of(c.calibration.target, c.target_name))
     return ModelCardData(
@@ -121,7 +121,7 @@ def card_data(config: KVMapConfig) -> ModelCardData:
         metrics=sorted({name.rsplit(".", 1)[-1] for name in figures}) or None,
         peft_kvcache={"source": c.source_name, "target": c.target_name, "source_fingerprint": c.source_fingerprint,
                       "target_fingerprint": c.target_fingerprint, "pair_kind": c.pair_kind,
-                      "format_version": c.format_version, "results": c.quality.results, "figures": figures},
+                      "format_version": c.format_version, "figures": figures},
     )
 
 
@@ -203,17 +203,14 @@ def calibration_text(config: KVMapConfig) -> str:
 
 
 def evaluation_text(config: KVMapConfig) -> str:
-    """Whether the figures below were measured on text disjoint from the calibration text."""
-    evaluated = set(config.quality.figures) and config.quality.results
-    if not evaluated:
-        return ""
-    calibration = set(config.calibration.data.names())
+    """Where the figures below come from, and whether the gate's texts are disjoint from the calibration texts."""
+    files = sorted({figure.results for figure in config.quality.figures.values()})
+    parts = [f"Each figure below is copied from a results file that code wrote, with its provenance and the exact "
+             f"texts it was measured on: {', '.join(f'`{f}`' for f in files)}."] if files else []
     gate = set(config.quality.gate.data.names()) if config.quality.gate else set()
-    overlap = calibration & gate
-    where = f"The figures come from `{config.quality.results}` (with the exact evaluation texts and provenance)."
-    if gate and not overlap:
-        return where + " The quality gate's texts are disjoint from the calibration texts."
-    return where
+    if gate and not gate & set(config.calibration.data.names()):
+        parts.append("The quality gate's texts are disjoint from the calibration texts.")
+    return " ".join(parts)
 
 
 def quality_text(config: KVMapConfig) -> str:
@@ -224,7 +221,8 @@ def quality_text(config: KVMapConfig) -> str:
         parts.append(f"Quality gate (`peft_kvcache.quality`): predicted retention **{q.gate.predicted_retention:.3f}** "
                      f"over {q.gate.sequences} held-out sequences ({q.gate.query_tokens} query tokens each).")
     if q.figures:
-        rows = ["| figure | value |", "|---|---|"] + [f"| {name} | {value:.4g} |" for name, value in q.figures.items()]
+        rows = ["| figure | value | from |", "|---|---|---|"] + [
+            f"| {name} | {figure.value:.4g} | `{figure.results}` |" for name, figure in q.figures.items()]
         parts.append("\n".join(rows))
     if not parts:
         return "No figures were recorded for this map yet (see `peft-kvcache evaluate` and `scripts/publish.py`)."

@@ -236,12 +236,21 @@ class GateRecord:
 
 
 @dataclass
+class Figure:
+    """One measured figure and where it comes from: the results file that code wrote (a path relative to the
+    repository or to the map's folder) and the key of the value in it (`peft_kvcache.provenance.lookup`)."""
+
+    value: float
+    results: str
+    key: str
+
+
+@dataclass
 class QualityRecord:
-    """Measured figures of a map: the gate, and figures copied from a results file that code wrote."""
+    """Measured figures of a map: the quality gate, and figures copied from results files that code wrote."""
 
     gate: GateRecord | None = None
-    figures: dict[str, float] = field(default_factory=dict)
-    results: str | None = None  # the results file (repository-relative) the figures come from
+    figures: dict[str, Figure] = field(default_factory=dict)
 
     @property
     def predicted_retention(self) -> float | None:

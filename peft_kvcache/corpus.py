@@ -150,6 +150,21 @@ def functions_with_docstrings(split: str, limit: int, max_code_chars: int = 400,
     return pairs
 
 
+def docstring_chat(tokenizer, code: str, answer: str):
+    """``(ids, labels)``: a chat asking for the docstring of ``code`` answered with ``answer``, in the tokenizer's
+    chat template; the labels cover only the answer and its end token (-100 elsewhere)."""
+    import torch
+
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": DOCSTRING_INSTRUCTION.format(code=code)}],
+                                           tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
+    answer_ids = tokenizer(answer + (tokenizer.eos_token or ""), add_special_tokens=False).input_ids
+    ids = torch.tensor(prompt_ids + answer_ids)
+    labels = ids.clone()
+    labels[: len(prompt_ids)] = -100
+    return ids, labels
+
+
 PROSE_ROOT = Path("/usr/share/doc/git")  # git's own documentation: prose that nobody here wrote, in every image
 
 

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from ._compat import truncate
 from .cache import MappedCache
 from .capture import forward, run_with_cache
-from .config import Refresh
+from .config import Figure, Refresh
 from .errors import EvaluationError
 from .quality import ContextCheck, check_context
 
@@ -61,9 +61,13 @@ def full_logits(target, ids: torch.Tensor, context: int) -> torch.Tensor:
     return _logits(target, inputs, torch.arange(inputs.numel()), keep=ids.numel() - context)
 
 
-def window_logits(target, ids: torch.Tensor, context: int, window: int, sink: int) -> torch.Tensor:
-    """Continuation logits when the target keeps only ``sink`` leading and ``window`` trailing context tokens."""
+def window_logits(target, ids: torch.Tensor, context: int, window: int, sink: int,
+                  also: torch.Tensor | None = None) -> torch.Tensor:
+    """Continuation logits when the target keeps only ``sink`` leading and ``window`` trailing context tokens (and
+    the context positions ``also``), computing all of them itself at their true positions."""
     keep = torch.cat([torch.arange(min(sink, context - window)), torch.arange(context - window, ids.numel() - 1)])
+    if also is not None:
+        keep = torch.unique(torch.cat([keep, also]))  # sorted
     return _logits(target, ids[keep], keep, keep=ids.numel() - context)
 
 
@@ -198,6 +202,7 @@ def evaluate_retention(
     naive_reuse: bool | None = None,
     refresh: Sequence[int] = (),
     refresh_span: int = 8,
+    sparse_control: bool = False,
     check_tokens: int = 0,
     check_margin: float = 0.25,
     progress: bool = True,
@@ -211,6 +216,9 @@ def evaluate_retention(
         naive_reuse: score the unmapped source cache; by default only when the pair has the same shape.
         refresh: budgets K of refreshed context positions: adds ``mapped@W+rK`` for every W (and its
             window-only control at equal target compute, ``window@(2W+K)``).
+        sparse_control: with ``refresh``, also ``sparse@W+rK``: the positions the refresh chose (through the
+            mapped cache), computed by the target beside only the sink and the last W tokens, no mapped context:
+            what the map adds beyond choosing the positions.
         check_tokens: W > 0 also runs the per-request check (``MappedCache.from_source(check_tokens=W)``) on
             every example and keeps its reports in ``report.context_checks`` (see ``check_catch_rate``),
             with ``check_margin`` nats of margin.
@@ -232,6 +240,7 @@ def evaluate_retention(
     names = ["full", "no_context"] + [f"mapped@{w}" for w in windows]
     refreshed = [(w, k) for w in windows for k in refresh]
     names += [f"mapped@{w}+r{k}" for w, k in refreshed]
+    names += [f"sparse@{w}+r{k}" for w, k in refreshed] if sparse_control else []
     controls = sorted(set(windows) | {2 * w + k for w, k in refreshed if 2 * w + k < context_length})
     names += [f"window@{w}" for w in controls] if window_control else []
     names += [f"naive@{w}" for w in windows] if naive_reuse else []
@@ -262,6 +271,9 @@ def evaluate_retention(
             truncate(cache, context_length - 1)
             cache.next_positions = cache.next_positions - 1
             scores[f"mapped@{w}+r{k}"].add(cached_logits(target_model, cache, ids, context_length, 1), full, labels)
+            if sparse_control:
+                scores[f"sparse@{w}+r{k}"].add(window_logits(target_model, ids, context_length, w, sink,
+                                                             also=cache.refresh.positions), full, labels)
         for w in controls if window_control else []:
             scores[f"window@{w}"].add(window_logits(target_model, ids, context_length, w, sink), full, labels)
         if check_tokens:
@@ -282,7 +294,7 @@ def record_figures(kv_map, report: RetentionReport, folder, data: dict) -> None:
     from .provenance import write_results
 
     write_results(Path(folder) / "evaluation.json", {"retention": report.to_dict()}, data=data)
-    kv_map.config.quality.figures = {f"{row['variant']}.{key}": round(row[key], 4) for row in report.rows()
-                                     if row["variant"].startswith("mapped@") for key in ("normalized_retention", "kl")
-                                     if math.isfinite(row[key])}  # undefined where full and no-context tie
-    kv_map.config.quality.results = "evaluation.json"
+    kv_map.config.quality.figures = {
+        f"{row['variant']}.{key}": Figure(row[key], "evaluation.json", f"retention/rows/variant={row['variant']}/{key}")
+        for row in report.rows() if row["variant"].startswith("mapped@") for key in ("normalized_retention", "kl")
+        if math.isfinite(row[key])}  # undefined where full and no-context tie

@@ -17,7 +17,7 @@ from huggingface_hub import ModelHubMixin, snapshot_download
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ._files import recover_folder, replace_folder, staging_folder
+from ._files import UMASK, recover_folder, replace_folder, staging_folder
 from .card import CHART_NAME, plot_layer_selection, render_card
 from .config import FORMAT_VERSION, KVMapConfig, expected_shapes, parameter_count
 from .errors import ArtifactError, FingerprintMismatchError
@@ -175,6 +175,8 @@ class KVMap(ModelHubMixin, library_name="peft-kvcache", tags=["kv-cache", "kv-ca
             if chart:
                 card_kwargs["chart"] = plot_layer_selection(self.config, staging / CHART_NAME) is not None
             super().save_pretrained(staging, model_card_kwargs=card_kwargs)
+            for path in staging.iterdir():  # safetensors writes its file 0600: give every file the umask's mode
+                os.chmod(path, 0o666 & ~UMASK)
             if target.is_dir():
                 _keep_other_files(target, staging)
             replace_folder(staging, target)
@@ -357,8 +359,14 @@ def resolve_map_folder(path_or_repo_id: str | os.PathLike, *, revision: str | No
     except (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled) as err:  # the Hub's own errors pass
         err.add_note(f"peft-kvcache: there is no local folder {spec!r} either, so it was looked up on the Hub")
         raise
-    except (ValueError, OSError) as err:  # e.g. a cache whose refs point outside it
+    except (ValueError, OSError) as err:
         raise ArtifactError(f"{spec!r} cannot be resolved from the Hub cache: {err}") from None
+    from huggingface_hub import constants
+
+    cache = Path(hub_options.get("cache_dir") or constants.HF_HUB_CACHE).resolve()
+    if not Path(folder).resolve().is_relative_to(cache):  # a tampered refs/<revision> file
+        raise ArtifactError(f"the Hub cache's revision of {spec!r} points outside the cache ({folder}); delete "
+                            f"{cache / ('models--' + spec.replace('/', '--'))} and download it again")
     return Path(folder)
 
 

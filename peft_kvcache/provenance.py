@@ -92,3 +92,23 @@ def _jsonable(value):
     if is_dataclass(value):
         return asdict(value)
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def lookup(data, key: str):
+    """The value at ``key`` in results ``data``: ``/``-separated keys and list indices, where ``name=value`` picks
+    the list entry whose ``name`` is ``value`` (e.g. ``results/continuation/rows/variant=mapped@1/kl``).
+
+    Example:
+        >>> lookup({"rows": [{"variant": "full", "kl": 0.0}, {"variant": "mapped@1", "kl": 0.3}]}, "rows/variant=mapped@1/kl")
+        0.3
+    """
+    for part in key.split("/"):
+        if isinstance(data, list):
+            if "=" in part:
+                name, _, wanted = part.partition("=")
+                data = next(entry for entry in data if str(entry.get(name)) == wanted)
+            else:
+                data = data[int(part)]
+        else:
+            data = data[part]
+    return data

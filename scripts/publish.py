@@ -19,15 +19,37 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import siblings
-from benchmarks.common import RESULTS, ROOT, save, table
-from peft_kvcache import KVMap
-from peft_kvcache.config import CalibrationConfig
+from benchmarks import adapters, budget, siblings, ttft
+from benchmarks.adapters import PREFIX
+from benchmarks.common import ADAPTERS, RESULTS, ROOT, SMOLLM, save, table
+from benchmarks.tasks import continuation_examples
+from peft_kvcache import AdapterMaps, KVMap
+from peft_kvcache.adapter_maps import folder_name
+from peft_kvcache.blend import choose_adapter_blends
+from peft_kvcache.calibrate import calibrate_adapters
+from peft_kvcache.capture import run_with_cache
+from peft_kvcache.config import (CalibrationConfig, DataRecord, Figure, GateRecord, QualityRecord, Refresh, TextRecord,
+                                 from_json, to_json)
+from peft_kvcache.corpus import corpus_description, docstring_chat, functions_with_docstrings, stdlib_texts
+from peft_kvcache.fixtures import load_model
+from peft_kvcache.models import adapter_active
+from peft_kvcache.provenance import lookup
+from peft_kvcache.quality import measure_quality
 
 logger = logging.getLogger("publish")
 HUB_CARDS = ROOT / "hub_cards"
 SCALES = (8, 16, 32, 64, 128)  # calibration files of the data-scaling curve; the published maps use one of them
 SIBLING_CONFIG = CalibrationConfig(top_k=2, max_length=512, chunks_per_text=1)
+MIN_PUBLISHED_FILES = 64  # the published sibling maps are fitted on at least this many distinct files
+SCALING_CONTEXT, SCALING_FILES = 1024, 16  # the selection texts that choose the scale
+GATE_FILES, GATE_TOKENS = 8, 512 + 16  # the gate's texts: calibration-split files after those of any fit
+BUDGET_CONTEXTS, BUDGETS, BUDGET_FILES, BUDGET_RECALL = (1024, 2048), (0, 16, 32, 64, 128, 256), 16, 8
+FINAL_CONTEXT, FINAL_FILES, FINAL_RECALL = 1024, 32, 24  # the goal table: >= 32 files, >= 24 recall cases per depth
+TTFT_LENGTHS, TTFT_REPEATS = (512, 2048, 8192), 5
+STORAGE_FILES = 8  # selection texts on which float32 and bfloat16 weights are compared
+ADAPTER_FILES, ADAPTER_CHATS, BLEND_FILES = 128, 8, 12  # the adapter maps' calibration and blend texts
+ADAPTER_TTFT_LENGTHS = (1024, 4096)
+README_BEGIN, README_END = "<!-- figures:begin (scripts/publish.py writes this table) -->", "<!-- figures:end -->"
 
 
 class Publisher:
@@ -35,7 +57,7 @@ class Publisher:
 
     def __init__(self, workdir: Path, scales: tuple[int, ...] = SCALES, progress: bool = True):
         self.workdir, self.scales, self.progress = workdir, scales, progress
-        self._siblings = None
+        self._siblings = self._adapters = None
 
     # ----- siblings -----
 
@@ -69,7 +91,385 @@ class Publisher:
                          checkpoint_root=self.workdir / "siblings" / "checkpoints", progress=self.progress)
 
 
-STAGES = {"siblings": ("capture",), "adapters": ()}
+    def scaling(self) -> None:
+        """The data-scaling curve: held-out R^2 and the plain switch's retention of the maps fitted on every
+        scale, scored on the "selection" texts (never the published figures' texts); the published maps take the
+        scale with the lowest KL among those of at least 64 files."""
+        models, tokenizer = self.sibling_models()
+        sets = siblings.tasks(tokenizer, SCALING_CONTEXT, "selection", SCALING_FILES, 0)
+        examples, continuation, names = sets["continuation"]
+        curve, lines = {}, []
+        for direction in siblings.DIRECTIONS:
+            maps = {f"{s} files": KVMap.from_pretrained(self.scale_folder(s, direction)) for s in self.scales}
+            source, target = (models[n] for n in siblings.DIRECTIONS[direction])
+            report = siblings.score_maps(source, target, maps, examples, SCALING_CONTEXT, continuation, self.progress)
+            rows = {row["variant"]: row for row in report.rows()}
+            points = []
+            for scale, (label, kv_map) in zip(self.scales, maps.items()):
+                c = kv_map.config
+                points.append({"files": scale, "train_tokens": c.calibration.train_tokens,
+                               "heldout_tokens": c.calibration.heldout_tokens,
+                               "key_r2": _mean(c.key_r2), "value_r2": _mean(c.value_r2), **rows[label]})
+            eligible = [p for p in points if p["files"] >= MIN_PUBLISHED_FILES] or points
+            chosen = min(eligible, key=lambda p: p["kl"])["files"]
+            curve[direction] = {"map": siblings.pair_name(direction), "points": points, "chosen_files": chosen,
+                                "full": rows["full"], "no_context": rows["no_context"]}
+            lines += [f"## {siblings.pair_name(direction)}", "", table(
+                ["files", "train / held-out tokens", "held-out R² keys / values", "normalized [95% CI]", "KL"],
+                [[p["files"], f"{p['train_tokens']:,} / {p['heldout_tokens']:,}", f"{p['key_r2']:.3f} / {p['value_r2']:.3f}",
+                  f"{p['normalized_retention']:.3f} [{p['normalized_low']:.2f}, {p['normalized_high']:.2f}]",
+                  f"{p['kl']:.4f}"] for p in points]), "", f"Published: the {chosen}-file map (lowest KL among maps "
+                  f"of at least {MIN_PUBLISHED_FILES} files).", ""]
+        header = (f"# Sibling maps: the data-scaling curve\n\nNested calibration sets (the first N calibration-split stdlib "
+                  f"files, the first {SIBLING_CONFIG.max_length} tokens of each, every {round(1 / SIBLING_CONFIG.heldout_fraction)}th "
+                  f"file held out whole); the plain switch scored on {len(examples)} selection-role evaluation files, "
+                  f"context {SCALING_CONTEXT}, continuation {continuation}.\n\n")
+        save("sibling-scaling", {"context": SCALING_CONTEXT, "curve": curve}, header + "\n".join(lines),
+             data={"selection_continuation": names})
+        _plot_scaling(curve, RESULTS / "sibling-scaling.png")
+
+
+    # the published sibling maps: the chosen scale, its gate, its recipe
+
+    def chosen_map(self, direction: str, with_recipe: bool = True) -> KVMap:
+        """The map fitted on the scale the curve chose, with the recommended refresh (once the budget stage ran)."""
+        scaling = _results("sibling-scaling")["curve"][direction]
+        kv_map = KVMap.from_pretrained(self.scale_folder(scaling["chosen_files"], direction))
+        if with_recipe and (RESULTS / "sibling-budget.json").is_file():
+            k = _results("sibling-budget")["recommended"][direction]
+            kv_map.config.refresh = Refresh(k, budget.PROBE, budget.SPAN) if k else None
+        return kv_map
+
+    def gate(self) -> None:
+        """The quality gate of every scale's map, on calibration-split files no fit saw (never scored for
+        retention); the published maps carry theirs."""
+        models, tokenizer = self.sibling_models()
+        texts = stdlib_texts("calibration", GATE_FILES, max(SCALES))
+        sequences = [tokenizer(t, add_special_tokens=False, return_tensors="pt").input_ids[0, :GATE_TOKENS]
+                     for t in texts.values()]
+        data = DataRecord(corpus_description("calibration") + f"; files {max(SCALES)}..{max(SCALES) + GATE_FILES - 1}",
+                          [TextRecord(name, GATE_TOKENS, "gate") for name in texts])
+        gates = {}
+        for direction in siblings.DIRECTIONS:
+            source, target = (models[n] for n in siblings.DIRECTIONS[direction])
+            for scale in self.scales:
+                kv_map = KVMap.from_pretrained(self.scale_folder(scale, direction))
+                record = measure_quality(kv_map, source, target, sequences, data=data, progress=self.progress)
+                gates.setdefault(direction, {})[str(scale)] = to_json(record)
+        lines = [table(["map", *[f"{s} files" for s in self.scales]],
+                       [[siblings.pair_name(d), *[f"{g[str(s)]['predicted_retention']:.3f}" for s in self.scales]]
+                        for d, g in gates.items()])]
+        save("sibling-gates", {"gates": gates}, "# Quality gate of the sibling maps\n\n" + "\n".join(lines),
+             data={"gate": list(texts)})
+
+    def recipe(self) -> None:
+        """The refresh budget curve on the selection texts; it chooses the recipe each published map records."""
+        models, tokenizer = self.sibling_models()
+        maps = {d: self.chosen_map(d, with_recipe=False) for d in siblings.DIRECTIONS}
+        budget.run(models, tokenizer, maps, list(BUDGET_CONTEXTS), list(BUDGETS), BUDGET_FILES, BUDGET_RECALL,
+                   progress=self.progress)
+
+    def evaluate(self) -> None:
+        """The goal table of the published maps (with their recipe) on the "final" held-out texts."""
+        models, tokenizer = self.sibling_models()
+        task_sets = siblings.tasks(tokenizer, FINAL_CONTEXT, "final", FINAL_FILES, FINAL_RECALL)
+        results = {}
+        for direction in siblings.DIRECTIONS:
+            kv_map = self.chosen_map(direction)
+            refresh = [kv_map.config.refresh] if kv_map.config.refresh else []
+            results[siblings.pair_name(direction)] = siblings.evaluate_map(models, direction, kv_map, task_sets,
+                                                                          FINAL_CONTEXT, refresh, self.progress)
+        save("siblings", {"context": FINAL_CONTEXT, "results": results}, siblings.markdown(results),
+             data={name: names for name, (_, _, names) in task_sets.items()})
+
+    def ttft(self) -> None:
+        """TTFT of both published maps (plain, cold and warm, and with the recipe) vs the target's prefill."""
+        models, _ = self.sibling_models()
+        for direction in siblings.DIRECTIONS:
+            source, target = (models[n] for n in siblings.DIRECTIONS[direction])
+            ttft.run(siblings.pair_name(direction), lambda ids, s=source: run_with_cache(s, ids), target,
+                     self.chosen_map(direction), TTFT_LENGTHS, TTFT_REPEATS, torch.device("cpu"), torch.float32)
+
+
+    def sibling_cards(self) -> None:
+        """Write hub_cards/<pair> for both directions: the chosen map, its gate, its recipe, the storage dtype the
+        storage stage chose, and figures copied from the results files that cite them."""
+        storage = _results("storage-dtype")["choice"]
+        for direction in siblings.DIRECTIONS:
+            name = siblings.pair_name(direction)
+            kv_map = self.chosen_map(direction)
+            scale = str(_results("sibling-scaling")["curve"][direction]["chosen_files"])
+            kv_map.config.quality = QualityRecord(
+                gate=from_json(GateRecord, _results("sibling-gates")["gates"][direction][scale], "sibling-gates.json"),
+                figures={**_task_figures("siblings", f"results/{name}", kv_map.config.refresh),
+                         **_ttft_figures(f"ttft-{name}")})
+            _publish(kv_map, name, storage[name])
+
+    def storage(self) -> None:
+        """Whether the published maps may store their weights in bfloat16: the plain switch's KL with float32 and
+        with bfloat16 weights on the selection texts, paired; bfloat16 where the difference is under 1%."""
+        choice, out = {}, {}
+        for name, (source, target, kv_map, examples, context) in self._storage_cases():
+            variants = {"float32": kv_map, "bfloat16": kv_map.with_weights_dtype(torch.bfloat16)}
+            report = siblings.score_maps(source, target, variants, examples, context, 64, self.progress)
+            diff = report.paired_difference("bfloat16", "float32", metric="kl")
+            base = next(r["kl"] for r in report.rows() if r["variant"] == "float32")
+            choice[name] = "bfloat16" if max(abs(diff["low"]), abs(diff["high"])) < 0.01 * base else "float32"
+            out[name] = {"rows": report.rows(), "kl_bfloat16_minus_float32": diff, "choice": choice[name]}
+        lines = [table(["map", "KL float32", "KL bfloat16 - float32 [95% CI]", "stored as"],
+                       [[n, f"{next(r['kl'] for r in o['rows'] if r['variant'] == 'float32'):.5f}",
+                         f"{o['kl_bfloat16_minus_float32']['difference']:+.6f} [{o['kl_bfloat16_minus_float32']['low']:+.6f}, "
+                         f"{o['kl_bfloat16_minus_float32']['high']:+.6f}]", o["choice"]] for n, o in out.items()])]
+        save("storage-dtype", {"maps": out, "choice": choice}, "# Storing map weights in bfloat16\n\n" + "\n".join(lines))
+
+    def _storage_cases(self):
+        models, tokenizer = self.sibling_models()
+        examples = siblings.tasks(tokenizer, SCALING_CONTEXT, "selection", STORAGE_FILES, 0)["continuation"][0]
+        for direction in siblings.DIRECTIONS:
+            source, target = (models[n] for n in siblings.DIRECTIONS[direction])
+            yield siblings.pair_name(direction), (source, target, self.chosen_map(direction, False), examples,
+                                                  SCALING_CONTEXT)
+        model, tokenizer = self.adapter_model()
+        base, _ = load_model(SMOLLM)
+        examples = continuation_examples(tokenizer, stdlib_texts("calibration", 16, ADAPTER_FILES + 16), 512, 64, 8)[0]
+        for adapter, reverse, kv_map in self.adapter_maps().all():
+            if not reverse:
+                model.set_adapter(adapter)
+                yield folder_name(PREFIX, adapter, False), (base, model, kv_map, examples, 512)
+
+    # ----- adapters -----
+
+    def adapter_model(self):
+        if self._adapters is None:
+            self._adapters = adapters.load_smollm2(ADAPTERS + ("shout_alora",))
+        return self._adapters
+
+    def adapter_maps(self) -> AdapterMaps:
+        return AdapterMaps.from_pretrained(self.workdir / "adapters", PREFIX, ADAPTERS)
+
+    def calibrate_adapters(self) -> None:
+        """The base <-> adapter maps: the first 512 tokens of 128 calibration-split files and 8 chat-formatted
+        calibration-split docstring prompts; each map's blend toward its source cache chosen on 12 further files."""
+        if all((self.workdir / "adapters" / folder_name(PREFIX, a, r)).is_dir() for a in ADAPTERS for r in (0, 1)):
+            return
+        model, tokenizer = self.adapter_model()
+        files = stdlib_texts("calibration", ADAPTER_FILES)
+        data = {name: tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0, :512]
+                for name, text in files.items()}
+        for i, (code, doc) in enumerate(functions_with_docstrings("calibration", 400)[-ADAPTER_CHATS:]):
+            data[f"chat:docstring-prompt-{i}"] = docstring_chat(tokenizer, code, doc)[0]
+        maps = calibrate_adapters(model, data, adapters=list(ADAPTERS), description=(
+            f"{corpus_description('calibration', ADAPTER_FILES)}; the first 512 tokens of each; plus {ADAPTER_CHATS} "
+            "chat-formatted docstring prompts of calibration-split functions"), base_spec=SMOLLM,
+            adapter_paths={a: f"adapters/{a}" for a in ADAPTERS}, progress=self.progress,
+            checkpoint_dir=self.workdir / "adapters-checkpoint")
+        blend_texts = stdlib_texts("calibration", BLEND_FILES, ADAPTER_FILES)
+        sequences = [tokenizer(t, add_special_tokens=False, return_tensors="pt").input_ids[0, :512 + 64]
+                     for t in blend_texts.values()]
+        maps = choose_adapter_blends(maps, model, sequences, continuation=64, progress=self.progress)
+        maps.save_pretrained(self.workdir / "adapters", PREFIX)
+
+    def adapter_gate(self) -> None:
+        """The quality gate of the four adapter maps, on calibration-split files after the fit's and the blend's."""
+        model, tokenizer = self.adapter_model()
+        texts = stdlib_texts("calibration", GATE_FILES, ADAPTER_FILES + BLEND_FILES)
+        sequences = [tokenizer(t, add_special_tokens=False, return_tensors="pt").input_ids[0, :GATE_TOKENS]
+                     for t in texts.values()]
+        data = DataRecord("calibration-split files after the fit's and the blend's",
+                          [TextRecord(name, GATE_TOKENS, "gate") for name in texts])
+        base, _ = load_model(SMOLLM)
+        gates = {}
+        for adapter, reverse, kv_map in self.adapter_maps().all():
+            model.set_adapter(adapter)  # the adapter's side is the PeftModel, the base's side a plain copy
+            source, target = (model, base) if reverse else (base, model)
+            gates[folder_name(PREFIX, adapter, reverse)] = to_json(measure_quality(
+                kv_map, source, target, sequences, data=data, progress=self.progress))
+        save("adapter-gates", {"gates": gates}, "# Quality gate of the adapter maps\n\n" + table(
+            ["map", "predicted retention"], [[n, f"{g['predicted_retention']:.3f}"] for n, g in gates.items()]),
+             data={"gate": list(texts)})
+
+    def adapter_evaluate(self) -> None:
+        model, tokenizer = self.adapter_model()
+        options = argparse.Namespace(examples=48, context=512, continuation=64, task_examples=34, history_tokens=1024,
+                                     turns=8, skip=[])
+        results = adapters.run(model, tokenizer, self.adapter_maps(), options)
+        save("adapters", results, adapters.markdown(results), data=results.pop("data"))
+
+    def adapter_ttft(self) -> None:
+        model, tokenizer = self.adapter_model()
+        maps = self.adapter_maps()
+        for adapter in ADAPTERS:
+            def base_cache(ids):
+                with adapter_active(model, None):
+                    return run_with_cache(model, ids)
+            with adapter_active(model, adapter):
+                ttft.run(folder_name(PREFIX, adapter, False), base_cache, model, maps.to_adapter[adapter],
+                         ADAPTER_TTFT_LENGTHS, TTFT_REPEATS, torch.device("cpu"), torch.float32,
+                         vocab_high=tokenizer.vocab_size)
+
+    def adapter_cards(self) -> None:
+        storage = _results("storage-dtype")["choice"]
+        gates = _results("adapter-gates")["gates"]
+        for adapter, reverse, kv_map in self.adapter_maps().all():
+            name = folder_name(PREFIX, adapter, reverse)
+            figures = {} if reverse else {**_adapter_figures(adapter), **_ttft_figures(f"ttft-{name}")}
+            kv_map.config.quality = QualityRecord(gate=from_json(GateRecord, gates[name], "adapter-gates.json"),
+                                                  figures=figures)
+            _publish(kv_map, name, storage.get(folder_name(PREFIX, adapter, False), "float32"))
+
+
+    # ----- summary -----
+
+    def gate_correlation(self) -> None:
+        """How well the gate predicts measured retention, over every current map with both: the gate on its own
+        texts, the retention on texts disjoint from them (the sibling maps of every scale on the selection texts,
+        the base -> adapter maps on the final texts); Pearson r with a Fisher-z 95% interval."""
+        points = []
+        gates, curve = _results("sibling-gates")["gates"], _results("sibling-scaling")["curve"]
+        for direction, entry in curve.items():
+            for p in entry["points"]:
+                points.append({"map": f"{entry['map']} ({p['files']} files)", "measured_on": "sibling-scaling.json",
+                               "predicted": gates[direction][str(p["files"])]["predicted_retention"],
+                               "measured": p["normalized_retention"]})
+        adapter_gates, adapter_results = _results("adapter-gates")["gates"], _results("adapters")
+        for adapter in ADAPTERS:
+            points.append({"map": folder_name(PREFIX, adapter, False), "measured_on": "adapters.json",
+                           "predicted": adapter_gates[folder_name(PREFIX, adapter, False)]["predicted_retention"],
+                           "measured": lookup(adapter_results, f"retention/{adapter}/rows/variant=mapped@1/normalized_retention")})
+        r, low, high = pearson_interval([p["predicted"] for p in points], [p["measured"] for p in points])
+        save("gate-correlation", {"pearson_r": r, "low": low, "high": high, "maps": len(points), "points": points},
+             f"# The quality gate against measured retention\n\nPearson r = {r:.3f} [{low:.3f}, {high:.3f}] over "
+             f"{len(points)} distinct maps (gate texts disjoint from the retention texts).\n\n" + table(
+                 ["map", "predicted", "measured", "measured in"],
+                 [[p["map"], f"{p['predicted']:.3f}", f"{p['measured']:.3f}", p["measured_on"]] for p in points]))
+
+    def readme(self) -> None:
+        """Regenerate the README's table of measured figures from the results files."""
+        path = ROOT / "README.md"
+        text = path.read_text()
+        start, end = text.index(README_BEGIN) + len(README_BEGIN), text.index(README_END)
+        path.write_text(text[:start] + "\n" + readme_table() + "\n" + text[end:])
+
+
+def pearson_interval(x: list[float], y: list[float]) -> tuple[float, float, float]:
+    """Pearson r of ``x`` and ``y`` and its 95% interval (Fisher z)."""
+    import math
+    import statistics
+
+    r = statistics.correlation(x, y)
+    z, se = math.atanh(max(min(r, 0.999999), -0.999999)), 1 / math.sqrt(max(len(x) - 3, 1))
+    return r, math.tanh(z - 1.96 * se), math.tanh(z + 1.96 * se)
+
+
+def readme_table() -> str:
+    """The README's measured-figures table, every cell read from a results file (with the command that made it)."""
+    rows = []
+    fmt = lambda r: f"{r['normalized_retention']:.2f} [{r['normalized_low']:.2f}, {r['normalized_high']:.2f}]"  # noqa: E731
+    evaluated = _results("siblings")
+    for name, tasks in evaluated["results"].items():
+        kv_map = KVMap.from_pretrained(HUB_CARDS / name)
+        recipe = kv_map.config.refresh
+        variant = f"mapped@{recipe.probe_tokens}+r{recipe.tokens}" if recipe else "mapped@1"
+        control = f"window@{2 * recipe.probe_tokens + recipe.tokens}" if recipe else "window@1"
+        ttft_rows = {r["context"]: r for r in _results(f"ttft-{name}")["rows"]}
+        for task, report in tasks.items():
+            by = {r["variant"]: r for r in report["rows"]}
+            speed = (f"{ttft_rows[2048]['speedup_cold']:.0f}x / {ttft_rows[2048].get('speedup_recipe', 0):.0f}x at 2k, "
+                     f"{ttft_rows[8192]['speedup_cold']:.0f}x / {ttft_rows[8192].get('speedup_recipe', 0):.0f}x at 8k"
+                     if task == "continuation" else "")
+            rows.append([name, f"{task} ({report['examples']})", fmt(by["mapped@1"]), fmt(by[variant]), fmt(by[control]),
+                         f"{by['mapped@1']['kl']:.3f} / {by[variant]['kl']:.3f}", speed])
+    adapters_ = _results("adapters")
+    for adapter in ADAPTERS:
+        by = {r["variant"]: r for r in adapters_["retention"][adapter]["rows"]}
+        ttft_rows = {r["context"]: r for r in _results(f"ttft-{folder_name(PREFIX, adapter, False)}")["rows"]}
+        rows.append([folder_name(PREFIX, adapter, False), f"continuation ({adapters_['retention'][adapter]['examples']})",
+                     fmt(by["mapped@1"]), "-", f"naive reuse {fmt(by['naive@1'])}",
+                     f"{by['mapped@1']['kl']:.3f} (naive {by['naive@1']['kl']:.3f})",
+                     " / ".join(f"{r['speedup_cold']:.0f}x at {c}" for c, r in ttft_rows.items())])
+    return table(["map", "task (examples)", "plain switch: normalized [95% CI]", "with the recipe", "control at equal "
+                  "compute", "KL plain / recipe", "TTFT vs re-prefill, cold sink: plain / recipe"], rows) + (
+        "\n\nFrom `benchmarks/results/siblings.json`, `adapters.json` and `ttft-*.json` (provenance inside), written by "
+        "`python -m scripts.publish`.")
+
+
+def _publish(kv_map: KVMap, name: str, dtype: str) -> None:
+    """Save a map into hub_cards/ (weights in ``dtype``); its card loads it from there."""
+    kv_map.with_weights_dtype(getattr(torch, dtype)).save_pretrained(HUB_CARDS / name, repo_id=f"hub_cards/{name}",
+                                                                     overwrite=True)
+    logger.info("published %s (%s)", name, dtype)
+
+
+def _figure(stem: str, key: str) -> Figure:
+    return Figure(lookup(_results(stem), key), f"benchmarks/results/{stem}.json", key)
+
+
+def _task_figures(stem: str, prefix: str, refresh: Refresh | None) -> dict[str, Figure]:
+    """Normalized retention and KL of the plain switch, of the recipe and of their window controls, per task."""
+    variants = {"mapped@1": "plain", "window@1": "window_control_plain"}
+    if refresh is not None:
+        variants[f"mapped@{refresh.probe_tokens}+r{refresh.tokens}"] = "recipe"
+        variants[f"window@{2 * refresh.probe_tokens + refresh.tokens}"] = "window_control_recipe"
+    figures = {}
+    for task in _results(stem)[prefix.split("/")[0]][prefix.split("/")[1]]:
+        for variant, label in variants.items():
+            for metric in ("normalized_retention", "kl"):
+                figures[f"{task}.{label}.{metric}"] = _figure(stem, f"{prefix}/{task}/rows/variant={variant}/{metric}")
+    return figures
+
+
+def _ttft_figures(stem: str) -> dict[str, Figure]:
+    rows = _results(stem)["rows"]
+    return {f"ttft.speedup_{kind}_{row['context']}": _figure(stem, f"rows/context={row['context']}/speedup_{kind}")
+            for row in rows for kind in ("cold", "warm", "recipe") if f"speedup_{kind}" in row}
+
+
+def _adapter_figures(adapter: str) -> dict[str, Figure]:
+    figures = {}
+    for variant, label in (("mapped@1", "mapped"), ("naive@1", "naive_reuse")):
+        for metric in ("normalized_retention", "kl"):
+            figures[f"continuation.{label}.{metric}"] = _figure(
+                "adapters", f"retention/{adapter}/rows/variant={variant}/{metric}")
+    for name, label in (("session: mapped history", "session_mapped"), ("session: base history reused as is",
+                                                                         "session_naive_reuse")):
+        figures[f"own_task_after_chat.{label}.loss_gain_share"] = _figure(
+            "adapters", f"task_history/{adapter}/gain_retention_in_loss/{name}")
+    return figures
+
+
+def _results(stem: str) -> dict:
+    return json.loads((RESULTS / f"{stem}.json").read_text())
+
+
+def _mean(rows: list[list[float]]) -> float:
+    values = [v for row in rows for v in row]
+    return sum(values) / len(values)
+
+
+def _plot_scaling(curve: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for direction, entry in curve.items():
+        files = [p["files"] for p in entry["points"]]
+        left.plot(files, [p["key_r2"] for p in entry["points"]], marker="o", label=f"{direction}: keys")
+        left.plot(files, [p["value_r2"] for p in entry["points"]], marker="s", ls="--", label=f"{direction}: values")
+        right.plot(files, [p["kl"] for p in entry["points"]], marker="o", label=entry["map"])
+    left.set(xscale="log", xlabel="calibration files", ylabel="held-out R² (mean)", title="fit")
+    right.set(xscale="log", xlabel="calibration files", ylabel="KL(full ‖ mapped)", title="plain switch, selection texts")
+    left.legend(fontsize="small")
+    right.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+STAGES = {"siblings": ("capture", "scaling", "gate", "recipe", "evaluate", "ttft"),
+          "adapters": ("calibrate_adapters", "adapter_gate", "adapter_evaluate", "adapter_ttft"),
+          "cards": ("storage", "sibling_cards", "adapter_cards", "gate_correlation", "readme")}
 
 
 def main() -> None:

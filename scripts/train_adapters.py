@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from peft_kvcache.corpus import DOCSTRING_INSTRUCTION as INSTRUCTION
+from peft_kvcache.corpus import docstring_chat as encode
 from peft_kvcache.corpus import functions_with_docstrings
 
 MODEL = "gguf:smollm2-135m-instruct"
@@ -36,18 +37,6 @@ ASSISTANT_HEADER = "<|im_start|>assistant\n"
 
 def answer_for(task: str, docstring: str) -> str:
     return docstring.upper() if task.startswith("shout") else docstring
-
-
-def encode(tokenizer, code: str, answer: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids of the whole chat and labels that cover only the assistant's answer (and its end token)."""
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": INSTRUCTION.format(code=code)}],
-                                           tokenize=False, add_generation_prompt=True)
-    prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
-    answer_ids = tokenizer(answer + "<|im_end|>", add_special_tokens=False).input_ids
-    ids = torch.tensor(prompt_ids + answer_ids)
-    labels = ids.clone()
-    labels[: len(prompt_ids)] = -100
-    return ids, labels
 
 
 def collate(examples: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int):

@@ -232,7 +232,7 @@ def test_malformed_per_head_figures(saved, field, value):
 @pytest.mark.parametrize("field, value", [
     ("pair_kind", "sideways"), ("vocab_size", 0), ("calibration", "some text"), ("quality", [1, 2]),
     ("source_name", 3), ("calibration", {"options": {"sink_tokens": -1}}), ("calibration", {"options": {"sink_tokens": 1.5}}),
-    ("quality", {"gate": {"predicted_retention": float("nan")}}), ("quality", {"figures": {"x": "0.9"}}),
+    ("quality", {"gate": {"predicted_retention": float("nan")}}), ("quality", {"figures": {"x": {"value": "0.9", "results": "r.json", "key": "x"}}}),
     ("refresh", {"tokens": -3}), ("unknown_key", 1),
 ])
 def test_other_tampered_fields(saved, field, value):

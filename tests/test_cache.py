@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import random_ids, tiny_model
-from peft_kvcache._compat import cache_argument
+from peft_kvcache._compat import cache_argument, output_cache, with_cache
 from peft_kvcache import (
     CacheMismatchError, CalibrationError, FingerprintMismatchError, IncompatibleModelsError, KVMap, MappedCache,
     UnsupportedPositionalSchemeError,
@@ -28,7 +28,7 @@ def test_same_model_reproduces_next_token_logits_batch_of_one(identity):
     prompt = torch.randint(0, 128, (1, 30))
     cache = MappedCache.from_source(model, kv_map, model, input_ids=prompt[:, :-1])
     full = model(prompt).logits[:, -1]
-    mapped = model(prompt[:, -1:], cache=cache, position_ids=torch.tensor([[29]])).logits[:, -1]
+    mapped = model(prompt[:, -1:], **with_cache(model, cache), position_ids=torch.tensor([[29]])).logits[:, -1]
     assert _relative_error(mapped, full) < 1e-3
 
 
@@ -40,12 +40,12 @@ def test_same_model_reproduces_logits_and_greedy_output_left_padded_batch(identi
     mask[0, :7] = 0  # row 0 is left-padded
     full = model.generate(prompt, attention_mask=mask, max_new_tokens=8, do_sample=False)
     cache = MappedCache.from_source(model, kv_map, model, input_ids=prompt[:, :-1], attention_mask=mask[:, :-1])
-    mapped = model.generate(prompt, attention_mask=mask, cache=cache, max_new_tokens=8, do_sample=False)
+    mapped = model.generate(prompt, attention_mask=mask, **with_cache(model, cache), max_new_tokens=8, do_sample=False)
     assert torch.equal(mapped, full)
 
     cache = MappedCache.from_source(model, kv_map, model, input_ids=prompt[:, :-1], attention_mask=mask[:, :-1])
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
-    logits = model(prompt[:, -1:], attention_mask=mask, cache=cache, position_ids=positions[:, -1:]).logits
+    logits = model(prompt[:, -1:], attention_mask=mask, **with_cache(model, cache), position_ids=positions[:, -1:]).logits
     reference = model(prompt, attention_mask=mask, position_ids=positions).logits
     assert _relative_error(logits[:, -1], reference[:, -1]) < 1e-3
 
@@ -65,9 +65,9 @@ def test_generate_accepts_both_cache_spellings(identity):
 def test_a_source_cache_can_be_mapped_directly(identity):
     model, kv_map = identity
     prompt = torch.randint(0, 128, (1, 20))
-    source_cache = model(prompt[:, :-1], use_cache=True).cache
+    source_cache = output_cache(model(prompt[:, :-1], use_cache=True))
     cache = MappedCache.from_source(source_cache, kv_map, model, input_ids=prompt[:, :-1])
-    out = model.generate(prompt, cache=cache, max_new_tokens=6, do_sample=False)
+    out = model.generate(prompt, **with_cache(model, cache), max_new_tokens=6, do_sample=False)
     assert torch.equal(out, model.generate(prompt, max_new_tokens=6, do_sample=False))
 
 
@@ -76,7 +76,7 @@ def test_cache_as_long_as_the_prompt_is_refused(identity):
     prompt = torch.randint(0, 128, (1, 20))
     cache = MappedCache.from_source(model, kv_map, model, input_ids=prompt)
     with pytest.raises(CacheMismatchError, match=r"prompt\[:, :-1\]"):
-        model.generate(prompt, cache=cache, max_new_tokens=3, do_sample=False)
+        model.generate(prompt, **with_cache(model, cache), max_new_tokens=3, do_sample=False)
 
 
 def test_differently_shaped_pair_gives_the_targets_shapes_dtype_and_length(sibling_pair, sibling_map):
@@ -91,7 +91,7 @@ def test_differently_shaped_pair_gives_the_targets_shapes_dtype_and_length(sibli
             assert layer.keys.shape == layer.values.shape == (2, 3, 32, 32)  # target: 3 KV heads x head_dim 32
             assert layer.keys.dtype == torch.bfloat16 and layer.keys.device == target16.device
         assert cache.get_seq_length() == 32
-        out = target16.generate(prompt, cache=cache, max_new_tokens=5, do_sample=False)
+        out = target16.generate(prompt, **with_cache(target16, cache), max_new_tokens=5, do_sample=False)
         assert out.shape == (2, 38)
     finally:
         target.to(torch.float32)
@@ -104,22 +104,22 @@ def test_position_offset_gives_the_same_continuation(sibling_pair, sibling_map):
     logits = []
     for offset in (0, 37):
         cache = MappedCache.from_source(source, sibling_map, target, input_ids=prompt[:, :-1], position_offset=offset)
-        out = target(prompt[:, -1:], cache=cache, position_ids=torch.tensor([[24 + offset]]))
+        out = target(prompt[:, -1:], **with_cache(target, cache), position_ids=torch.tensor([[24 + offset]]))
         logits.append(out.logits[:, -1])
     assert _relative_error(logits[1], logits[0]) < 1e-4
 
     # generate() with default positions would continue at 24, not 61: the cache refuses that.
     cache = MappedCache.from_source(source, sibling_map, target, input_ids=prompt[:, :-1], position_offset=37)
     with pytest.raises(CacheMismatchError):
-        target.generate(prompt, cache=cache, max_new_tokens=2)
+        target.generate(prompt, **with_cache(target, cache), max_new_tokens=2)
 
 
 def test_sink_is_computed_by_the_target_itself(sibling_pair, sibling_map):
     source, target = sibling_pair
     prompt = torch.randint(0, 128, (1, 20))
-    own = target(prompt[:, :1], use_cache=True).cache
+    own = output_cache(target(prompt[:, :1], use_cache=True))
     with_sink = MappedCache.from_source(source, sibling_map, target, input_ids=prompt)
-    source_cache = source(prompt, use_cache=True).cache
+    source_cache = output_cache(source(prompt, use_cache=True))
     without = MappedCache.from_source(source_cache, sibling_map, target)  # no ids: the sink is mapped too
     for layer, mine, bare in zip(own.layers, with_sink.layers, without.layers):
         torch.testing.assert_close(mine.keys[:, :, :1], layer.keys)
@@ -140,7 +140,7 @@ def test_wrong_models_for_the_map_are_refused_naming_both(sibling_pair, sibling_
 
 def test_source_cache_of_the_wrong_shape_is_refused(sibling_pair, sibling_map):
     _, target = sibling_pair
-    wrong = target(torch.randint(0, 128, (1, 10)), use_cache=True).cache  # a target cache, not a source one
+    wrong = output_cache(target(torch.randint(0, 128, (1, 10)), use_cache=True))  # a target cache, not a source one
     with pytest.raises(CacheMismatchError, match="layers|expects"):
         MappedCache.from_source(wrong, sibling_map, target)
 
@@ -173,3 +173,25 @@ def test_unsupported_positional_scheme_is_refused_at_calibration():
     model = tiny_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
     with pytest.raises(UnsupportedPositionalSchemeError, match="sliding"):
         KVMap.calibrate(model, model, random_ids(4, 20), progress=False)
+
+
+def test_a_calibrated_sibling_map_predicts_the_targets_own_cache(sibling_pair, sibling_map):
+    """On text the fit never saw, the mapped keys and values are closer to the target's own than no map at all
+    (zeros: the whole error, 1.0) and than the map's bias alone (its weights zeroed): the weights carry the
+    source's context into the target's space."""
+    from peft_kvcache.capture import run_with_cache
+
+    source, target = sibling_pair
+    ids = random_ids(1, 48, seed=21)[0][None]
+    own = run_with_cache(target, ids)
+    bias_only = KVMap(sibling_map.config, {k: torch.zeros_like(v) if k.endswith(".weight") else v
+                                           for k, v in sibling_map.tensors.items()})
+
+    def errors(kv_map) -> list[float]:
+        mapped = MappedCache.from_source(source, kv_map, target, input_ids=ids, refresh_tokens=0)
+        return [float((got[:, :, 1:] - want[:, :, 1:]).norm() / want[:, :, 1:].norm())
+                for layer, keys, values in zip(mapped.layers, own.keys, own.values)
+                for got, want in ((layer.keys, keys), (layer.values, values))]
+
+    mapped, bias = errors(sibling_map), errors(bias_only)
+    assert max(mapped) < 0.97 and all(m < b for m, b in zip(mapped, bias)), (mapped, bias)

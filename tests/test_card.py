@@ -14,7 +14,7 @@ import torch
 from huggingface_hub import ModelCard
 
 from peft_kvcache import KVMap, KVMapConfig, card
-from peft_kvcache.config import (CalibrationConfig, CalibrationRecord, DataRecord, GateRecord, ModelSpec,
+from peft_kvcache.config import (CalibrationConfig, CalibrationRecord, DataRecord, Figure, GateRecord, ModelSpec,
                                  QualityRecord, Refresh, TextRecord)
 from peft_kvcache.models import KVLayout
 from peft_kvcache.positions import RotaryRecord
@@ -30,8 +30,8 @@ CALIBRATION = CalibrationRecord(
 QUALITY = QualityRecord(
     gate=GateRecord(0.61, [0.99, 0.98, 0.97], [0.9, 0.9, 0.9], sequences=8, query_tokens=16,
                     data=DataRecord("gate", [TextRecord("random.py", 300)])),
-    figures={"continuation.mapped@1.normalized_retention": 0.8123, "ttft.mapped@1.speedup_2048": 7.25},
-    results="benchmarks/results/publish.json")
+    figures={"continuation.mapped@1.normalized_retention": Figure(0.8123, "benchmarks/results/siblings.json", "a/b"),
+             "ttft.speedup_cold_2048": Figure(7.25, "benchmarks/results/ttft-x.json", "rows/context=2048/speedup_cold")})
 
 
 def make_map(**overrides) -> KVMap:
@@ -66,10 +66,9 @@ def test_metadata_parses_with_huggingface_hub(saved):
     assert data.base_model == ["Qwen/Qwen2.5-Coder-0.5B-Instruct", "Qwen/Qwen2.5-Coder-1.5B-Instruct"]
     assert {"peft-kvcache", "kv-cache", "cross-shape"} <= set(data.tags)
     assert data.license == "apache-2.0"
-    assert {"heldout_key_r2", "normalized_retention", "speedup_2048", "predicted_retention"} <= set(data.metrics)
+    assert {"heldout_key_r2", "normalized_retention", "speedup_cold_2048", "predicted_retention"} <= set(data.metrics)
     meta = data.to_dict()["peft_kvcache"]
     assert meta["source_fingerprint"] == SOURCE_FP and meta["target_fingerprint"] == TARGET_FP
-    assert meta["results"] == "benchmarks/results/publish.json"
     figures = meta["figures"]
     assert figures["continuation.mapped@1.normalized_retention"] == pytest.approx(0.8123)
     assert figures["heldout_key_r2"] == pytest.approx(0.65) and figures["predicted_retention"] == 0.61
@@ -85,7 +84,7 @@ def test_the_card_has_every_section(saved):
     assert "123,456" in text and "30,864" in text and "2 distinct (1 for fitting, 1 held out whole" in text
     assert "`json/decoder.py`" in text                             # the calibration files are named
     assert "0.8123" in text and "7.25" in text and "0.610" in text  # measured figures and the gate
-    assert "benchmarks/results/publish.json" in text               # ... citing where they come from
+    assert "`benchmarks/results/siblings.json`" in text and "ttft-x.json" in text  # ... citing where they come from
     assert "| 2 | 1 | 1 | 0.450 | 0.500 |" in text                  # layer table: target 2 <- source 1
     assert "maps the whole context by default" in text             # no refresh recommended
     assert "{{" not in text and "}}" not in text                   # every placeholder was filled
@@ -94,8 +93,9 @@ def test_the_card_has_every_section(saved):
 def test_held_out_is_claimed_only_for_disjoint_text():
     assert "disjoint from the calibration texts" in card.evaluation_text(make_map().config)
     overlapping = QualityRecord(gate=GateRecord(0.5, [1.0] * 3, [0.5] * 3, 1, 4, DataRecord("", [TextRecord("ast.py", 1)])),
-                                figures={"x": 1.0}, results="r.json")
-    assert "disjoint" not in card.evaluation_text(make_map(quality=overlapping).config)
+                                figures={"x": Figure(1.0, "r.json", "x")})
+    text = card.evaluation_text(make_map(quality=overlapping).config)
+    assert "disjoint" not in text and "`r.json`" in text
     assert card.evaluation_text(make_map(quality=QualityRecord()).config) == ""
 
 

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
 from conftest import save_tiny_model
+from peft_kvcache.provenance import lookup
 from peft_kvcache import KVMap
 from peft_kvcache.cli import build_parser, main
 
@@ -212,12 +213,11 @@ def test_evaluate_prints_a_table_and_records_figures_only_for_held_out_text(cali
     assert status == 0, err
     report = json.loads(out)
     assert report["context_length"] == 24 and report["examples"] == 2
-    quality = KVMap.from_pretrained(folder).config.quality
-    results = json.loads((folder / quality.results).read_text())
+    figure = KVMap.from_pretrained(folder).config.quality.figures["mapped@1.kl"]
+    results = json.loads((folder / figure.results).read_text())
     assert results["retention"]["rows"] == report["rows"]
     assert results["provenance"]["data"]["texts"] == ["other0.py", "other1.py"]
-    mapped = next(row for row in report["rows"] if row["variant"] == "mapped@1")
-    assert quality.figures["mapped@1.kl"] == round(mapped["kl"], 4)
+    assert figure.value == lookup(results, figure.key) == next(r["kl"] for r in report["rows"] if r["variant"] == "mapped@1")
     assert "mapped@1.kl" in (folder / "README.md").read_text()
 
 

@@ -27,6 +27,17 @@ def test_the_cache_argument_is_the_one_forward_takes(kind):
     assert _compat.output_cache(out).get_seq_length() == 6
 
 
+def test_a_model_whose_forward_takes_the_old_name_gets_it():
+    class OldStyle(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, **kwargs):
+            return past_key_values
+
+    model = OldStyle()
+    assert _compat.cache_argument(model) == "past_key_values"
+    cache = DynamicCache()
+    assert model(**_compat.with_cache(model, cache)) is cache
+
+
 def test_the_cache_update_sees_the_positions_of_the_new_tokens(sibling_pair, sibling_map):
     """MappedCache's continuation check reads position_ids from Cache.update's keyword arguments."""
     source, target = sibling_pair

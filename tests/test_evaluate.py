@@ -1,8 +1,10 @@
+import pytest
 import torch
 
+from peft_kvcache._compat import output_cache, with_cache
 from conftest import random_ids, tiny_model
 from peft_kvcache import KVMap
-from peft_kvcache.evaluate import evaluate_retention, window_logits
+from peft_kvcache.evaluate import RetentionReport, VariantScores, evaluate_retention, window_logits
 
 
 @torch.no_grad()
@@ -15,8 +17,8 @@ def test_window_control_sees_its_sink():
     without = window_logits(model, ids, context=30, window=4, sink=0)
     assert not torch.allclose(with_sink, without, atol=1e-4)
     # Reference: the sink's KV in a cache, then the window at its true positions.
-    cache = model(ids[None, :1], use_cache=True).cache
-    reference = model(ids[None, 26:39], position_ids=torch.arange(26, 39)[None], cache=cache).logits[0, -10:]
+    cache = output_cache(model(ids[None, :1], use_cache=True))
+    reference = model(ids[None, 26:39], position_ids=torch.arange(26, 39)[None], **with_cache(model, cache)).logits[0, -10:]
     torch.testing.assert_close(with_sink, reference, rtol=1e-4, atol=1e-4)
 
 
@@ -48,3 +50,48 @@ def test_context_checks_are_recorded_per_example_and_sorted_into_bad_and_good(si
         bad = int((mapped < control).sum())
         assert (counts["bad"], counts["good"]) == (bad, 4 - bad)
         assert (counts["bad_flagged"], counts["good_flagged"]) == ((bad, 4 - bad) if expect_flagged else (0, 0))
+
+
+def _report(per_example: dict[str, list[float]], tokens: int = 10) -> RetentionReport:
+    """A report whose variants score the given top-1 accuracies per example (``tokens`` tokens each)."""
+    scores = {}
+    for name, accuracies in per_example.items():
+        variant = VariantScores()
+        for accuracy in accuracies:
+            hits = round(accuracy * tokens)
+            variant.correct.append(torch.tensor([1.0] * hits + [0.0] * (tokens - hits)))
+            variant.kl.append(torch.full((tokens,), 1.0 - accuracy))
+            variant.agree.append(torch.ones(tokens))
+        scores[name] = variant
+    return RetentionReport(scores, context_length=32, continuation_length=tokens)
+
+
+def test_normalized_retention_is_the_share_of_the_context_gain():
+    report = _report({"full": [0.8, 0.8], "no_context": [0.4, 0.4], "mapped@1": [0.6, 0.6]})
+    rows = {row["variant"]: row for row in report.rows()}
+    assert rows["mapped@1"]["normalized_retention"] == pytest.approx(0.5)  # (0.6 - 0.4) / (0.8 - 0.4)
+    assert rows["mapped@1"]["raw_retention"] == pytest.approx(0.75)       # 0.6 / 0.8: not the headline figure
+    assert rows["no_context"]["normalized_retention"] == 0 and rows["full"]["normalized_retention"] == 1
+
+
+def test_intervals_are_paired_over_examples():
+    """Examples differ a lot in difficulty but a is always 0.1 above b: a paired interval is tight around 0.1,
+    an unpaired one would span the spread between examples."""
+    easy_hard = [0.9, 0.2, 0.8, 0.3, 0.7, 0.1, 0.9, 0.2, 0.6, 0.3, 0.8, 0.2]
+    report = _report({"full": [min(1.0, x + 0.1) for x in easy_hard], "no_context": [0.0] * 12,
+                      "a": easy_hard, "b": [x - 0.1 if x >= 0.1 else 0.0 for x in easy_hard]})
+    diff = report.paired_difference("a", "b", metric="kl")
+    assert diff["difference"] == pytest.approx(-0.1, abs=1e-6)
+    assert diff["high"] - diff["low"] < 0.05  # the spread between examples (0.8) cancels out when paired
+    normalized = report.paired_difference("a", "b")
+    assert normalized["low"] > 0 and normalized["high"] - normalized["low"] < 0.1
+
+
+def test_sparse_control_with_every_position_is_the_targets_own_prefill(sibling_pair, sibling_map):
+    source, target = sibling_pair
+    report = evaluate_retention(source, target, sibling_map, random_ids(2, 40, seed=12), context_length=32,
+                                continuation_length=8, windows=(2,), refresh=(4, 60), sparse_control=True,
+                                progress=False)
+    rows = {row["variant"]: row for row in report.rows()}
+    assert rows["sparse@2+r60"]["kl"] < 1e-6  # every position recomputed by the target: its own prefill
+    assert rows["sparse@2+r4"]["kl"] > 1e-4   # a few positions and no mapped context: far from it

@@ -103,3 +103,17 @@ def test_too_few_tokens_for_a_held_out_split_is_a_calibration_error():
     x = torch.randn(5, 4)
     with pytest.raises(CalibrationError, match="held-out"):
         _Centered(_stats(x, x), SufficientStatistics.empty(4, {"t": 4}), "t")
+
+
+def test_batched_calibration_ignores_the_padding():
+    """Left-padded batches of unequal sequences give the statistics (and the map) of one sequence at a time."""
+    from conftest import random_ids, tiny_model
+    from peft_kvcache import KVMap
+
+    source, target = tiny_model("qwen2", seed=0), tiny_model("llama", seed=1, num_hidden_layers=3)
+    data = [ids[: 20 + 7 * (i % 4)] for i, ids in enumerate(random_ids(10, 48, seed=3))]  # 4 different lengths
+    one = KVMap.calibrate(source, target, data, batch_size=1, progress=False)
+    batched = KVMap.calibrate(source, target, data, batch_size=4, progress=False)
+    assert one.config.calibration.train_tokens == batched.config.calibration.train_tokens
+    for name, tensor in one.tensors.items():
+        torch.testing.assert_close(batched.tensors[name], tensor, rtol=1e-4, atol=1e-4)

@@ -45,7 +45,7 @@ def saved_maps(pair, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("maps")
     main = kv_map.save_pretrained(root / "main")
     other = KVMap(kv_map.config, {k: v if k.endswith("inv_freq") else v * 0.5 for k, v in kv_map.tensors.items()})
-    other.config = type(kv_map.config).from_dict(dict(kv_map.config.to_dict(), quality={"figures": {"marker": 2.0}}))
+    other.config = type(kv_map.config).from_dict(dict(kv_map.config.to_dict(), quality={"figures": {"marker": {"value": 2.0, "results": "r.json", "key": "m"}}}))
     pinned = other.save_pretrained(root / "pinned", chart=False)
     return {"main": main, "pinned": pinned}
 
@@ -96,7 +96,7 @@ def test_repo_id_resolves_at_the_default_and_at_pinned_revisions(offline_cache, 
     by_default = KVMap.from_pretrained(REPO)
     assert _same_tensors(by_default, main) and by_default.config.quality == QualityRecord()
     by_commit = KVMap.from_pretrained(REPO, revision=PINNED_SHA)
-    assert _same_tensors(by_commit, pinned) and by_commit.config.quality.figures == {"marker": 2.0}
+    assert _same_tensors(by_commit, pinned) and by_commit.config.quality.figures["marker"].value == 2.0
     by_branch = KVMap.from_pretrained(REPO, revision="v1")
     assert _same_tensors(by_branch, pinned)
     assert _same_tensors(KVMap.from_pretrained(REPO, revision=MAIN_SHA), main)

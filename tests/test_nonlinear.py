@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from peft_kvcache._compat import output_cache, with_cache
 from conftest import random_ids, tiny_model
 from peft_kvcache import KVMap, MappedCache
 from peft_kvcache.apply import map_cache
@@ -122,7 +123,7 @@ def test_apply_path_adds_the_mlp_residual_only_on_its_layers(pair, nonlinear_map
     source, target, _, linear = pair
     ids = random_ids(2, 12, seed=9)
     mask = torch.ones(2, 12, dtype=torch.long)
-    captured = source(input_ids=torch.stack(ids), use_cache=True).cache
+    captured = output_cache(source(input_ids=torch.stack(ids), use_cache=True))
     keys = [layer.keys for layer in captured.layers]
     values = [layer.values for layer in captured.layers]
     positions = positions_from_mask(mask)

@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 
+from peft_kvcache._compat import output_cache, with_cache
 from conftest import random_ids, tiny_model
 from peft_kvcache import KVMap, MappedCache
 from peft_kvcache.capture import run_with_cache
@@ -89,7 +90,7 @@ def test_below_the_bar_the_targets_own_prefill_serves(model, identity_map):
     for layer, k, v in zip(cache.layers, own.keys, own.values):
         assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
     with torch.no_grad():
-        logits = model(input_ids=prompt[:, -1:], cache=cache).logits[0, -1]
+        logits = model(input_ids=prompt[:, -1:], **with_cache(model, cache)).logits[0, -1]
         full = model(input_ids=prompt).logits[0, -1]
     torch.testing.assert_close(logits, full, atol=1e-5, rtol=1e-5)
 
@@ -140,7 +141,7 @@ def test_context_check_passes_a_good_map_and_flags_a_corrupted_one(model, identi
     dropped = check_context(bad, model, context, ContextCheck(8, 0.05, "drop_middle"))
     assert dropped.cache.get_seq_length() == 1 + 8 and dropped.kept_positions.tolist() == [0] + list(range(24, 32))
     with torch.no_grad():  # continue at the true position of the next token
-        model(input_ids=prompt[:, -1:], position_ids=dropped.next_positions[:, None], cache=dropped.cache)
+        model(input_ids=prompt[:, -1:], position_ids=dropped.next_positions[:, None], **with_cache(model, dropped.cache))
     with pytest.raises(QualityError, match="per-request check"):
         check_context(bad, model, context, ContextCheck(8, 0.05, "raise"))
     assert bad.get_seq_length() == context.shape[1]  # the mapped cache itself is left as it was

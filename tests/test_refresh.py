@@ -9,7 +9,7 @@ from transformers.cache_utils import DynamicCache
 from conftest import random_ids, tiny_model
 from peft_kvcache import MappedCache
 from peft_kvcache.capture import run_with_cache
-from peft_kvcache._compat import attention_implementation, fill_cache
+from peft_kvcache._compat import attention_implementation, fill_cache, output_cache, with_cache
 from peft_kvcache.config import Refresh
 from peft_kvcache.errors import CacheMismatchError
 from peft_kvcache.evaluate import evaluate_retention
@@ -84,19 +84,19 @@ def test_from_source_refresh_covers_the_whole_context_and_continues(sibling_pair
     own_logits = target(ids).logits[0, -1]
     full = MappedCache.from_source(source, sibling_map, target, input_ids=context, refresh_tokens=Refresh(27, 4))
     assert full.get_seq_length() == 32 and full.refresh.positions.tolist() == list(range(1, 28))
-    logits = target(ids[:, -1:], cache=full, position_ids=torch.tensor([[32]])).logits[0, -1]
+    logits = target(ids[:, -1:], **with_cache(target, full), position_ids=torch.tensor([[32]])).logits[0, -1]
     assert torch.allclose(logits, own_logits, atol=1e-4)  # everything refreshed: the target's own prefill
 
     plain = MappedCache.from_source(source, sibling_map, target, input_ids=context)
     some = MappedCache.from_source(source, sibling_map, target, input_ids=context, refresh_tokens=Refresh(6, 4))
     assert some.refresh.positions.numel() == 6
     def error(cache) -> float:
-        return float((target(ids[:, -1:], cache=cache).logits[0, -1] - own_logits).abs().max())
+        return float((target(ids[:, -1:], **with_cache(target, cache)).logits[0, -1] - own_logits).abs().max())
 
     assert error(some) < error(plain)
     with pytest.raises(CacheMismatchError, match="next tokens start"):
-        target(ids, position_ids=torch.arange(33)[None], cache=MappedCache.from_source(
-            source, sibling_map, target, input_ids=context, refresh_tokens=Refresh(6, 4)))
+        target(ids, position_ids=torch.arange(33)[None], **with_cache(target, MappedCache.from_source(
+            source, sibling_map, target, input_ids=context, refresh_tokens=Refresh(6, 4))))
 
 
 def test_the_switch_passes_skip_the_vocabulary_projection(sibling_pair, sibling_map):
@@ -143,3 +143,18 @@ def test_evaluate_scores_refresh_beside_its_equal_compute_control(sibling_pair, 
     rows = {row["variant"]: row for row in report.rows()}
     assert rows["mapped@2+r60"]["kl"] < 1e-6  # budget past the context: every position refreshed, exact
     assert rows["mapped@2+r4"]["kl"] < rows["mapped@2"]["kl"]
+
+
+def test_the_refresh_recomputes_the_positions_the_probe_attends_to(sibling_pair, sibling_map):
+    from peft_kvcache.refresh import refresh_cache
+
+    source, target = sibling_pair
+    ids = random_ids(1, 40, seed=13)[0][None]
+    mapped = MappedCache.from_source(source, sibling_map, target, input_ids=ids, refresh_tokens=0)
+    probe = _plain(mapped)
+    from peft_kvcache._compat import truncate
+
+    truncate(probe, 40 - 4)
+    expected = select_spans(attention_scores(target, probe, ids[:, 36:]), 6, 3, first=1)
+    result = refresh_cache(target, _plain(mapped), ids, Refresh(6, 4, 3), sink_tokens=1)
+    assert result.positions.tolist() == expected.tolist()  # chosen by the probe's attention, not at random
