@@ -21,7 +21,6 @@ import json
 import statistics
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F

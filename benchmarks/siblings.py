@@ -22,8 +22,14 @@ from peft_kvcache.calibrate import CalibrationTexts, ModelSide, StatisticsRun, b
 from peft_kvcache.capture import run_with_cache
 from peft_kvcache.config import CalibrationConfig, CalibrationRecord, ModelSpec, Refresh
 from peft_kvcache.corpus import corpus_description, prose_texts, stdlib_texts
-from peft_kvcache.evaluate import (RetentionReport, VariantScores, cached_logits, evaluate_retention, full_logits,
-                                   window_logits)
+from peft_kvcache.evaluate import (
+    RetentionReport,
+    VariantScores,
+    cached_logits,
+    evaluate_retention,
+    full_logits,
+    window_logits,
+)
 from peft_kvcache.fixtures import load_model
 
 from .common import LARGE, SMALL, interval, save, table

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from peft_kvcache import AdapterMaps, AdapterSession, SharedPeftModel
 from peft_kvcache.capture import run_with_cache
 from peft_kvcache.corpus import DOCSTRING_INSTRUCTION, functions_with_docstrings, stdlib_texts

@@ -7,9 +7,12 @@ base model of a PEFT adapter into the target's KV space.
     out = target_model.generate(input_ids=prompt, cache=cache, max_new_tokens=32)
 """
 
+from . import calibrate as _calibrate  # noqa: F401  (attaches KVMap.calibrate)
 from ._version import __version__  # noqa: F401
-
-from .errors import (  # noqa: E402
+from .adapter_maps import AdapterMaps
+from .cache import MappedCache
+from .config import CalibrationConfig, KVMapConfig, Refresh
+from .errors import (
     ArtifactError,
     CacheMismatchError,
     CalibrationError,
@@ -25,12 +28,8 @@ from .errors import (  # noqa: E402
     SessionError,
     UnsupportedPositionalSchemeError,
 )
-from .config import CalibrationConfig, KVMapConfig, Refresh  # noqa: E402
-from .kvmap import KVMap  # noqa: E402
-from .cache import MappedCache  # noqa: E402
-from .adapter_maps import AdapterMaps  # noqa: E402
-from .sessions import AdapterSession, SharedPeftModel, TurnResult  # noqa: E402
-from . import calibrate as _calibrate  # noqa: E402,F401  (attaches KVMap.calibrate)
+from .kvmap import KVMap
+from .sessions import AdapterSession, SharedPeftModel, TurnResult
 
 __all__ = [
     "AdapterMaps",

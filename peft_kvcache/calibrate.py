@@ -26,8 +26,17 @@ from .config import CalibrationConfig, CalibrationRecord, DataRecord, KVMapConfi
 from .errors import CalibrationError
 from .fit import SufficientStatistics, all_reduce_statistics, fit_layers, fit_same_layers
 from .kvmap import KVMap
-from .models import (KVLayout, adapter_active, cached_fingerprint, check_pair, is_activated_lora, is_peft_model,
-                     layer_features, model_name, vocab_size_of)
+from .models import (
+    KVLayout,
+    adapter_active,
+    cached_fingerprint,
+    check_pair,
+    is_activated_lora,
+    is_peft_model,
+    layer_features,
+    model_name,
+    vocab_size_of,
+)
 from .positions import RotarySpec, position_free_keys, positions_from_mask, rotary_spec_of
 
 logger = logging.getLogger(__name__)

@@ -192,7 +192,7 @@ def calibration_text(config: KVMapConfig) -> str:
              f"- texts: {len(train) + len(heldout)} distinct ({len(train)} for fitting, {len(heldout)} held out whole "
              f"to choose ridge strengths and source layers); {cut}: {record.sequences} chunks",
              f"- tokens: {record.train_tokens:,} for fitting, {record.heldout_tokens:,} held out",
-             f"- source layers per target layer: " + ("the same layer" if options.same_layer
+             "- source layers per target layer: " + ("the same layer" if options.same_layer
                                                       else f"top-{options.top_k} by held-out R²")]
     if train:
         lines.append(f"- files: {', '.join(f'`{n}`' for n in train[:6])}{', …' if len(train) > 6 else ''} "

@@ -13,8 +13,8 @@ import ast
 import hashlib
 import inspect
 import platform
-import textwrap
 import sysconfig
+import textwrap
 from functools import lru_cache
 from pathlib import Path
 

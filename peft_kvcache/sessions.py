@@ -55,8 +55,16 @@ from .cache import MappedCache
 from .capture import cache_states, forward
 from .errors import SessionError
 from .kvmap import KVMap
-from .models import (adapter_active, check_token_ids, is_activated_lora, is_peft_model, layer_placements, model_device,
-                     model_lock, vocab_size_of)
+from .models import (
+    adapter_active,
+    check_token_ids,
+    is_activated_lora,
+    is_peft_model,
+    layer_placements,
+    model_device,
+    model_lock,
+    vocab_size_of,
+)
 
 logger = logging.getLogger(__name__)
 

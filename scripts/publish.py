@@ -13,7 +13,6 @@ cards and the README only from the results files the stages wrote (with their pr
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from pathlib import Path
 
@@ -28,16 +27,25 @@ from peft_kvcache.adapter_maps import folder_name
 from peft_kvcache.blend import choose_adapter_blends
 from peft_kvcache.calibrate import calibrate_adapters
 from peft_kvcache.capture import run_with_cache
-from peft_kvcache.config import (CalibrationConfig, DataRecord, Figure, GateRecord, QualityRecord, Refresh, TextRecord,
-                                 from_json, to_json)
+from peft_kvcache.config import (
+    CalibrationConfig,
+    DataRecord,
+    GateRecord,
+    QualityRecord,
+    Refresh,
+    TextRecord,
+    from_json,
+    to_json,
+)
 from peft_kvcache.corpus import corpus_description, docstring_chat, functions_with_docstrings, stdlib_texts
 from peft_kvcache.fixtures import load_model
 from peft_kvcache.models import adapter_active
 from peft_kvcache.provenance import lookup
 from peft_kvcache.quality import measure_quality
+from scripts import figures
 
 logger = logging.getLogger("publish")
-HUB_CARDS = ROOT / "hub_cards"
+HUB_CARDS = figures.HUB_CARDS
 SCALES = (8, 16, 32, 64, 128)  # calibration files of the data-scaling curve; the published maps use one of them
 SIBLING_CONFIG = CalibrationConfig(top_k=2, max_length=512, chunks_per_text=1)
 MIN_PUBLISHED_FILES = 64  # the published sibling maps are fitted on at least this many distinct files
@@ -49,7 +57,6 @@ TTFT_LENGTHS, TTFT_REPEATS = (512, 2048, 8192), 5
 STORAGE_FILES = 8  # selection texts on which float32 and bfloat16 weights are compared
 ADAPTER_FILES, ADAPTER_CHATS, BLEND_FILES = 128, 8, 12  # the adapter maps' calibration and blend texts
 ADAPTER_TTFT_LENGTHS = (1024, 4096)
-README_BEGIN, README_END = "<!-- figures:begin (scripts/publish.py writes this table) -->", "<!-- figures:end -->"
 
 
 class Publisher:
@@ -133,10 +140,10 @@ class Publisher:
 
     def chosen_map(self, direction: str, with_recipe: bool = True) -> KVMap:
         """The map fitted on the scale the curve chose, with the recommended refresh (once the budget stage ran)."""
-        scaling = _results("sibling-scaling")["curve"][direction]
+        scaling = figures.results("sibling-scaling")["curve"][direction]
         kv_map = KVMap.from_pretrained(self.scale_folder(scaling["chosen_files"], direction))
         if with_recipe and (RESULTS / "sibling-budget.json").is_file():
-            k = _results("sibling-budget")["recommended"][direction]
+            k = figures.results("sibling-budget")["recommended"][direction]
             kv_map.config.refresh = Refresh(k, budget.PROBE, budget.SPAN) if k else None
         return kv_map
 
@@ -194,15 +201,15 @@ class Publisher:
     def sibling_cards(self) -> None:
         """Write hub_cards/<pair> for both directions: the chosen map, its gate, its recipe, the storage dtype the
         storage stage chose, and figures copied from the results files that cite them."""
-        storage = _results("storage-dtype")["choice"]
+        storage = figures.results("storage-dtype")["choice"]
         for direction in siblings.DIRECTIONS:
             name = siblings.pair_name(direction)
             kv_map = self.chosen_map(direction)
-            scale = str(_results("sibling-scaling")["curve"][direction]["chosen_files"])
+            scale = str(figures.results("sibling-scaling")["curve"][direction]["chosen_files"])
             kv_map.config.quality = QualityRecord(
-                gate=from_json(GateRecord, _results("sibling-gates")["gates"][direction][scale], "sibling-gates.json"),
-                figures={**_task_figures("siblings", f"results/{name}", kv_map.config.refresh),
-                         **_ttft_figures(f"ttft-{name}")})
+                gate=from_json(GateRecord, figures.results("sibling-gates")["gates"][direction][scale], "sibling-gates.json"),
+                figures={**figures.task_figures("siblings", f"results/{name}", kv_map.config.refresh),
+                         **figures.ttft_figures(f"ttft-{name}")})
             _publish(kv_map, name, storage[name])
 
     def storage(self) -> None:
@@ -308,13 +315,13 @@ class Publisher:
                          vocab_high=tokenizer.vocab_size)
 
     def adapter_cards(self) -> None:
-        storage = _results("storage-dtype")["choice"]
-        gates = _results("adapter-gates")["gates"]
+        storage = figures.results("storage-dtype")["choice"]
+        gates = figures.results("adapter-gates")["gates"]
         for adapter, reverse, kv_map in self.adapter_maps().all():
             name = folder_name(PREFIX, adapter, reverse)
-            figures = {} if reverse else {**_adapter_figures(adapter), **_ttft_figures(f"ttft-{name}")}
+            measured = {} if reverse else {**figures.adapter_figures(adapter), **figures.ttft_figures(f"ttft-{name}")}
             kv_map.config.quality = QualityRecord(gate=from_json(GateRecord, gates[name], "adapter-gates.json"),
-                                                  figures=figures)
+                                                  figures=measured)
             _publish(kv_map, name, storage.get(folder_name(PREFIX, adapter, False), "float32"))
 
 
@@ -325,18 +332,18 @@ class Publisher:
         texts, the retention on texts disjoint from them (the sibling maps of every scale on the selection texts,
         the base -> adapter maps on the final texts); Pearson r with a Fisher-z 95% interval."""
         points = []
-        gates, curve = _results("sibling-gates")["gates"], _results("sibling-scaling")["curve"]
+        gates, curve = figures.results("sibling-gates")["gates"], figures.results("sibling-scaling")["curve"]
         for direction, entry in curve.items():
             for p in entry["points"]:
                 points.append({"map": f"{entry['map']} ({p['files']} files)", "measured_on": "sibling-scaling.json",
                                "predicted": gates[direction][str(p["files"])]["predicted_retention"],
                                "measured": p["normalized_retention"]})
-        adapter_gates, adapter_results = _results("adapter-gates")["gates"], _results("adapters")
+        adapter_gates, adapter_results = figures.results("adapter-gates")["gates"], figures.results("adapters")
         for adapter in ADAPTERS:
             points.append({"map": folder_name(PREFIX, adapter, False), "measured_on": "adapters.json",
                            "predicted": adapter_gates[folder_name(PREFIX, adapter, False)]["predicted_retention"],
                            "measured": lookup(adapter_results, f"retention/{adapter}/rows/variant=mapped@1/normalized_retention")})
-        r, low, high = pearson_interval([p["predicted"] for p in points], [p["measured"] for p in points])
+        r, low, high = figures.pearson_interval([p["predicted"] for p in points], [p["measured"] for p in points])
         save("gate-correlation", {"pearson_r": r, "low": low, "high": high, "maps": len(points), "points": points},
              f"# The quality gate against measured retention\n\nPearson r = {r:.3f} [{low:.3f}, {high:.3f}] over "
              f"{len(points)} distinct maps (gate texts disjoint from the retention texts).\n\n" + table(
@@ -347,50 +354,8 @@ class Publisher:
         """Regenerate the README's table of measured figures from the results files."""
         path = ROOT / "README.md"
         text = path.read_text()
-        start, end = text.index(README_BEGIN) + len(README_BEGIN), text.index(README_END)
-        path.write_text(text[:start] + "\n" + readme_table() + "\n" + text[end:])
-
-
-def pearson_interval(x: list[float], y: list[float]) -> tuple[float, float, float]:
-    """Pearson r of ``x`` and ``y`` and its 95% interval (Fisher z)."""
-    import math
-    import statistics
-
-    r = statistics.correlation(x, y)
-    z, se = math.atanh(max(min(r, 0.999999), -0.999999)), 1 / math.sqrt(max(len(x) - 3, 1))
-    return r, math.tanh(z - 1.96 * se), math.tanh(z + 1.96 * se)
-
-
-def readme_table() -> str:
-    """The README's measured-figures table, every cell read from a results file (with the command that made it)."""
-    rows = []
-    fmt = lambda r: f"{r['normalized_retention']:.2f} [{r['normalized_low']:.2f}, {r['normalized_high']:.2f}]"  # noqa: E731
-    evaluated = _results("siblings")
-    for name, tasks in evaluated["results"].items():
-        kv_map = KVMap.from_pretrained(HUB_CARDS / name)
-        recipe = kv_map.config.refresh
-        variant = f"mapped@{recipe.probe_tokens}+r{recipe.tokens}" if recipe else "mapped@1"
-        control = f"window@{2 * recipe.probe_tokens + recipe.tokens}" if recipe else "window@1"
-        ttft_rows = {r["context"]: r for r in _results(f"ttft-{name}")["rows"]}
-        for task, report in tasks.items():
-            by = {r["variant"]: r for r in report["rows"]}
-            speed = (f"{ttft_rows[2048]['speedup_cold']:.0f}x / {ttft_rows[2048].get('speedup_recipe', 0):.0f}x at 2k, "
-                     f"{ttft_rows[8192]['speedup_cold']:.0f}x / {ttft_rows[8192].get('speedup_recipe', 0):.0f}x at 8k"
-                     if task == "continuation" else "")
-            rows.append([name, f"{task} ({report['examples']})", fmt(by["mapped@1"]), fmt(by[variant]), fmt(by[control]),
-                         f"{by['mapped@1']['kl']:.3f} / {by[variant]['kl']:.3f}", speed])
-    adapters_ = _results("adapters")
-    for adapter in ADAPTERS:
-        by = {r["variant"]: r for r in adapters_["retention"][adapter]["rows"]}
-        ttft_rows = {r["context"]: r for r in _results(f"ttft-{folder_name(PREFIX, adapter, False)}")["rows"]}
-        rows.append([folder_name(PREFIX, adapter, False), f"continuation ({adapters_['retention'][adapter]['examples']})",
-                     fmt(by["mapped@1"]), "-", f"naive reuse {fmt(by['naive@1'])}",
-                     f"{by['mapped@1']['kl']:.3f} (naive {by['naive@1']['kl']:.3f})",
-                     " / ".join(f"{r['speedup_cold']:.0f}x at {c}" for c, r in ttft_rows.items())])
-    return table(["map", "task (examples)", "plain switch: normalized [95% CI]", "with the recipe", "control at equal "
-                  "compute", "KL plain / recipe", "TTFT vs re-prefill, cold sink: plain / recipe"], rows) + (
-        "\n\nFrom `benchmarks/results/siblings.json`, `adapters.json` and `ttft-*.json` (provenance inside), written by "
-        "`python -m scripts.publish`.")
+        start, end = text.index(figures.README_BEGIN) + len(figures.README_BEGIN), text.index(figures.README_END)
+        path.write_text(text[:start] + "\n" + figures.readme_table() + "\n" + text[end:])
 
 
 def _publish(kv_map: KVMap, name: str, dtype: str) -> None:
@@ -398,47 +363,6 @@ def _publish(kv_map: KVMap, name: str, dtype: str) -> None:
     kv_map.with_weights_dtype(getattr(torch, dtype)).save_pretrained(HUB_CARDS / name, repo_id=f"hub_cards/{name}",
                                                                      overwrite=True)
     logger.info("published %s (%s)", name, dtype)
-
-
-def _figure(stem: str, key: str) -> Figure:
-    return Figure(lookup(_results(stem), key), f"benchmarks/results/{stem}.json", key)
-
-
-def _task_figures(stem: str, prefix: str, refresh: Refresh | None) -> dict[str, Figure]:
-    """Normalized retention and KL of the plain switch, of the recipe and of their window controls, per task."""
-    variants = {"mapped@1": "plain", "window@1": "window_control_plain"}
-    if refresh is not None:
-        variants[f"mapped@{refresh.probe_tokens}+r{refresh.tokens}"] = "recipe"
-        variants[f"window@{2 * refresh.probe_tokens + refresh.tokens}"] = "window_control_recipe"
-    figures = {}
-    for task in _results(stem)[prefix.split("/")[0]][prefix.split("/")[1]]:
-        for variant, label in variants.items():
-            for metric in ("normalized_retention", "kl"):
-                figures[f"{task}.{label}.{metric}"] = _figure(stem, f"{prefix}/{task}/rows/variant={variant}/{metric}")
-    return figures
-
-
-def _ttft_figures(stem: str) -> dict[str, Figure]:
-    rows = _results(stem)["rows"]
-    return {f"ttft.speedup_{kind}_{row['context']}": _figure(stem, f"rows/context={row['context']}/speedup_{kind}")
-            for row in rows for kind in ("cold", "warm", "recipe") if f"speedup_{kind}" in row}
-
-
-def _adapter_figures(adapter: str) -> dict[str, Figure]:
-    figures = {}
-    for variant, label in (("mapped@1", "mapped"), ("naive@1", "naive_reuse")):
-        for metric in ("normalized_retention", "kl"):
-            figures[f"continuation.{label}.{metric}"] = _figure(
-                "adapters", f"retention/{adapter}/rows/variant={variant}/{metric}")
-    for name, label in (("session: mapped history", "session_mapped"), ("session: base history reused as is",
-                                                                         "session_naive_reuse")):
-        figures[f"own_task_after_chat.{label}.loss_gain_share"] = _figure(
-            "adapters", f"task_history/{adapter}/gain_retention_in_loss/{name}")
-    return figures
-
-
-def _results(stem: str) -> dict:
-    return json.loads((RESULTS / f"{stem}.json").read_text())
 
 
 def _mean(rows: list[list[float]]) -> float:

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from peft_kvcache.corpus import DOCSTRING_INSTRUCTION as INSTRUCTION
 from peft_kvcache.corpus import docstring_chat as encode
 from peft_kvcache.corpus import functions_with_docstrings
 

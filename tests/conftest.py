@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
-from pathlib import Path
-
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 from transformers.utils import logging as hf_logging

@@ -4,13 +4,18 @@ import contextlib
 
 import pytest
 import torch
-
 from conftest import random_ids, tiny_model
-from peft_kvcache._compat import cache_argument, output_cache, with_cache
+
 from peft_kvcache import (
-    CacheMismatchError, CalibrationError, FingerprintMismatchError, IncompatibleModelsError, KVMap, MappedCache,
+    CacheMismatchError,
+    CalibrationError,
+    FingerprintMismatchError,
+    IncompatibleModelsError,
+    KVMap,
+    MappedCache,
     UnsupportedPositionalSchemeError,
 )
+from peft_kvcache._compat import cache_argument, output_cache, with_cache
 
 
 @pytest.fixture

@@ -14,8 +14,17 @@ import torch
 from huggingface_hub import ModelCard
 
 from peft_kvcache import KVMap, KVMapConfig, card
-from peft_kvcache.config import (CalibrationConfig, CalibrationRecord, DataRecord, Figure, GateRecord, ModelSpec,
-                                 QualityRecord, Refresh, TextRecord)
+from peft_kvcache.config import (
+    CalibrationConfig,
+    CalibrationRecord,
+    DataRecord,
+    Figure,
+    GateRecord,
+    ModelSpec,
+    QualityRecord,
+    Refresh,
+    TextRecord,
+)
 from peft_kvcache.models import KVLayout
 from peft_kvcache.positions import RotaryRecord
 

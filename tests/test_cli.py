@@ -16,14 +16,13 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 import torch
-from huggingface_hub import ModelCard, constants
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
-
 from conftest import save_tiny_model
-from peft_kvcache.provenance import lookup
+from huggingface_hub import ModelCard, constants
+from transformers import AutoModelForCausalLM
+
 from peft_kvcache import KVMap
 from peft_kvcache.cli import build_parser, main
+from peft_kvcache.provenance import lookup
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("calibrate", "calibrate-adapters", "evaluate", "card", "inspect", "push")
@@ -318,9 +317,8 @@ def adapter_folders(workspace) -> dict[str, Path]:
 def test_calibrate_adapters_writes_both_directions_for_every_adapter(workspace, adapter_folders, tmp_path):
     from peft import PeftModel
 
-    from peft_kvcache import FingerprintMismatchError, MappedCache
+    from peft_kvcache import AdapterMaps, FingerprintMismatchError, MappedCache
     from peft_kvcache.capture import run_with_cache
-    from peft_kvcache import AdapterMaps
     from peft_kvcache.models import adapter_active
 
     status, out, err = cli(["calibrate-adapters", "--base", str(workspace["target"]),

@@ -8,9 +8,9 @@ import warnings
 
 import pytest
 import torch
+from conftest import random_ids, tiny_model
 from transformers.cache_utils import DynamicCache
 
-from conftest import random_ids, tiny_model
 from peft_kvcache import MappedCache, _compat
 from peft_kvcache.capture import forward, run_with_cache
 

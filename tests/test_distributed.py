@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import random_ids, save_tiny_model, tiny_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import random_ids, save_tiny_model, tiny_model
 from peft_kvcache import KVMap
 from peft_kvcache.calibrate import CalibrationTexts, ModelSide, StatisticsRun, collect
 from peft_kvcache.capture import run_with_cache

@@ -1,9 +1,9 @@
 import pytest
 import torch
-
-from peft_kvcache._compat import output_cache, with_cache
 from conftest import random_ids, tiny_model
+
 from peft_kvcache import KVMap
+from peft_kvcache._compat import output_cache, with_cache
 from peft_kvcache.evaluate import RetentionReport, VariantScores, evaluate_retention, window_logits
 
 

@@ -9,16 +9,25 @@ import json
 import os
 import threading
 import zipfile
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import random_ids, tiny_model
 from peft import LoraConfig, get_peft_model
 
-from peft_kvcache._compat import output_cache, with_cache
-from conftest import random_ids, tiny_model
-from peft_kvcache import (AdapterSession, ArtifactError, CacheMismatchError, CalibrationError, FingerprintMismatchError,
-                          FixtureError, KVMap, MappedCache, SessionError, SharedPeftModel)
+from peft_kvcache import (
+    AdapterSession,
+    ArtifactError,
+    CacheMismatchError,
+    CalibrationError,
+    FingerprintMismatchError,
+    FixtureError,
+    KVMap,
+    MappedCache,
+    SessionError,
+    SharedPeftModel,
+)
+from peft_kvcache._compat import with_cache
 from peft_kvcache.calibrate import calibrate_adapters
 from peft_kvcache.capture import run_with_cache
 from peft_kvcache.models import adapter_active, model_name

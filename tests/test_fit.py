@@ -108,6 +108,7 @@ def test_too_few_tokens_for_a_held_out_split_is_a_calibration_error():
 def test_batched_calibration_ignores_the_padding():
     """Left-padded batches of unequal sequences give the statistics (and the map) of one sequence at a time."""
     from conftest import random_ids, tiny_model
+
     from peft_kvcache import KVMap
 
     source, target = tiny_model("qwen2", seed=0), tiny_model("llama", seed=1, num_hidden_layers=3)

@@ -7,10 +7,10 @@ import json
 
 import pytest
 import torch
-
-from peft_kvcache._compat import output_cache, with_cache
 from conftest import random_ids, tiny_model
+
 from peft_kvcache import KVMap, MappedCache
+from peft_kvcache._compat import output_cache
 from peft_kvcache.apply import map_cache
 from peft_kvcache.errors import ArtifactError
 from peft_kvcache.nonlinear import RowReservoir, fit_nonlinear_heads, keep_mlp, train_residual_mlp, weak_layers

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-
-from peft_kvcache._compat import with_cache
 from conftest import random_ids, tiny_model
+from peft import LoraConfig, get_peft_model
+from transformers.cache_utils import DynamicCache
+
 from peft_kvcache import FingerprintMismatchError, MappedCache
-from peft_kvcache.capture import run_with_cache
+from peft_kvcache._compat import with_cache
 from peft_kvcache.adapter_maps import AdapterMaps, folder_name
 from peft_kvcache.calibrate import calibrate_adapters
+from peft_kvcache.capture import run_with_cache
 from peft_kvcache.models import adapter_active
-from transformers.cache_utils import DynamicCache
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -1,12 +1,17 @@
 import pytest
 import torch
+from conftest import tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM, BloomConfig, GPT2Config, MistralConfig
 
-from conftest import tiny_model
 from peft_kvcache import UnsupportedPositionalSchemeError
 from peft_kvcache.capture import run_with_cache
 from peft_kvcache.positions import (
-    apply_rotary, find_rotary_embedding, position_free_keys, positions_from_mask, remove_rotary, rotary_cos_sin,
+    apply_rotary,
+    find_rotary_embedding,
+    position_free_keys,
+    positions_from_mask,
+    remove_rotary,
+    rotary_cos_sin,
     rotary_spec_of,
 )
 

@@ -4,10 +4,10 @@ left padding, position offsets and random tiny model configs."""
 from __future__ import annotations
 
 import torch
+from conftest import tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny_model
 from peft_kvcache import KVMap, KVMapConfig
 from peft_kvcache.apply import map_cache
 from peft_kvcache.capture import run_with_cache

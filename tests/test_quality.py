@@ -8,15 +8,21 @@ import logging
 
 import pytest
 import torch
-
-from peft_kvcache._compat import output_cache, with_cache
 from conftest import random_ids, tiny_model
+
 from peft_kvcache import KVMap, MappedCache
+from peft_kvcache._compat import with_cache
 from peft_kvcache.capture import run_with_cache
-from peft_kvcache.errors import QualityError
 from peft_kvcache.config import GateRecord
-from peft_kvcache.quality import (ContextCheck, check_context, measure_quality, meets_quality, predicted_retention,
-                                   prefill_context)
+from peft_kvcache.errors import QualityError
+from peft_kvcache.quality import (
+    ContextCheck,
+    check_context,
+    measure_quality,
+    meets_quality,
+    predicted_retention,
+    prefill_context,
+)
 
 
 @pytest.fixture(scope="module")

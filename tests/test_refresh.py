@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import random_ids, tiny_model
 from transformers.cache_utils import DynamicCache
 
-from conftest import random_ids, tiny_model
 from peft_kvcache import MappedCache
+from peft_kvcache._compat import attention_implementation, fill_cache, with_cache
 from peft_kvcache.capture import run_with_cache
-from peft_kvcache._compat import attention_implementation, fill_cache, output_cache, with_cache
 from peft_kvcache.config import Refresh
 from peft_kvcache.errors import CacheMismatchError
 from peft_kvcache.evaluate import evaluate_retention

@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import random_ids, tiny_model
 from safetensors.torch import save_file
+from test_artifacts import make_map
 
 import peft_kvcache
-from conftest import random_ids, tiny_model
 from peft_kvcache import ArtifactError, CalibrationError, KVMap, NumericalError
 from peft_kvcache import calibrate as calibrate_module
 from peft_kvcache.apply import map_cache
 from peft_kvcache.fit import SufficientStatistics, _Centered, fit_layers
 from peft_kvcache.models import KVLayout
-from test_artifacts import make_map
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent

@@ -6,15 +6,14 @@ import threading
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-
 from conftest import random_ids, tiny_model
-from peft_kvcache.cache import _SINK_MEMO
-from peft_kvcache.models import unwrap_peft
-from peft_kvcache.calibrate import calibrate_adapters
-from peft_kvcache.models import adapter_active
-from peft_kvcache import AdapterSession, SessionError, SharedPeftModel
+from peft import LoraConfig, get_peft_model
 from test_peft import MODULES, peft_with_adapters
+
+from peft_kvcache import AdapterSession, SessionError, SharedPeftModel
+from peft_kvcache.cache import _SINK_MEMO
+from peft_kvcache.calibrate import calibrate_adapters
+from peft_kvcache.models import adapter_active, unwrap_peft
 
 GEN = dict(max_new_tokens=6, eos_token_id=None, pad_token_id=0)  # fixed reply length: no early stop
 

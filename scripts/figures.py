@@ -1,0 +1,98 @@
+"""The figures of the published maps and the README: each one read by code from a results file under
+benchmarks/results/, cited by file and key (`peft_kvcache.config.Figure`)."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+from benchmarks.adapters import PREFIX
+from benchmarks.common import ADAPTERS, RESULTS, ROOT, table
+from peft_kvcache import KVMap
+from peft_kvcache.adapter_maps import folder_name
+from peft_kvcache.config import Figure, Refresh
+from peft_kvcache.provenance import lookup
+
+HUB_CARDS = ROOT / "hub_cards"
+README_BEGIN, README_END = "<!-- figures:begin (scripts/publish.py writes this table) -->", "<!-- figures:end -->"
+
+
+def figure(stem: str, key: str) -> Figure:
+    return Figure(lookup(results(stem), key), f"benchmarks/results/{stem}.json", key)
+
+
+def task_figures(stem: str, prefix: str, refresh: Refresh | None) -> dict[str, Figure]:
+    """Normalized retention and KL of the plain switch, of the recipe and of their window controls, per task."""
+    variants = {"mapped@1": "plain", "window@1": "window_control_plain"}
+    if refresh is not None:
+        variants[f"mapped@{refresh.probe_tokens}+r{refresh.tokens}"] = "recipe"
+        variants[f"window@{2 * refresh.probe_tokens + refresh.tokens}"] = "window_control_recipe"
+    figures = {}
+    for task in results(stem)[prefix.split("/")[0]][prefix.split("/")[1]]:
+        for variant, label in variants.items():
+            for metric in ("normalized_retention", "kl"):
+                figures[f"{task}.{label}.{metric}"] = figure(stem, f"{prefix}/{task}/rows/variant={variant}/{metric}")
+    return figures
+
+
+def ttft_figures(stem: str) -> dict[str, Figure]:
+    rows = results(stem)["rows"]
+    return {f"ttft.speedup_{kind}_{row['context']}": figure(stem, f"rows/context={row['context']}/speedup_{kind}")
+            for row in rows for kind in ("cold", "warm", "recipe") if f"speedup_{kind}" in row}
+
+
+def adapter_figures(adapter: str) -> dict[str, Figure]:
+    figures = {}
+    for variant, label in (("mapped@1", "mapped"), ("naive@1", "naive_reuse")):
+        for metric in ("normalized_retention", "kl"):
+            figures[f"continuation.{label}.{metric}"] = figure(
+                "adapters", f"retention/{adapter}/rows/variant={variant}/{metric}")
+    for name, label in (("session: mapped history", "session_mapped"), ("session: base history reused as is",
+                                                                         "session_naive_reuse")):
+        figures[f"own_task_after_chat.{label}.loss_gain_share"] = figure(
+            "adapters", f"task_history/{adapter}/gain_retention_in_loss/{name}")
+    return figures
+
+
+def results(stem: str) -> dict:
+    return json.loads((RESULTS / f"{stem}.json").read_text())
+
+
+def pearson_interval(x: list[float], y: list[float]) -> tuple[float, float, float]:
+    """Pearson r of ``x`` and ``y`` and its 95% interval (Fisher z)."""
+    r = statistics.correlation(x, y)
+    z, se = math.atanh(max(min(r, 0.999999), -0.999999)), 1 / math.sqrt(max(len(x) - 3, 1))
+    return r, math.tanh(z - 1.96 * se), math.tanh(z + 1.96 * se)
+
+
+def readme_table() -> str:
+    """The README's measured-figures table, every cell read from a results file (with the command that made it)."""
+    rows = []
+    fmt = lambda r: f"{r['normalized_retention']:.2f} [{r['normalized_low']:.2f}, {r['normalized_high']:.2f}]"  # noqa: E731
+    evaluated = results("siblings")
+    for name, tasks in evaluated["results"].items():
+        kv_map = KVMap.from_pretrained(HUB_CARDS / name)
+        recipe = kv_map.config.refresh
+        variant = f"mapped@{recipe.probe_tokens}+r{recipe.tokens}" if recipe else "mapped@1"
+        control = f"window@{2 * recipe.probe_tokens + recipe.tokens}" if recipe else "window@1"
+        ttft_rows = {r["context"]: r for r in results(f"ttft-{name}")["rows"]}
+        for task, report in tasks.items():
+            by = {r["variant"]: r for r in report["rows"]}
+            speed = (f"{ttft_rows[2048]['speedup_cold']:.0f}x / {ttft_rows[2048].get('speedup_recipe', 0):.0f}x at 2k, "
+                     f"{ttft_rows[8192]['speedup_cold']:.0f}x / {ttft_rows[8192].get('speedup_recipe', 0):.0f}x at 8k"
+                     if task == "continuation" else "")
+            rows.append([name, f"{task} ({report['examples']})", fmt(by["mapped@1"]), fmt(by[variant]), fmt(by[control]),
+                         f"{by['mapped@1']['kl']:.3f} / {by[variant]['kl']:.3f}", speed])
+    adapters_ = results("adapters")
+    for adapter in ADAPTERS:
+        by = {r["variant"]: r for r in adapters_["retention"][adapter]["rows"]}
+        ttft_rows = {r["context"]: r for r in results(f"ttft-{folder_name(PREFIX, adapter, False)}")["rows"]}
+        rows.append([folder_name(PREFIX, adapter, False), f"continuation ({adapters_['retention'][adapter]['examples']})",
+                     fmt(by["mapped@1"]), "-", f"naive reuse {fmt(by['naive@1'])}",
+                     f"{by['mapped@1']['kl']:.3f} (naive {by['naive@1']['kl']:.3f})",
+                     " / ".join(f"{r['speedup_cold']:.0f}x at {c}" for c, r in ttft_rows.items())])
+    return table(["map", "task (examples)", "plain switch: normalized [95% CI]", "with the recipe", "control at equal "
+                  "compute", "KL plain / recipe", "TTFT vs re-prefill, cold sink: plain / recipe"], rows) + (
+        "\n\nFrom `benchmarks/results/siblings.json`, `adapters.json` and `ttft-*.json` (provenance inside), written by "
+        "`python -m scripts.publish`.")
