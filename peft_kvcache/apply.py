@@ -71,7 +71,7 @@ def map_layer(features: Sequence[torch.Tensor], weight: torch.Tensor, bias: torc
         raise CacheMismatchError(f"the layer's features have {row} columns but its weight has {weight.shape[0]} rows")
     if mlp is not None:
         mapped = mapped + mlp_residual(mapped, *(p.to(mapped.dtype) for p in mlp))
-    # one copy into the cache layout; the rotary and the cast then run on contiguous memory (3x faster)
+    # one copy into the cache layout; the rotary and the cast then run on contiguous memory
     return mapped.view(batch, seq, -1, head_dim).transpose(1, 2).contiguous()
 
 

@@ -12,8 +12,7 @@ ridge map. `choose_blend` scores a small grid on held-out text (values first, th
 next-token KL against its own prefill (or its loss on the real next tokens), folds the best ``alpha`` into
 the map's weights (the mapping path is unchanged) and records every score in ``config.blend``, which the
 model card shows. A map that over-corrects (little or unlike calibration data) falls back toward naive
-reuse per kind. On the published SmolLM2 adapter maps KL keeps the full value correction everywhere and
-half the key correction on the adapter -> base maps (held-out KL -11% and -17%).
+reuse per kind.
 """
 
 from __future__ import annotations
@@ -108,7 +107,7 @@ def choose_blend(
         criterion: ``"kl"``: KL(target prefill || mapped), closeness to what the target does with its own
             prefill; or ``"nll"``: the target's loss on the real next tokens. Both are recorded. Prefer KL for
             adapters: on text off the adapter's task the base's cache can score *better* than the adapter's own
-            prefill (measured on SmolLM2 "shout" over stdlib code), and NLL then rewards undoing the adapter.
+            prefill (an adapter can be worse than its base there), and NLL then rewards undoing the adapter.
 
     Cost: one target prefill and one source pass per sequence, then ``2 * len(grid) - 1`` mapped passes.
 

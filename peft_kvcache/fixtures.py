@@ -170,7 +170,7 @@ def _download_wheel(folder: Path, package: str, version: str) -> Path:
 
 
 def converted_path(name: str) -> Path:
-    """The bf16 safetensors copy of a fixture, converting it on first use (GGUF loads are 10-100x slower). The
+    """The bf16 safetensors copy of a fixture, converting it on first use (loading GGUF dequantizes every time, far slower). The
     copy appears whole or not at all (written beside its place and renamed in), under the fixture's lock."""
     from filelock import FileLock
 
@@ -218,7 +218,7 @@ def fixture_available(name: str) -> bool:
 def load_model(spec: str, dtype: torch.dtype = torch.float32, **kwargs):
     """Load ``(model, tokenizer)`` from a fixture name or anything ``from_pretrained`` accepts.
 
-    float32 is the default: on CPUs without bf16 matrix units bf16 runs 1.4-1.5x slower.
+    float32 is the default: CPUs without bfloat16 matrix units run bfloat16 slower.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

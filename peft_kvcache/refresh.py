@@ -40,12 +40,13 @@ class RefreshResult:
 
 
 @torch.no_grad()
-def attention_scores(target_model, cache: Cache, probe_ids: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
+def attention_scores(target_model, cache: Cache, probe_ids: torch.Tensor, position_offset: int = 0,
+                     every_probe_token: bool = False) -> torch.Tensor:
     """``[context]``: how strongly the last of the ``probe_ids`` ``[1, W]`` tokens, run on top of ``cache``
     (batch 1, left as it was), attends to each cached position: per layer the maximum attention weight
     over heads, averaged over layers (a position one head retrieves sharply counts, not only positions
-    every head skims). The last token is the one whose prediction starts the answer; averaging over all
-    probe tokens instead ranks a far retrieved position behind the recent tokens."""
+    every head skims). The last token is the one whose prediction starts the answer. ``every_probe_token``
+    returns ``[W, context]``, one row per probe token."""
     length = cache.get_seq_length()
     positions = torch.arange(length, length + probe_ids.shape[1]) + position_offset
     previous = attention_implementation(target_model)
@@ -55,7 +56,8 @@ def attention_scores(target_model, cache: Cache, probe_ids: torch.Tensor, positi
     finally:
         target_model.set_attn_implementation(previous)
         truncate(cache, length)
-    per_layer = [a[0, :, -1, :length].float().amax(dim=0).cpu() for a in out.attentions]
+    rows = slice(None) if every_probe_token else -1
+    per_layer = [a[0, :, rows, :length].float().amax(dim=0).cpu() for a in out.attentions]
     return torch.stack(per_layer).mean(0)
 
 

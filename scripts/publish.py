@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from benchmarks import adapters, budget, siblings, ttft
+from benchmarks import adapters, budget, levers, siblings, ttft
 from benchmarks.adapters import PREFIX
 from benchmarks.common import ADAPTERS, RESULTS, ROOT, SMOLLM, save, table
 from benchmarks.tasks import continuation_examples
@@ -52,6 +53,7 @@ MIN_PUBLISHED_FILES = 64  # the published sibling maps are fitted on at least th
 SCALING_CONTEXT, SCALING_FILES = 1024, 16  # the selection texts that choose the scale
 GATE_FILES, GATE_TOKENS = 8, 512 + 16  # the gate's texts: calibration-split files after those of any fit
 BUDGET_CONTEXTS, BUDGETS, BUDGET_FILES, BUDGET_RECALL = (1024, 2048), (0, 16, 32, 64, 128, 256), 16, 8
+LEVER_TOP_K, LEVER_FILES, LEVER_RECALL = {"top1": 1, "top4": 4, "all": 1000}, 16, 8
 FINAL_CONTEXT, FINAL_FILES, FINAL_RECALL = 1024, 32, 24  # the goal table: >= 32 files, >= 24 recall cases per depth
 TTFT_LENGTHS, TTFT_REPEATS = (512, 2048, 8192), 5
 STORAGE_FILES = 8  # selection texts on which float32 and bfloat16 weights are compared
@@ -175,6 +177,35 @@ class Publisher:
         maps = {d: self.chosen_map(d, with_recipe=False) for d in siblings.DIRECTIONS}
         budget.run(models, tokenizer, maps, list(BUDGET_CONTEXTS), list(BUDGETS), BUDGET_FILES, BUDGET_RECALL,
                    progress=self.progress)
+
+    def levers(self) -> None:
+        """Levers against the published recipe on the selection texts (`benchmarks.levers`): other source-layer
+        counts fitted from the same statistics as the published maps, other ways of choosing refreshed positions."""
+        models, tokenizer = self.sibling_models()
+        scale = {d: figures.results("sibling-scaling")["curve"][d]["chosen_files"] for d in siblings.DIRECTIONS}
+        folder = lambda label, d: self.workdir / "siblings" / "levers" / label / siblings.pair_name(d)  # noqa: E731
+        if not all(folder(label, d).is_dir() for label in LEVER_TOP_K for d in siblings.DIRECTIONS):
+            texts = siblings.calibration_texts(tokenizer, max(self.scales), SIBLING_CONFIG)
+            vocab = models["small"].get_input_embeddings().weight.shape[0]
+
+            def on_scale(files, run):
+                for direction in siblings.DIRECTIONS:
+                    if files != scale[direction]:
+                        continue
+                    for label, top_k in LEVER_TOP_K.items():
+                        layers = run.sides[siblings.DIRECTIONS[direction][0]].layout.num_layers
+                        config = replace(SIBLING_CONFIG, top_k=min(top_k, layers))
+                        siblings.fit_direction(run, direction, texts, files, config, vocab).save_pretrained(
+                            folder(label, direction), chart=False)
+
+            scales = [s for s in self.scales if s <= max(scale.values())]
+            siblings.capture(models, texts, scales, SIBLING_CONFIG, on_scale,
+                             checkpoint_root=self.workdir / "siblings" / "checkpoints", progress=self.progress)
+        maps = {d: {"top2": self.chosen_map(d, with_recipe=False),
+                    **{label: KVMap.from_pretrained(folder(label, d)) for label in LEVER_TOP_K}} for d in siblings.DIRECTIONS}
+        policy = {d: self.chosen_map(d).config.refresh or Refresh(64, budget.PROBE, budget.SPAN)
+                  for d in siblings.DIRECTIONS}
+        levers.run(models, tokenizer, maps, policy, FINAL_CONTEXT, LEVER_FILES, LEVER_RECALL, self.progress)
 
     def evaluate(self) -> None:
         """The goal table of the published maps (with their recipe) on the "final" held-out texts."""
@@ -391,7 +422,7 @@ def _plot_scaling(curve: dict, path: Path) -> None:
     plt.close(fig)
 
 
-STAGES = {"siblings": ("capture", "scaling", "gate", "recipe", "evaluate", "ttft"),
+STAGES = {"siblings": ("capture", "scaling", "gate", "recipe", "levers", "evaluate", "ttft"),
           "adapters": ("calibrate_adapters", "adapter_gate", "adapter_evaluate", "adapter_ttft"),
           "cards": ("storage", "sibling_cards", "adapter_cards", "gate_correlation", "readme")}
 

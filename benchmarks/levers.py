@@ -1,0 +1,142 @@
+"""Levers on the sibling maps, each against the published recipe on the same held-out examples (the "selection"
+texts, never the goal table's), with paired 95% intervals: kept only where the interval is above zero.
+
+- source layers per target layer: ``top_k`` 1, 4 and all (fitted from the same 128-file statistics as the
+  published top-2 maps, `scripts/publish.py`'s capture);
+- where the refresh looks: the mean over every probe token instead of the last one; the last 32 context tokens
+  always refreshed, the rest of the budget by attention.
+
+Every variant shares the target's full prefill and the source's cache of each example, so the comparison costs
+one pass of each variant.
+
+    python -m benchmarks.levers --maps runs/publish/siblings/levers --output sibling-levers
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers.cache_utils import DynamicCache
+
+from peft_kvcache import KVMap, MappedCache
+from peft_kvcache._compat import fill_cache, truncate
+from peft_kvcache.capture import run_with_cache
+from peft_kvcache.config import Refresh
+from peft_kvcache.evaluate import RetentionReport, VariantScores, cached_logits, full_logits, window_logits
+from peft_kvcache.refresh import attention_scores, refresh_positions, select_spans
+
+from . import siblings
+from .common import save, table
+
+RECENT = 32  # the "always refresh the recent tokens" lever
+
+
+def _positions(scores: torch.Tensor, policy: Refresh, how: str, sink: int) -> torch.Tensor:
+    """Context positions to refresh from ``[W, context]`` probe attention, by the lever ``how``."""
+    if how == "last":
+        return select_spans(scores[-1], policy.tokens, policy.span, first=sink)
+    if how == "mean":
+        return select_spans(scores.mean(0), policy.tokens, policy.span, first=sink)
+    length = scores.shape[1]  # "recent": the last RECENT context tokens, the rest by the last token's attention
+    recent = torch.arange(max(sink, length - RECENT), length)
+    ranked = scores[-1].clone()
+    ranked[recent] = -1.0
+    chosen = select_spans(ranked, max(policy.tokens - recent.numel(), 0), policy.span, first=sink)
+    return torch.unique(torch.cat([chosen[chosen < length - RECENT], recent]))
+
+
+@torch.no_grad()
+def refreshed(target, kv_map: KVMap, source_kv, ids: torch.Tensor, policy: Refresh, how: str):
+    """The mapped cache of ``ids`` ``[1, n]`` with the refresh, positions chosen by the lever ``how``."""
+    mapped = MappedCache.from_source(source_kv.to_cache(), kv_map, target, input_ids=ids, refresh_tokens=0,
+                                     verify_models=False)
+    cache = fill_cache(DynamicCache(), [(layer.keys, layer.values) for layer in mapped.layers])
+    start, sink = ids.shape[1] - policy.probe_tokens, kv_map.config.sink_tokens
+    truncate(cache, start)
+    scores = attention_scores(target, cache, ids[:, start:], every_probe_token=True)
+    refresh_positions(target, cache, ids[:, :start], _positions(scores, policy, how, sink), append_ids=ids[:, start:])
+    return cache
+
+
+@torch.no_grad()
+def score_variants(source, target, variants: dict[str, tuple[KVMap, Refresh | None, str]], sequences, context: int,
+                   continuation: int, progress: bool = True) -> RetentionReport:
+    """Variants ``name -> (map, refresh or None, lever)`` on the same examples, sharing the full prefill."""
+    scores = {name: VariantScores() for name in ("full", "no_context", *variants)}
+    for ids in tqdm(sequences, desc="levers", disable=not progress):
+        labels, full = ids[context:], full_logits(target, ids, context)
+        scores["full"].add(full, full, labels)
+        scores["no_context"].add(window_logits(target, ids, context, 1, 0), full, labels)
+        source_kv = run_with_cache(source, ids[None, :context])
+        for name, (kv_map, policy, how) in variants.items():
+            if policy is None:  # the plain switch: the target computes the last context token
+                cache = MappedCache.from_source(source_kv.prefix(context - 1).to_cache(), kv_map, target,
+                                                input_ids=ids[None, : context - 1], refresh_tokens=0, verify_models=False)
+            else:
+                cache = refreshed(target, kv_map, source_kv, ids[None, :context], policy, how)
+                truncate(cache, context - 1)  # the last context token's logits predict the first label
+            scores[name].add(cached_logits(target, cache, ids, context, 1), full, labels)
+    return RetentionReport(scores, context, continuation)
+
+
+def run(models, tokenizer, maps: dict[str, dict[str, KVMap]], policy: dict[str, Refresh], context: int,
+        continuation_files: int, recall_cases: int, progress: bool = True) -> dict:
+    """``maps[direction][label]`` (label "top2" is the published choice); every lever against it."""
+    task_sets = siblings.tasks(tokenizer, context, "selection", continuation_files, recall_cases)
+    results, lines = {}, ["# Levers on the sibling maps (selection texts)", ""]
+    for direction, by_label in maps.items():
+        source, target = (models[n] for n in siblings.DIRECTIONS[direction])
+        recipe = policy[direction]
+        variants = {"published: top2 + recipe": (by_label["top2"], recipe, "last")}
+        for label in (k for k in by_label if k != "top2"):
+            variants[f"{label} + recipe"] = (by_label[label], recipe, "last")
+        variants["top2 + recipe, mean over the probe"] = (by_label["top2"], recipe, "mean")
+        variants[f"top2 + recipe, last {RECENT} always"] = (by_label["top2"], recipe, "recent")
+        variants.update({f"{label}, plain switch": (m, None, "last") for label, m in by_label.items()})
+        rows = []
+        for task, (examples, cont, names) in task_sets.items():
+            report = score_variants(source, target, variants, examples, context, cont, progress)
+            results.setdefault(direction, {})[task] = {**report.to_dict(), "texts": names, "versus_published": [
+                report.paired_difference(name, "published: top2 + recipe") for name in variants if "published" not in name]}
+        for name in variants:
+            if "published" in name:
+                continue
+            cells = []
+            for task in ("continuation", "recall"):
+                diffs = [d for t, r in results[direction].items() if t.startswith(task) for d in r["versus_published"]
+                         if d["a"] == name]
+                mean = sum(d["difference"] for d in diffs) / len(diffs)
+                wins = sum(d["low"] > 0 for d in diffs)
+                cells.append(f"{mean:+.3f} ({wins}/{len(diffs)} above zero)")
+            rows.append([name, *cells])
+        lines += [f"## {siblings.pair_name(direction)}: lever minus the published recipe (normalized retention)", "",
+                  table(["variant", "continuation", "recall (mean over kinds and depths; tasks won)"], rows), ""]
+    save("sibling-levers", {"context": context, "results": results, "recipe": {d: vars(p) for d, p in policy.items()}},
+         "\n".join(lines), data={name: names for name, (_, _, names) in task_sets.items()})
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--maps", required=True, help="folder with <label>/<pair map> folders (top1, top2, ...)")
+    parser.add_argument("--labels", nargs="+", default=["top1", "top2", "top4", "all"])
+    parser.add_argument("--budget", type=int, default=64)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--continuation-files", type=int, default=16)
+    parser.add_argument("--recall-cases", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    models, tokenizer = siblings.load_pair()
+    maps = {d: {label: KVMap.from_pretrained(Path(args.maps) / label / siblings.pair_name(d)) for label in args.labels}
+            for d in siblings.DIRECTIONS}
+    run(models, tokenizer, maps, {d: Refresh(args.budget) for d in siblings.DIRECTIONS}, args.context,
+        args.continuation_files, args.recall_cases)
+
+
+if __name__ == "__main__":
+    main()
