@@ -15,7 +15,6 @@ one pass of each variant.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from pathlib import Path
 
 import torch

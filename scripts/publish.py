@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import adapters, budget, levers, siblings, ttft
+from benchmarks import adapters, budget, levers, nonlinear, siblings, ttft
 from benchmarks.adapters import PREFIX
 from benchmarks.common import ADAPTERS, RESULTS, ROOT, SMOLLM, save, table
 from benchmarks.tasks import continuation_examples
@@ -54,6 +54,7 @@ SCALING_CONTEXT, SCALING_FILES = 1024, 16  # the selection texts that choose the
 GATE_FILES, GATE_TOKENS = 8, 512 + 16  # the gate's texts: calibration-split files after those of any fit
 BUDGET_CONTEXTS, BUDGETS, BUDGET_FILES, BUDGET_RECALL = (1024, 2048), (0, 16, 32, 64, 128, 256), 16, 8
 LEVER_TOP_K, LEVER_FILES, LEVER_RECALL = {"top1": 1, "top4": 4, "all": 1000}, 16, 8
+NONLINEAR_FILES, NONLINEAR_RECALL = 24, 4  # MLP rows from the first 24 of a map's own calibration files
 FINAL_CONTEXT, FINAL_FILES, FINAL_RECALL = 1024, 32, 24  # the goal table: >= 32 files, >= 24 recall cases per depth
 TTFT_LENGTHS, TTFT_REPEATS = (512, 2048, 8192), 5
 STORAGE_FILES = 8  # selection texts on which float32 and bfloat16 weights are compared
@@ -206,6 +207,32 @@ class Publisher:
         policy = {d: self.chosen_map(d).config.refresh or Refresh(64, budget.PROBE, budget.SPAN)
                   for d in siblings.DIRECTIONS}
         levers.run(models, tokenizer, maps, policy, FINAL_CONTEXT, LEVER_FILES, LEVER_RECALL, self.progress)
+
+    def nonlinear(self) -> None:
+        """Nonlinear heads against the linear maps they extend, trained on the maps' own calibration texts
+        (`benchmarks.nonlinear`): both sibling maps (selection texts) and the base -> adapter maps."""
+        results = []
+        models, tokenizer = self.sibling_models()
+        task_sets = siblings.tasks(tokenizer, FINAL_CONTEXT, "selection", LEVER_FILES, NONLINEAR_RECALL)
+        for direction in siblings.DIRECTIONS:
+            source, target = (models[n] for n in siblings.DIRECTIONS[direction])
+            kv_map = self.chosen_map(direction)
+            results.append(nonlinear.compare(siblings.pair_name(direction), source, target, kv_map,
+                                             stdlib_texts("calibration", NONLINEAR_FILES), tokenizer, task_sets,
+                                             FINAL_CONTEXT, kv_map.config.refresh, self.progress))
+        model, tokenizer = self.adapter_model()
+        base, _ = load_model(SMOLLM)
+        held = stdlib_texts("calibration", 16, ADAPTER_FILES + BLEND_FILES + GATE_FILES)
+        examples, names = continuation_examples(tokenizer, held, 512, 64, 16)
+        adapter_tasks = {"continuation": (examples, 64, names)}
+        texts = {n: tokenizer(t, add_special_tokens=False, return_tensors="pt").input_ids[0, :512]
+                 for n, t in stdlib_texts("calibration", NONLINEAR_FILES).items()}
+        for adapter, reverse, kv_map in self.adapter_maps().all():
+            if not reverse:
+                model.set_adapter(adapter)
+                results.append(nonlinear.compare(folder_name(PREFIX, adapter, False), base, model, kv_map, texts,
+                                                 tokenizer, adapter_tasks, 512, None, self.progress))
+        save("nonlinear", {"options": nonlinear.NONLINEAR, "results": results}, nonlinear.markdown(results))
 
     def evaluate(self) -> None:
         """The goal table of the published maps (with their recipe) on the "final" held-out texts."""
@@ -423,6 +450,7 @@ def _plot_scaling(curve: dict, path: Path) -> None:
 
 
 STAGES = {"siblings": ("capture", "scaling", "gate", "recipe", "levers", "evaluate", "ttft"),
+          "nonlinear": ("nonlinear",),
           "adapters": ("calibrate_adapters", "adapter_gate", "adapter_evaluate", "adapter_ttft"),
           "cards": ("storage", "sibling_cards", "adapter_cards", "gate_correlation", "readme")}
 
