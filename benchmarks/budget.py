@@ -31,11 +31,12 @@ PROBE, SPAN = 16, 8
 RECALL_GOAL = 0.95
 
 
-def curve(models: dict, tokenizer, maps: dict[str, KVMap], contexts: list[int], budgets: list[int],
-          continuation_files: int, recall_cases: int, repeats: int = 3, progress: bool = True) -> dict:
-    """Every (direction, context, task): the report rows with every budget; and TTFT per budget."""
+def curve(models: dict, tokenizer, maps: dict[str, KVMap], plan: dict[int, tuple[list[int], int, int]],
+          repeats: int = 3, progress: bool = True) -> dict:
+    """For each context length of ``plan`` (``context -> (budgets, continuation files, recall cases per kind and
+    depth)``), every (direction, task): the report rows with every budget; and TTFT per budget."""
     out = {}
-    for context in contexts:
+    for context, (budgets, continuation_files, recall_cases) in plan.items():
         task_sets = siblings.tasks(tokenizer, context, "selection", continuation_files, recall_cases)
         for direction, kv_map in maps.items():
             source, target = (models[n] for n in siblings.DIRECTIONS[direction])
@@ -58,14 +59,14 @@ def curve(models: dict, tokenizer, maps: dict[str, KVMap], contexts: list[int], 
     return out
 
 
-def summary(results: dict, budgets: list[int]) -> dict:
+def summary(results: dict) -> dict:
     """Per direction and context: per budget the mean normalized retention on continuation and on recall (all
     kinds and depths), the controls', and the TTFT speedup."""
     rows = {}
     for direction, contexts in results.items():
         for context, entry in contexts.items():
             table_rows = []
-            for k in budgets:
+            for k in (int(b) for b in entry["ttft"] if b != "full"):
                 mapped = f"mapped@{PROBE}+r{k}" if k else "mapped@1"
                 control = f"window@{2 * PROBE + k}" if k else "window@1"
                 sparse = f"sparse@{PROBE}+r{k}" if k else None
@@ -141,10 +142,11 @@ def plot(rows: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def run(models, tokenizer, maps, contexts, budgets, continuation_files, recall_cases, repeats=3, progress=True) -> dict:
-    results = curve(models, tokenizer, maps, contexts, budgets, continuation_files, recall_cases, repeats, progress)
-    rows = summary(results, budgets)
-    chosen = {d: choose(rows[d][str(contexts[0])]) for d in rows}
+def run(models, tokenizer, maps, plan: dict[int, tuple[list[int], int, int]], repeats=3, progress=True) -> dict:
+    """The curve, its summary and the recommended budget per direction (chosen at the first context of ``plan``)."""
+    results = curve(models, tokenizer, maps, plan, repeats, progress)
+    rows = summary(results)
+    chosen = {d: choose(rows[d][str(next(iter(plan)))]) for d in rows}
     data = {f"{name}@{c}": t["texts"] for d in results.values() for c, e in d.items() for name, t in e["tasks"].items()}
     save("sibling-budget", {"results": results, "summary": rows, "recommended": chosen, "probe": PROBE, "span": SPAN},
          markdown(rows, chosen), data=data)
@@ -164,7 +166,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     models, tokenizer = siblings.load_pair()
     maps = {d: KVMap.from_pretrained(Path(args.maps) / siblings.pair_name(d)) for d in siblings.DIRECTIONS}
-    run(models, tokenizer, maps, args.contexts, args.budgets, args.continuation_files, args.recall_cases)
+    run(models, tokenizer, maps, {c: (args.budgets, args.continuation_files, args.recall_cases) for c in args.contexts})
 
 
 if __name__ == "__main__":

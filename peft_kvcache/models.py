@@ -9,7 +9,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -40,9 +40,6 @@ class KVLayout:
             kv_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
             head_dim=head_dim_of(config),
         )
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def layer_features(states: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,14 @@ def ttft_figures(stem: str) -> dict[str, Figure]:
             for row in rows for kind in ("cold", "warm", "recipe") if f"speedup_{kind}" in row}
 
 
+def budget_figures(direction: str, context: int = 1024) -> dict[str, Figure]:
+    """The refresh budget curve (selection texts): per budget K, continuation and recall retention and speedup."""
+    rows = results("sibling-budget")["summary"][direction][str(context)]
+    return {f"budget_curve.K{row['budget']}.{metric}": figure(
+                "sibling-budget", f"summary/{direction}/{context}/budget={row['budget']}/{metric}")
+            for row in rows for metric in ("continuation", "recall", "speedup") if row[metric] is not None}
+
+
 def adapter_figures(adapter: str) -> dict[str, Figure]:
     figures = {}
     for variant, label in (("mapped@1", "mapped"), ("naive@1", "naive_reuse")):

@@ -52,7 +52,9 @@ SIBLING_CONFIG = CalibrationConfig(top_k=2, max_length=512, chunks_per_text=1)
 MIN_PUBLISHED_FILES = 64  # the published sibling maps are fitted on at least this many distinct files
 SCALING_CONTEXT, SCALING_FILES = 1024, 16  # the selection texts that choose the scale
 GATE_FILES, GATE_TOKENS = 8, 512 + 16  # the gate's texts: calibration-split files after those of any fit
-BUDGET_CONTEXTS, BUDGETS, BUDGET_FILES, BUDGET_RECALL = (1024, 2048), (0, 16, 32, 64, 128, 256), 16, 8
+# the budget curve: context -> (budgets K, continuation files, recall cases per kind and depth); the recipe is
+# chosen at 1024 tokens, 2048 shows how it carries to a longer context
+BUDGET_PLAN = {1024: ([0, 16, 32, 64, 128, 256], 16, 8), 2048: ([0, 32, 128, 256], 12, 4)}
 LEVER_TOP_K, LEVER_FILES, LEVER_RECALL = {"top1": 1, "top4": 4, "all": 1000}, 16, 8
 NONLINEAR_FILES, NONLINEAR_RECALL = 24, 4  # MLP rows from the first 24 of a map's own calibration files
 FINAL_CONTEXT, FINAL_FILES, FINAL_RECALL = 1024, 32, 24  # the goal table: >= 32 files, >= 24 recall cases per depth
@@ -176,8 +178,7 @@ class Publisher:
         """The refresh budget curve on the selection texts; it chooses the recipe each published map records."""
         models, tokenizer = self.sibling_models()
         maps = {d: self.chosen_map(d, with_recipe=False) for d in siblings.DIRECTIONS}
-        budget.run(models, tokenizer, maps, list(BUDGET_CONTEXTS), list(BUDGETS), BUDGET_FILES, BUDGET_RECALL,
-                   progress=self.progress)
+        budget.run(models, tokenizer, maps, BUDGET_PLAN, progress=self.progress)
 
     def levers(self) -> None:
         """Levers against the published recipe on the selection texts (`benchmarks.levers`): other source-layer
@@ -267,7 +268,7 @@ class Publisher:
             kv_map.config.quality = QualityRecord(
                 gate=from_json(GateRecord, figures.results("sibling-gates")["gates"][direction][scale], "sibling-gates.json"),
                 figures={**figures.task_figures("siblings", f"results/{name}", kv_map.config.refresh),
-                         **figures.ttft_figures(f"ttft-{name}")})
+                         **figures.ttft_figures(f"ttft-{name}"), **figures.budget_figures(direction)})
             _publish(kv_map, name, storage[name])
 
     def storage(self) -> None:
