@@ -25,7 +25,8 @@ from .sessions import SharedPeftModel
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_FILES = 8  # stdlib files --calibrate-missing fits on: minutes on a CPU, not the published maps' quality
+CALIBRATION_FILES = 16  # stdlib files (first 512 tokens each) --calibrate-missing fits on: a fraction of the
+# published maps' 128, to keep startup short
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,8 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--map-prefix", default=None, metavar="PREFIX", help="name prefix of the map folders (default: the model's "
         "name, e.g. smollm2-135m-instruct)")
     add("--calibrate-missing", action="store_true", help="fit the maps of adapters --maps has none for (or none "
-        f"that loads) at startup, on {CALIBRATION_FILES} stdlib files; without it such adapters are served without "
+        "that loads) at startup, on --calibration-files stdlib files; without it such adapters are served without "
         "mapping (exact prefix reuse only)")
+    add("--calibration-files", type=int, default=CALIBRATION_FILES, metavar="N", help="stdlib files (first 512 "
+        "tokens each) --calibrate-missing fits on (default: %(default)s)")
     add("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     add("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     add("--cache-memory", type=float, default=2.0, metavar="GIB", help="bound of the prefix store in GiB, least "
@@ -68,6 +71,7 @@ class ServeOptions:
     maps: list[str] = field(default_factory=list)
     map_prefix: str | None = None
     calibrate_missing: bool = False
+    calibration_files: int = CALIBRATION_FILES
     cache_bytes: int = 2 * 2**30
     max_tokens: int = 512
     reuse: str = "map"
@@ -84,6 +88,8 @@ class ServeOptions:
             raise ServerError(f"--port must be in 1..65535, got {args.port}")
         if args.max_tokens < 1:
             raise ServerError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+        if args.calibration_files < 2:
+            raise ServerError(f"--calibration-files must be at least 2 (one is held out), got {args.calibration_files}")
         for spec in args.maps:
             if not Path(spec).expanduser().exists() and not _is_repo_id(spec):
                 raise ServerError(f"--maps {spec!r} is neither a folder nor a Hub repo id")
@@ -92,7 +98,7 @@ class ServeOptions:
             raise ServerError(f"--served-model-name {args.served_model_name!r} collides with an adapter name or "
                               "holds ':' (the base:adapter separator)")
         return cls(args.model, adapters, list(args.maps), args.map_prefix, args.calibrate_missing,
-                   int(args.cache_memory * 2**30), args.max_tokens, args.prefix_reuse, args.keep_base,
+                   args.calibration_files, int(args.cache_memory * 2**30), args.max_tokens, args.prefix_reuse, args.keep_base,
                    args.served_model_name, args.dtype)
 
 
@@ -182,13 +188,15 @@ def _check_map(model, kv_map: KVMap, adapter: str, reverse: bool, where: str) ->
 
 
 def calibrate_missing(model, tokenizer, adapters: Sequence[str], maps: AdapterMaps, files: int = CALIBRATION_FILES,
-                      ) -> AdapterMaps:
-    """Fit both maps of ``adapters`` on ``files`` calibration-split stdlib files and add them to ``maps``."""
+                      tokens: int = 512) -> AdapterMaps:
+    """Fit both maps of ``adapters`` on the first ``tokens`` tokens of ``files`` calibration-split stdlib files and
+    add them to ``maps``."""
     from .calibrate import calibrate_adapters
     from .corpus import stdlib_texts
 
-    texts = list(stdlib_texts("calibration", files).values())
-    fitted = calibrate_adapters(model, texts, tokenizer, adapters=list(adapters), progress=False)
+    fitted = calibrate_adapters(model, stdlib_texts("calibration", files), tokenizer, adapters=list(adapters),
+                                progress=False, max_length=tokens, chunks_per_text=1,
+                                description=f"first {tokens} tokens of {files} calibration-split stdlib files")
     maps.to_adapter.update(fitted.to_adapter)
     maps.to_base.update(fitted.to_base)
     return maps
@@ -217,9 +225,9 @@ def build(options: ServeOptions):
     name = options.served_model_name or base_name(model)
     lines = [f"serving {name!r} and adapters {list(options.adapters)}"]
     if missing and options.calibrate_missing:
-        lines.append(f"calibrating the maps of {missing} on {CALIBRATION_FILES} stdlib files (in memory, not saved)"
-                     + "".join(f"; unusable: {why}" for why in unusable.values()))
-        maps = calibrate_missing(model, tokenizer, missing, maps)
+        lines.append(f"calibrated the maps of {missing} on {options.calibration_files} stdlib files (in memory, not "
+                     "saved)" + "".join(f"; unusable: {why}" for why in unusable.values()))
+        maps = calibrate_missing(model, tokenizer, missing, maps, options.calibration_files)
     for adapter in options.adapters:
         where = [f"{'reverse' if r else 'forward'} {found.get((adapter, r), 'calibrated at startup')}"
                  for r, store in ((False, maps.to_adapter), (True, maps.to_base)) if adapter in store]

@@ -34,7 +34,8 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
+from contextlib import asynccontextmanager, contextmanager
 from importlib import resources
 
 # The server's own dependencies (pip install "peft-kvcache[serve]"), at module level: FastAPI reads the route
@@ -328,6 +329,39 @@ class _Reply:
             if not finished:  # the client went away: stop generating; nothing of it is stored
                 self.job.cancelled = True
                 self.server.metrics.requests.labels(self.label, 499).inc()
+
+
+@contextmanager
+def running(app, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0) -> Iterator[str]:
+    """Serve ``app`` with uvicorn in a background thread (tests, benchmarks, notebooks); yields its base URL
+    (``http://127.0.0.1:PORT``; ``port=0``: a free port) and stops the server on exit.
+
+    Example:
+        >>> with running(create_app(engine, tokenizer)) as url:                              # doctest: +SKIP
+        ...     OpenAI(base_url=url + "/v1", api_key="-").models.list()
+    """
+    import socket
+    import threading
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="peft-kvcache-http")
+    thread.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError(f"the server did not start on {host}:{sock.getsockname()[1]}")
+            time.sleep(0.02)
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+        sock.close()
 
 
 def _headers(extra: dict) -> dict:

@@ -1,12 +1,6 @@
-"""Helpers of the chat server tests: a tiny PEFT stack with a chat template, and a uvicorn server on a free
-loopback port in a background thread."""
+"""Helpers of the chat server tests: a tiny PEFT stack with a chat template, and an `openai` client."""
 
 from __future__ import annotations
-
-import socket
-import threading
-import time
-from contextlib import contextmanager
 
 import torch
 from peft import get_peft_model
@@ -42,30 +36,6 @@ def tiny_peft(seed: int = 0):
 def calibration_ids(count: int = 16, length: int = 48, seed: int = 3) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, VOCAB, (length,), generator=generator) for _ in range(count)]
-
-
-@contextmanager
-def running(app, timeout: float = 30.0):
-    """Serve ``app`` on 127.0.0.1 at a free port in a thread; yields the base URL (``http://127.0.0.1:PORT``)."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout)
-        sock.close()
 
 
 def client(url: str, **options):

@@ -21,13 +21,13 @@ import torch
 pytest.importorskip("fastapi", reason="the server's extra: pip install -e '.[serve,test]'")
 openai = pytest.importorskip("openai", reason="the test extra: pip install -e '.[test]'")
 
-from server_helpers import SINK, calibration_ids, client, running, tiny_peft, tiny_tokenizer  # noqa: E402
+from server_helpers import SINK, calibration_ids, client, tiny_peft, tiny_tokenizer  # noqa: E402
 
 from peft_kvcache import AdapterSession, SharedPeftModel  # noqa: E402
 from peft_kvcache.calibrate import calibrate_adapters  # noqa: E402
 from peft_kvcache.capture import CapturedKV  # noqa: E402
 from peft_kvcache.prefix_store import PrefixEngine, PrefixStore  # noqa: E402
-from peft_kvcache.server import create_app  # noqa: E402
+from peft_kvcache.server import create_app, running  # noqa: E402
 
 NAME = "tiny-base"
 GREEDY = {"temperature": 0}
@@ -208,12 +208,12 @@ def _chat(**fields) -> str:
 ])
 def test_bad_requests_get_openai_style_errors(served, body, status, pattern):
     url, server = served
-    entries = len(server.engine.store)
+    entries = _entries(server)
     code, answer = _post(url, body)
     assert code == status and set(answer["error"]) == {"message", "type", "param", "code"}
     assert re.search(pattern, answer["error"]["message"]), answer
     assert answer["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
-    assert len(server.engine.store) == entries  # no model ran
+    assert _entries(server) == entries  # no model ran
     assert _post(url, _chat(max_tokens=2, temperature=0))[0] == 200  # and the server still serves
 
 
