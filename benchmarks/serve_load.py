@@ -2,13 +2,15 @@
 at every turn, against three servers over the same SmolLM2-135M-Instruct and committed adapters (shout,
 docstring), one after the other on 127.0.0.1:
 
-(a) this server: exact prefix reuse, and the base cache mapped into the adapter on a switch;
+(a) this server: exact prefix reuse, and the base cache mapped into the adapter on a switch (the base cache kept
+    by a base pass over each adapter reply's new tokens, the default); (a') the same with the base cache kept by
+    the reverse maps instead (no base pass);
 (b) the same server with adapter-keyed prefix reuse only (what vLLM / SGLang / TensorRT-LLM / LMCache do today);
 (c) no prefix reuse.
 
 Measured per server, from the `openai` client (streamed requests): TTFT p50 / p95 (all turns, and the switch
-turns), throughput (generated tokens / second of the run's wall time), cached prompt tokens; the ratios a/b and
-a/c. Quality of (a) and (b) against (c): agreement of the greedy replies turn by turn (same script), and the KL
+turns), the server's compute TTFT (its TTFT less the time the request waited for the model), throughput
+(generated tokens / second of the run's wall time), cached prompt tokens; the ratios a/b and a/c. Quality of (a) and (b) against (c): agreement of the greedy replies turn by turn (same script), and the KL
 divergence KL(c || x) and top-1 agreement of the first reply token's distribution on the same prompt (recorded in
 the servers; where (c) never saw a prompt, its distribution comes from a full prefill).
 
@@ -46,9 +48,9 @@ from peft_kvcache.sessions import SharedPeftModel
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, PREFIX, ADAPTERS = "gguf:smollm2-135m-instruct", "smollm2-135m-instruct", ("shout", "docstring")
 RESULTS = ROOT / "benchmarks" / "results" / "serve-load"
-MODES = {"a": "map", "b": "exact", "c": "none"}
-LABELS = {"a": "(a) this server: reuse + map on switch", "b": "(b) adapter-keyed prefix reuse only",
-          "c": "(c) no prefix reuse"}
+MODES = {"a": ("map", "prefill"), "a'": ("map", "reverse_map"), "b": ("exact", "prefill"), "c": ("none", "prefill")}
+LABELS = {"a": "(a) this server: reuse + map on switch", "a'": "(a') as (a), base kept by reverse maps",
+          "b": "(b) adapter-keyed prefix reuse only", "c": "(c) no prefix reuse"}
 DOCSTRING = "Write the docstring of this Python function:\n```python\n{code}\n```"  # the adapter's training prompt
 
 
@@ -106,10 +108,14 @@ class RecordingEngine(PrefixEngine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.first_logprobs: dict[tuple, torch.Tensor] = {}
+        self.sources: dict[tuple, str] = {}
 
     def run(self, variant, prompt_ids, generation_kwargs, **kwargs):
-        processors = LogitsProcessorList([FirstStep(self.first_logprobs, (variant, tuple(prompt_ids.tolist())))])
-        return super().run(variant, prompt_ids, {**generation_kwargs, "logits_processor": processors}, **kwargs)
+        key = (variant, tuple(prompt_ids.tolist()))
+        processors = LogitsProcessorList([FirstStep(self.first_logprobs, key)])
+        result = super().run(variant, prompt_ids, {**generation_kwargs, "logits_processor": processors}, **kwargs)
+        self.sources.setdefault(key, result.source)
+        return result
 
 
 def ask(api, model: str, messages: list[dict], max_tokens: int) -> dict:
@@ -125,6 +131,7 @@ def ask(api, model: str, messages: list[dict], max_tokens: int) -> dict:
         usage = chunk.usage or usage
     return {"ttft": (first or time.perf_counter()) - started, "seconds": time.perf_counter() - started, "reply": text,
             "source": extra.get("context_source"), "server_ttft": extra.get("ttft_seconds"),
+            "compute_ttft": extra.get("ttft_seconds", 0.0) - extra.get("queue_seconds", 0.0),
             "cached": usage.prompt_tokens_details.cached_tokens, "prompt_tokens": usage.prompt_tokens,
             "completion_tokens": usage.completion_tokens}
 
@@ -200,7 +207,9 @@ def summary(records: list[dict], wall: float) -> dict:
     ttft = [r["ttft"] for r in records]
     switches = [r["ttft"] for r in records if r["turn"] > 0]  # every later turn switches the adapter
     generated = sum(r["completion_tokens"] for r in records)
+    compute = [r["compute_ttft"] for r in records]
     return {"requests": len(records), "ttft_p50": percentile(ttft, 0.5), "ttft_p95": percentile(ttft, 0.95),
+            "compute_ttft_p50": percentile(compute, 0.5), "compute_ttft_p95": percentile(compute, 0.95),
             "switch_ttft_p50": percentile(switches, 0.5) if switches else None,
             "switch_ttft_p95": percentile(switches, 0.95) if switches else None,
             "wall_seconds": wall, "generated_tokens": generated, "tokens_per_second": generated / wall,
@@ -224,17 +233,21 @@ def quality(model, tokenizer, mode: str, records: dict, engines: dict) -> dict:
         a, b = (tokenizer(r["reply"], add_special_tokens=False).input_ids for r in (x, c))
         common = next((i for i, (u, v) in enumerate(zip(a, b)) if u != v), min(len(a), len(b)))
         shared.append(common / max(len(a), len(b), 1))
-    kls, agree = [], []
+    kls, agree, by_source = [], [], {}
     for (variant, prompt), logprobs in engines[mode].first_logprobs.items():
         reference = engines["c"].first_logprobs.get((variant, prompt))
         if reference is None:
             reference = prefill_logprobs(model, variant, prompt)
         kls.append(max(0.0, float((reference.exp() * (reference - logprobs)).sum())))  # -1e-9 is rounding
         agree.append(int(reference.argmax()) == int(logprobs.argmax()))
+        kind = "base" if variant is None else "adapter"
+        by_source.setdefault(f"{kind}, {engines[mode].sources[(variant, prompt)]}", []).append(kls[-1])
     return {"reply_agreement": sum(same) / len(same), "replies_compared": len(same),
             "reply_common_prefix": statistics.fmean(shared),
             "first_token_kl_mean": statistics.fmean(kls), "first_token_kl_max": max(kls),
-            "first_token_top1_agreement": sum(agree) / len(agree), "prompts_compared": len(kls)}
+            "first_token_top1_agreement": sum(agree) / len(agree), "prompts_compared": len(kls),
+            "first_token_kl_by_source": {k: {"mean": statistics.fmean(v), "count": len(v)}
+                                         for k, v in sorted(by_source.items())}}
 
 
 def markdown(args, stats: dict, ratios: dict, qualities: dict, maps_note: str) -> str:
@@ -244,25 +257,33 @@ def markdown(args, stats: dict, ratios: dict, qualities: dict, maps_note: str) -
              f"SmolLM2-135M-Instruct on CPU ({torch.get_num_threads()} threads), 127.0.0.1. TTFT from the openai "
              f"client: request sent -> first content chunk, queueing behind other conversations included.", "",
              f"Maps: {maps_note}.", "",
-             "| server | TTFT p50 (s) | TTFT p95 (s) | switch TTFT p50 (s) | tokens/s | cached prompt tokens | "
-             "replies equal to (c)'s | common reply prefix | first-token KL vs (c) | first-token top-1 vs (c) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for key in "abc":
+             "| server | TTFT p50 (s) | TTFT p95 (s) | switch TTFT p50 (s) | compute TTFT p50 / p95 (s) | tokens/s | "
+             "cached prompt tokens | replies equal to (c)'s | common reply prefix | first-token KL vs (c) | "
+             "first-token top-1 vs (c) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key in MODES:
         s, q = stats[key], qualities.get(key)
         quality_cells = (f"{q['reply_agreement']:.2f} ({q['replies_compared']} turns) | {q['reply_common_prefix']:.2f} | "
                          f"{q['first_token_kl_mean']:.4f} (max {q['first_token_kl_max']:.4f}) | "
                          f"{q['first_token_top1_agreement']:.2f}") if q else "- | - | - | -"
         lines.append(f"| {LABELS[key]} | {s['ttft_p50']:.3f} | {s['ttft_p95']:.3f} | {s['switch_ttft_p50']:.3f} | "
-                     f"{s['tokens_per_second']:.1f} | {s['cached_fraction']:.0%} | {quality_cells} |")
-    lines += ["", "| ratio | TTFT p50 | TTFT p95 | switch TTFT p50 | throughput |", "|---|---|---|---|---|"]
+                     f"{s['compute_ttft_p50']:.3f} / {s['compute_ttft_p95']:.3f} | {s['tokens_per_second']:.1f} | "
+                     f"{s['cached_fraction']:.0%} | {quality_cells} |")
+    lines += ["", "| ratio | TTFT p50 | TTFT p95 | switch TTFT p50 | compute TTFT p50 | compute TTFT p95 | throughput |",
+              "|---|---|---|---|---|---|---|"]
     for name, r in ratios.items():
         lines.append(f"| {name} | {r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} | {r['switch_ttft_p50']:.2f} | "
-                     f"{r['tokens_per_second']:.2f} |")
-    lines += ["", "Context sources per server: " + "; ".join(f"({k}) {stats[k]['sources']}" for k in "abc") + ".",
+                     f"{r['compute_ttft_p50']:.2f} | {r['compute_ttft_p95']:.2f} | {r['tokens_per_second']:.2f} |")
+    lines += ["", "Context sources per server: " + "; ".join(f"({k}) {stats[k]['sources']}" for k in MODES) + ".",
+              "TTFT: from the client, queueing behind the other conversations' requests included (one model, one "
+              "request at a time); compute TTFT: the server's, less that wait. "
               "TTFT ratios below 1 and throughput ratios above 1 favour (a). Replies equal to (c)'s: share of turns "
               "whose greedy reply is (c)'s on the same script (a diverging reply changes the later prompts); common "
               "reply prefix: leading reply tokens shared with (c)'s, as a share of the longer reply; KL(c || x) and "
-              "top-1 agreement of the first reply token on the same prompt."]
+              "top-1 agreement of the first reply token on the same prompt.", "",
+              "First-token KL vs (c) by request kind and context source (mean, count): " + "; ".join(
+                  f"({key}) " + ", ".join(f"{k}: {v['mean']:.4f} x{v['count']}"
+                                          for k, v in qualities[key]["first_token_kl_by_source"].items())
+                  for key in qualities) + "."]
     return "\n".join(lines)
 
 
@@ -285,8 +306,8 @@ def main(argv=None) -> int:
     name = "smollm2"
     deadline = time.monotonic() + args.time_limit
     records, stats, engines = {}, {}, {}
-    for key, mode in MODES.items():
-        engines[key] = RecordingEngine(shared, PrefixStore(2 * 2**30), reuse=mode)
+    for key, (mode, keep_base) in MODES.items():
+        engines[key] = RecordingEngine(shared, PrefixStore(2 * 2**30), reuse=mode, keep_base=keep_base)
         with running(create_app(engines[key], tokenizer, name, args.max_tokens)) as url:
             warm = [[(None, "Hello")]]
             load_run(url, warm, name, 2, deadline)  # not timed: first-call allocations
@@ -295,11 +316,11 @@ def main(argv=None) -> int:
             records[key], wall = load_run(url, conversations, name, args.max_tokens, deadline)
         stats[key] = summary(records[key], wall)
         print(f"{LABELS[key]}: {stats[key]}", flush=True)
-    ratios = {}
-    for other in "bc":
-        ratios[f"a/{other}"] = {k: stats["a"][k] / stats[other][k] for k in
-                                ("ttft_p50", "ttft_p95", "switch_ttft_p50", "tokens_per_second")}
-    qualities = {key: quality(model, tokenizer, key, records, engines) for key in "ab"}
+    ratios = {f"{a}/{other}": {k: stats[a][k] / stats[other][k] for k in
+                               ("ttft_p50", "ttft_p95", "switch_ttft_p50", "compute_ttft_p50", "compute_ttft_p95",
+                                "tokens_per_second")}
+              for a in ("a", "a'") for other in "bc"}
+    qualities = {key: quality(model, tokenizer, key, records, engines) for key in ("a", "a'", "b")}
     text = markdown(args, stats, ratios, qualities, maps_note)
     print(text)
     payload = {"setup": {"model": MODEL, "adapters": list(ADAPTERS), "conversations": args.conversations,

@@ -204,7 +204,10 @@ class PrefixEngine:
         shared: the PEFT model, its maps and its lock (every model use holds it).
         store: the prefix store (one per model).
         reuse: ``"map"`` (default), ``"exact"`` (reuse only caches of the same variant) or ``"none"``.
-        keep_base: how the base cache catches up after an adapter's reply (`sessions.catch_up_base`).
+        keep_base: how the base cache catches up after an adapter's reply (`sessions.catch_up_base`): ``"prefill"``
+            (default: a base pass over the new tokens, after the reply is delivered; base requests stay exact and
+            every switch maps from an exact base cache) or ``"reverse_map"`` (no model pass; base requests then
+            run on mapped-back caches, as good as the reverse maps are).
 
     Example:
         >>> engine = PrefixEngine(shared, PrefixStore(2**30), reuse="map")               # doctest: +SKIP
@@ -213,7 +216,7 @@ class PrefixEngine:
     """
 
     def __init__(self, shared: SharedPeftModel, store: PrefixStore, reuse: Reuse = "map",
-                 keep_base: KeepBase = "reverse_map"):
+                 keep_base: KeepBase = "prefill"):
         if reuse not in REUSE_MODES:
             raise ServerError(f"reuse must be one of {REUSE_MODES}, got {reuse!r}")
         if keep_base not in ("prefill", "reverse_map"):

@@ -54,8 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--prefix-reuse", choices=REUSE_MODES, default="map", help="map: reuse caches exactly and map the base "
         "cache into an adapter on a switch (default); exact: reuse only caches of the same adapter (what vLLM and "
         "SGLang do); none: prefill every prompt. For comparisons")
-    add("--keep-base", choices=("reverse_map", "prefill"), default="reverse_map", help="how the base cache of a "
-        "conversation catches up after an adapter's reply (default: %(default)s)")
+    add("--keep-base", choices=("prefill", "reverse_map"), default="prefill", help="how the base cache of a "
+        "conversation catches up after an adapter's reply: prefill (a base pass over the new tokens, after the reply "
+        "is sent: base replies stay exact) or reverse_map (no pass; base replies then run on mapped-back caches, "
+        "good with the published maps) (default: %(default)s)")
     add("--served-model-name", default=None, metavar="NAME", help="the base model's name in the API (default: "
         "its name or path)")
     add("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="dtype the model is loaded in "
@@ -75,7 +77,7 @@ class ServeOptions:
     cache_bytes: int = 2 * 2**30
     max_tokens: int = 512
     reuse: str = "map"
-    keep_base: str = "reverse_map"
+    keep_base: str = "prefill"
     served_model_name: str | None = None
     dtype: str = "float32"
 
@@ -98,8 +100,8 @@ class ServeOptions:
             raise ServerError(f"--served-model-name {args.served_model_name!r} collides with an adapter name or "
                               "holds ':' (the base:adapter separator)")
         return cls(args.model, adapters, list(args.maps), args.map_prefix, args.calibrate_missing,
-                   args.calibration_files, int(args.cache_memory * 2**30), args.max_tokens, args.prefix_reuse, args.keep_base,
-                   args.served_model_name, args.dtype)
+                   args.calibration_files, int(args.cache_memory * 2**30), args.max_tokens, args.prefix_reuse,
+                   args.keep_base, args.served_model_name, args.dtype)
 
 
 def parse_adapters(specs: Sequence[str]) -> dict[str, str]:

@@ -95,12 +95,14 @@ def test_models_lists_the_base_and_each_adapter_with_the_base_as_parent(served):
                       "second": {"root": NAME, "parent": NAME}}
 
 
-def test_a_conversation_switching_adapters_matches_adapter_session(stack, fresh):
-    """Each turn's reply equals AdapterSession's for the same turn (greedy), switch turns report the history as
-    mapped, and cached_tokens is what the session did not prefill."""
+@pytest.mark.parametrize("keep_base", ["prefill", "reverse_map"])
+def test_a_conversation_switching_adapters_matches_adapter_session(stack, fresh, keep_base, monkeypatch):
+    """Each turn's reply equals AdapterSession's for the same turn (greedy) under the same base catch-up policy,
+    switch turns report the history as mapped, and cached_tokens is what the session did not prefill."""
     shared, tokenizer = stack
+    monkeypatch.setattr(fresh[1].engine, "keep_base", keep_base)
     api = client(fresh[0])
-    session = AdapterSession(shared, max_new_tokens=6, eos_token_id=[tokenizer.eos_token_id],
+    session = AdapterSession(shared, keep_base=keep_base, max_new_tokens=6, eos_token_id=[tokenizer.eos_token_id],
                              pad_token_id=tokenizer.pad_token_id)
     messages, seen = [], []
     for model, text, stream in SCRIPT:
@@ -163,7 +165,7 @@ def test_eight_concurrent_clients(stack, fresh):
         thread.join(timeout=120)
     assert not errors and len(results) == 8 and time.monotonic() - started < 120
     for i, turns in results.items():
-        session = AdapterSession(shared, max_new_tokens=5, eos_token_id=[tokenizer.eos_token_id],
+        session = AdapterSession(shared, keep_base="prefill", max_new_tokens=5, eos_token_id=[tokenizer.eos_token_id],
                                  pad_token_id=tokenizer.pad_token_id)
         messages = [{"role": "user", "content": f"{chr(65 + i)} conversation {i}"}]
         for adapter, (reply, extra) in zip(("first" if i % 2 else None, "second"), turns):
