@@ -67,11 +67,21 @@ class ChatRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int | None = Field(default=None, ge=1, le=1)
-    logprobs: Literal[False] | None = None
-    tools: list[dict] | None = Field(default=None, max_length=0)
-    presence_penalty: Literal[0] | None = None
-    frequency_penalty: Literal[0] | None = None
+    # Asked for, these would change the answer's meaning: refused (`unsupported`) rather than ignored.
+    n: int | None = None
+    logprobs: bool | None = None
+    tools: list[dict] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    def unsupported(self) -> None:
+        """Refuse what this server does not do, naming the field."""
+        refused = {"n": self.n not in (None, 1), "logprobs": bool(self.logprobs), "tools": bool(self.tools),
+                   "presence_penalty": self.presence_penalty not in (None, 0),
+                   "frequency_penalty": self.frequency_penalty not in (None, 0)}
+        for name, asked in refused.items():
+            if asked:
+                raise RequestError(f"{name}: not supported by this server ({name}={getattr(self, name)!r})", param=name)
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -94,6 +104,7 @@ def parse_chat_request(body) -> ChatRequest:
         where = ".".join(str(part) for part in first["loc"]) or "body"
         raise RequestError(f"{where}: {first['msg']}", param=where.split(".")[0]) from None
     request.stop_strings()  # checks them
+    request.unsupported()
     return request
 
 
