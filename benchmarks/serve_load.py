@@ -10,7 +10,8 @@ docstring), one after the other on 127.0.0.1:
 
 Measured per server, from the `openai` client (streamed requests): TTFT p50 / p95 (all turns, and the switch
 turns), the server's compute TTFT (its TTFT less the time the request waited for the model), throughput
-(generated tokens / second of the run's wall time), cached prompt tokens; the ratios a/b and a/c. Quality of (a) and (b) against (c): agreement of the greedy replies turn by turn (same script), and the KL
+(generated tokens / second of the run's wall time), cached prompt tokens; the ratios a/b and a/c. Quality of (a)
+and (b) against (c): agreement of the greedy replies turn by turn (same script), and the KL
 divergence KL(c || x) and top-1 agreement of the first reply token's distribution on the same prompt (recorded in
 the servers; where (c) never saw a prompt, its distribution comes from a full prefill).
 
@@ -181,7 +182,8 @@ def load_stack(calibration_files: int):
     calibrated = (f"calibrated by this benchmark on {calibration_files} calibration-split stdlib files, first 512 "
                   f"tokens each")
     skipped = []
-    for folder, note in ((ROOT / "hub_cards", "published maps (hub_cards/)"), (cached, f"{calibrated} (kept in {cached})")):
+    sources = ((ROOT / "hub_cards", "published maps (hub_cards/)"), (cached, f"{calibrated} (kept in {cached})"))
+    for folder, note in sources:
         try:
             maps, _, unusable = load_maps(model, ADAPTERS, [str(folder)], PREFIX) if folder.is_dir() else (None, {}, {})
         except PeftKVCacheError as err:
@@ -251,7 +253,7 @@ def quality(model, tokenizer, mode: str, records: dict, engines: dict) -> dict:
 
 
 def markdown(args, stats: dict, ratios: dict, qualities: dict, maps_note: str) -> str:
-    lines = [f"# peft-kvcache serve: load benchmark", "",
+    lines = ["# peft-kvcache serve: load benchmark", "",
              f"{args.conversations} concurrent conversations x {args.turns} turns (the adapter changes at every turn: "
              f"base / shout / docstring rotated), {args.max_tokens} new tokens max, greedy, streamed, "
              f"SmolLM2-135M-Instruct on CPU ({torch.get_num_threads()} threads), 127.0.0.1. TTFT from the openai "
@@ -262,13 +264,15 @@ def markdown(args, stats: dict, ratios: dict, qualities: dict, maps_note: str) -
              "first-token top-1 vs (c) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for key in MODES:
         s, q = stats[key], qualities.get(key)
-        quality_cells = (f"{q['reply_agreement']:.2f} ({q['replies_compared']} turns) | {q['reply_common_prefix']:.2f} | "
+        quality_cells = (f"{q['reply_agreement']:.2f} ({q['replies_compared']} turns) | "
+                         f"{q['reply_common_prefix']:.2f} | "
                          f"{q['first_token_kl_mean']:.4f} (max {q['first_token_kl_max']:.4f}) | "
                          f"{q['first_token_top1_agreement']:.2f}") if q else "- | - | - | -"
         lines.append(f"| {LABELS[key]} | {s['ttft_p50']:.3f} | {s['ttft_p95']:.3f} | {s['switch_ttft_p50']:.3f} | "
                      f"{s['compute_ttft_p50']:.3f} / {s['compute_ttft_p95']:.3f} | {s['tokens_per_second']:.1f} | "
                      f"{s['cached_fraction']:.0%} | {quality_cells} |")
-    lines += ["", "| ratio | TTFT p50 | TTFT p95 | switch TTFT p50 | compute TTFT p50 | compute TTFT p95 | throughput |",
+    lines += ["", "| ratio | TTFT p50 | TTFT p95 | switch TTFT p50 | compute TTFT p50 | compute TTFT p95 | "
+              "throughput |",
               "|---|---|---|---|---|---|---|"]
     for name, r in ratios.items():
         lines.append(f"| {name} | {r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} | {r['switch_ttft_p50']:.2f} | "

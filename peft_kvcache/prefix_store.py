@@ -257,8 +257,9 @@ class PrefixEngine:
             if seed is not None:
                 torch.manual_seed(seed)  # global RNG: safe, every model use holds the lock
             with adapter_active(model, variant):
-                output = model.generate(input_ids=prompt.to(model_device(model)), attention_mask=torch.ones_like(prompt),
-                                        streamer=timer, stopping_criteria=criteria, **with_cache(model, cache),
+                output = model.generate(input_ids=prompt.to(model_device(model)),
+                                        attention_mask=torch.ones_like(prompt), streamer=timer,
+                                        stopping_criteria=criteria, **with_cache(model, cache),
                                         **generation_kwargs).cpu()
             result = Generation(variant, output[0, prompt.shape[1]:], prompt.shape[1], source, cached, timer.seconds,
                                 prepare_seconds, cancelled is not None and bool(cancelled()),

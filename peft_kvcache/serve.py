@@ -139,12 +139,12 @@ def _is_repo_id(spec: str) -> bool:
 def load_maps(model, adapters: Sequence[str], specs: Sequence[str], prefix: str,
               ) -> tuple[AdapterMaps, dict[tuple[str, bool], str], dict[str, str]]:
     """The maps ``specs`` hold for ``adapters``, each checked against the model: ``(maps, where each came from,
-    {adapter: why its maps could not be used})``. A map fitted for other weights raises `ServerError`."""
+    {folder: why its map could not be used})``. A map fitted for other weights raises `ServerError`."""
     maps, found, unusable = AdapterMaps(), {}, {}
     for spec in specs:
         path = Path(spec).expanduser()
         if path.is_dir() and not is_map_folder(path):  # a folder of map folders, named by adapter
-            candidates = [(path / folder_name(prefix, a, reverse), a, reverse) for a in adapters for reverse in (False, True)]
+            candidates = [(path / folder_name(prefix, a, r), a, r) for a in adapters for r in (False, True)]
             candidates = [(str(folder), a, r) for folder, a, r in candidates if folder.is_dir()]
         else:
             candidates = [(spec, None, None)]
@@ -154,7 +154,7 @@ def load_maps(model, adapters: Sequence[str], specs: Sequence[str], prefix: str,
             except (PeftKVCacheError, OSError) as err:
                 if adapter is None:
                     raise ServerError(f"--maps {spec!r} cannot be loaded: {err}") from None
-                unusable[adapter] = f"{where}: {err}"
+                unusable[where] = f"{where}: {err}"
                 continue
             adapter, reverse = _direction(kv_map, adapter, reverse, adapters, where)
             _check_map(model, kv_map, adapter, reverse, where)

@@ -54,7 +54,8 @@ from .prefix_store import Generation, PrefixEngine
 
 logger = logging.getLogger(__name__)
 
-HEADER_CONTEXT, HEADER_CACHED, HEADER_TTFT = "X-PEFT-KVCache-Context", "X-PEFT-KVCache-Cached-Tokens", "X-PEFT-KVCache-TTFT"
+HEADER_CONTEXT, HEADER_CACHED, HEADER_TTFT = ("X-PEFT-KVCache-Context", "X-PEFT-KVCache-Cached-Tokens",
+                                              "X-PEFT-KVCache-TTFT")
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 SOURCE_KIND = {"reused": "reused", "mapped": "mapped", "activated_lora": "shared", "prefilled": "prefilled"}
 
@@ -77,10 +78,12 @@ class Metrics:
             def collect(self):
                 yield CounterMetricFamily("peft_kvcache_store_evictions", "Prefix store entries evicted (LRU)",
                                           value=store.evictions)
-                yield GaugeMetricFamily("peft_kvcache_store_bytes", "Bytes held by the prefix store", value=store.nbytes)
+                yield GaugeMetricFamily("peft_kvcache_store_bytes", "Bytes held by the prefix store",
+                                        value=store.nbytes)
                 yield GaugeMetricFamily("peft_kvcache_store_max_bytes", "The prefix store's bound (--cache-memory)",
                                         value=store.max_bytes)
-                yield GaugeMetricFamily("peft_kvcache_store_entries", "Caches held by the prefix store", value=len(store))
+                yield GaugeMetricFamily("peft_kvcache_store_entries", "Caches held by the prefix store",
+                                        value=len(store))
 
         registry.register(StoreCollector())
 
@@ -181,7 +184,8 @@ class ChatServer:
         """The public name of a context source (see the module's docstring)."""
         if not cached_tokens:
             return "prefilled"
-        return {"mapped": f"mapped:{self.model_name}", "activated_lora": f"shared:{self.model_name}"}.get(source, source)
+        named = {"mapped": f"mapped:{self.model_name}", "activated_lora": f"shared:{self.model_name}"}
+        return named.get(source, source)
 
 
 def _as_list(value) -> list:

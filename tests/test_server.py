@@ -71,7 +71,8 @@ def _ask(api, model: str, messages: list[dict], stream: bool, max_tokens: int = 
     """(reply, the peft_kvcache field, usage.prompt_tokens_details.cached_tokens) of one greedy request."""
     if not stream:
         out = api.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, **GREEDY)
-        return out.choices[0].message.content, out.model_extra["peft_kvcache"], out.usage.prompt_tokens_details.cached_tokens
+        cached = out.usage.prompt_tokens_details.cached_tokens
+        return out.choices[0].message.content, out.model_extra["peft_kvcache"], cached
     text, extra, cached = "", None, None
     for chunk in api.chat.completions.create(model=model, messages=messages, max_completion_tokens=max_tokens,
                                              stream=True, stream_options={"include_usage": True}, **GREEDY):
@@ -115,7 +116,8 @@ def test_a_conversation_switching_adapters_matches_adapter_session(stack, fresh,
         turn = session.turn(prompt[held:], adapter=adapter)
         assert reply == tokenizer.decode(turn.new_ids[0], skip_special_tokens=True)
         source = SOURCES[turn.cache_source] if turn.cached_tokens else "prefilled"
-        assert (extra["context_source"], cached, extra["cached_tokens"]) == (source, turn.cached_tokens, turn.cached_tokens)
+        assert (extra["context_source"], cached, extra["cached_tokens"]) == (source, turn.cached_tokens,
+                                                                             turn.cached_tokens)
         seen.append(extra["context_source"])
         messages.append({"role": "assistant", "content": reply})
     assert seen == ["prefilled", f"mapped:{NAME}", "reused", f"mapped:{NAME}", "reused", f"mapped:{NAME}"]
@@ -125,7 +127,8 @@ def test_headers_say_the_context_source_cached_tokens_and_ttft(fresh):
     api = client(fresh[0])
     messages = [{"role": "user", "content": "Headers please"}]
     first = api.chat.completions.with_raw_response.create(model="first", messages=messages, max_tokens=4, **GREEDY)
-    assert first.headers["x-peft-kvcache-context"] == "prefilled" and first.headers["x-peft-kvcache-cached-tokens"] == "0"
+    assert first.headers["x-peft-kvcache-context"] == "prefilled"
+    assert first.headers["x-peft-kvcache-cached-tokens"] == "0"
     messages += [{"role": "assistant", "content": first.parse().choices[0].message.content},
                  {"role": "user", "content": "Again"}]
     switched = api.chat.completions.with_raw_response.create(model="second", messages=messages, max_tokens=4,
@@ -467,7 +470,8 @@ def _chromium() -> tuple[str, str] | None:
     return (browser, driver) if browser and driver else None
 
 
-@pytest.mark.skipif(_chromium() is None, reason="no chromium and chromedriver (apt-get install chromium chromium-driver)")
+@pytest.mark.skipif(_chromium() is None,
+                    reason="no chromium and chromedriver (apt-get install chromium chromium-driver)")
 def test_chat_page_in_headless_chromium(fresh):
     """Two messages from the page: the first to an adapter, the second to the other adapter; each reply shows
     its TTFT and context source, the switch's being mapped."""

@@ -53,7 +53,8 @@ def test_switching_conversation_on_smollm2(smollm_stack):
     session = AdapterSession(shared, keep_base="prefill", **generation)  # the server's default
     script = [("smollm2", "What does the Python function sorted() return? One sentence."),
               ("shout", "Say that again."),
-              ("docstring", "Write the docstring of this Python function:\n```python\ndef area(w, h):\n    return w * h\n```")]
+              ("docstring", "Write the docstring of this Python function:\n```python\ndef area(w, h):\n"
+                            "    return w * h\n```")]
     app = create_app(PrefixEngine(shared, PrefixStore(2**30)), tokenizer, "smollm2", max_tokens=24)
     with running(app) as url:
         api = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
