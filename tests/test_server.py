@@ -179,6 +179,23 @@ def test_eight_concurrent_clients(stack, fresh):
         assert turns[1][1]["context_source"] == f"mapped:{NAME}" and turns[1][1]["cached_tokens"] > 20
 
 
+def test_stop_strings_sampling_seeds_and_finish_reasons(served):
+    api = client(served[0])
+    messages = [{"role": "user", "content": "Stop somewhere"}]
+    full = api.chat.completions.create(model="first", messages=messages, max_tokens=8, **GREEDY)
+    text = full.choices[0].message.content
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 8
+    stop = text[3:5]
+    cut = api.chat.completions.create(model="first", messages=messages, max_tokens=8, stop=[stop], **GREEDY)
+    assert cut.choices[0].message.content == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(
+        model="first", messages=messages, max_tokens=8, stop=stop, stream=True, **GREEDY) if c.choices)
+    assert streamed == text[: text.index(stop)]  # the held-back tail that began the stop string is never sent
+    sampled = [api.chat.completions.create(model="second", messages=messages, max_tokens=8, temperature=1.5,
+                                           top_p=0.9, seed=seed).choices[0].message.content for seed in (7, 7, 8)]
+    assert sampled[0] == sampled[1] and len(set(sampled)) == 2
+
+
 # ----- bad input: OpenAI-style errors, and the server keeps serving -----
 
 
