@@ -33,6 +33,7 @@ import json
 import logging
 import time
 import uuid
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -128,6 +129,7 @@ class ChatServer:
         self.eos_ids = sorted(i for i in eos if i is not None)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_ids or [0])[0]
         self.created = int(time.time())
+        self.jobs: weakref.WeakSet[_Job] = weakref.WeakSet()  # live requests, cancelled at shutdown
 
     # ----- request -> model work -----
 
@@ -176,7 +178,8 @@ class ChatServer:
                             on_prepared=lambda *prepared: setattr(job, "prepared", prepared), on_generated=report)
         except BaseException as err:  # noqa: BLE001 - reported to the request, never to the worker
             if done:
-                logger.exception("keeping the caches of a completed request failed (the store is unchanged)")
+                logger.exception("keeping the caches of a completed request failed (the store holds only whole "
+                                 "entries: the next request prefills what is missing)")
             else:
                 job.push("error", err)
 
@@ -201,6 +204,8 @@ def create_app(engine: PrefixEngine, tokenizer, model_name: str | None = None, m
     @asynccontextmanager
     async def lifespan(app):
         yield
+        for job in list(server.jobs):  # a generation in progress stops at its next token
+            job.cancelled = True
         server.worker.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="peft-kvcache chat server", lifespan=lifespan)
@@ -251,6 +256,7 @@ def create_app(engine: PrefixEngine, tokenizer, model_name: str | None = None, m
             server.metrics.requests.labels(label, err.status).inc()
             raise
         job = _Job(asyncio.get_running_loop(), tokenizer, body.stop_strings(), arrival)
+        server.jobs.add(job)
         server.worker.submit(server.work, job, variant, prompt, kwargs, body.seed)
         reply = _Reply(server, job, body, label)
         kind, payload = await job.events.get()
