@@ -1,5 +1,5 @@
 """The ``peft-kvcache`` command line: calibrate (model pairs, or a base and its adapters; also under
-``torchrun``), evaluate, card, inspect and push KV maps.
+``torchrun``), evaluate, card, inspect and push KV maps; serve a base model and its adapters (`serve`).
 
 Example:
     $ peft-kvcache calibrate --source gguf:qwen2.5-coder-0.5b-instruct \\
@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 
+from . import serve
 from ._version import __version__
 from .config import CalibrationConfig, ModelSpec
 from .errors import CalibrationError, CLIUsageError, PeftKVCacheError
@@ -274,6 +275,8 @@ def _options(p: argparse.ArgumentParser, command: str) -> None:
         add("--json", action="store_true", help="print JSON instead of text")
     if command == "card":
         add("--license", default=None, help="set the license (recorded in config.json too)")
+    if command == "serve":
+        serve.add_arguments(p)
     if command == "push":
         add("repo_id", metavar="REPO_ID", help="Hub repo id, e.g. my-org/model-a-to-model-b-kvmap")
         add("--private", action="store_true", help="create the repo as private")
@@ -309,6 +312,10 @@ COMMANDS = {
              "Validate a local map and upload it to a Hub model repo, creating the repo (and branch) if needed. "
              "Authentication: `hf auth login`, HF_TOKEN or --token.",
              "peft-kvcache push maps/coder-up my-org/coder-up-kvmap --private"),
+    "serve": (serve.run, "serve an OpenAI-compatible chat API over a base model and its adapters",
+              "Chat completions for the base model and each adapter, with one prefix cache shared across adapters: "
+              "a switch maps the base cache of the history instead of prefilling it (see peft_kvcache.server).",
+              "peft-kvcache serve --model gguf:smollm2-135m-instruct --adapter shout=adapters/shout --maps hub_cards"),
 }
 
 

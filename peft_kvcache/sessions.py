@@ -292,35 +292,67 @@ class AdapterSession:
         length = self._base_cache.get_seq_length()
         if length == 0:
             return DynamicCache(), "empty", 0
-        model = self.shared.model
-        if is_activated_lora(model, adapter):  # the base prefix KV is the aLoRA's exactly
-            captured = cache_states(self._base_cache)
-            return fill_cache(DynamicCache(), zip(captured.keys, captured.values)), "activated_lora", 0
-        kv_map = self.shared.map_to(adapter)
-        with adapter_active(model, adapter):
-            mapped = MappedCache.from_source(self._base_cache, kv_map, model, input_ids=prompt[:, :length])
-        return mapped, "mapped", min(kv_map.config.sink_tokens, length)
+        return cache_from_base(self.shared, adapter, self._base_cache, prompt[:, :length])
 
     def _catch_up_base(self, adapter: str, adapter_cache: DynamicCache) -> int:
         """Bring the base cache up to ``ids[:, :-1]`` after ``adapter``'s turn; returns model tokens used."""
-        start, end = self._base_cache.get_seq_length(), min(self.ids.shape[1], adapter_cache.get_seq_length())
-        if end <= start:
-            return 0
-        model = self.shared.model
-        reverse = self.shared.maps.to_base.get(adapter)
-        # The sink is always the base model's own: mapping it back would cost the most quality.
-        if (self.keep_base == "prefill" or reverse is None or is_activated_lora(model, adapter)
-                or start < reverse.config.sink_tokens):
-            with adapter_active(model, None):
-                forward(model, self.ids[:, start:end], self._base_cache, position_ids=torch.arange(start, end)[None])
-            return end - start
-        captured = cache_states(adapter_cache)
-        positions = torch.arange(start, end)[None]
-        mapped = map_cache(reverse, [k[:, :, start:end] for k in captured.keys],
-                           [v[:, :, start:end] for v in captured.values], positions, positions, layer_placements(model))
-        for layer, (keys, values) in enumerate(mapped):
-            self._base_cache.update(keys, values, layer)
+        return catch_up_base(self.shared, adapter, self._base_cache, adapter_cache, self.ids, self.keep_base)
+
+
+# ----- the two steps every adapter switch takes, shared by sessions and the server's prefix store -----
+
+
+def cache_from_base(shared: SharedPeftModel, adapter: str, base_cache: DynamicCache,
+                    context_ids: torch.Tensor) -> tuple[DynamicCache, str, int]:
+    """``adapter``'s cache of ``context_ids`` ``[1, k]`` built from the base model's cache of them (it must
+    cover exactly those ``k`` tokens): reused as is for an Activated LoRA (its prefix KV *is* the base's),
+    else mapped with the base -> adapter map, the adapter computing the sink itself. Returns the cache, its
+    source (``"activated_lora"`` or ``"mapped"``) and the tokens a model ran over to build it. The caller
+    holds the model's lock; ``base_cache`` is read, never changed.
+
+    Example:
+        >>> cache, source, _ = cache_from_base(shared, "shout", base_cache, ids[:, :-1])   # doctest: +SKIP
+        >>> model.generate(input_ids=ids, **with_cache(model, cache))                     # doctest: +SKIP
+    """
+    model = shared.model
+    if is_activated_lora(model, adapter):
+        captured = cache_states(base_cache)
+        return fill_cache(DynamicCache(), zip(captured.keys, captured.values)), "activated_lora", 0
+    kv_map = shared.map_to(adapter)
+    with adapter_active(model, adapter):
+        mapped = MappedCache.from_source(base_cache, kv_map, model, input_ids=context_ids)
+    return mapped, "mapped", min(kv_map.config.sink_tokens, context_ids.shape[1])
+
+
+def catch_up_base(shared: SharedPeftModel, adapter: str, base_cache: DynamicCache, adapter_cache: DynamicCache,
+                  ids: torch.Tensor, keep_base: KeepBase = "reverse_map") -> int:
+    """Extend ``base_cache`` (a prefix of ``ids`` ``[1, n]``) up to what ``adapter_cache`` covers (at most
+    ``ids[:, :-1]``), in place: by the adapter -> base map from the adapter's KV of the new tokens
+    (``"reverse_map"``; no model runs) or by a base pass over them (``"prefill"``, and always for Activated
+    LoRAs, adapters without a reverse map and a base cache that does not hold the sink yet). Returns the
+    tokens the model ran over. The caller holds the model's lock.
+
+    Example:
+        >>> catch_up_base(shared, "shout", base_cache, adapter_cache, conversation_ids)   # doctest: +SKIP
+    """
+    start, end = base_cache.get_seq_length(), min(ids.shape[1], adapter_cache.get_seq_length())
+    if end <= start:
         return 0
+    model = shared.model
+    reverse = shared.maps.to_base.get(adapter)
+    # The sink is always the base model's own: mapping it back would cost the most quality.
+    if (keep_base == "prefill" or reverse is None or is_activated_lora(model, adapter)
+            or start < reverse.config.sink_tokens):
+        with adapter_active(model, None):
+            forward(model, ids[:, start:end], base_cache, position_ids=torch.arange(start, end)[None])
+        return end - start
+    captured = cache_states(adapter_cache)
+    positions = torch.arange(start, end)[None]
+    mapped = map_cache(reverse, [k[:, :, start:end] for k in captured.keys],
+                       [v[:, :, start:end] for v in captured.values], positions, positions, layer_placements(model))
+    for layer, (keys, values) in enumerate(mapped):
+        base_cache.update(keys, values, layer)
+    return 0
 
-
-__all__ = ["AdapterSession", "FirstTokenTimer", "KeepBase", "SharedPeftModel", "TurnResult"]
+__all__ = ["AdapterSession", "FirstTokenTimer", "KeepBase", "SharedPeftModel", "TurnResult", "cache_from_base",
+           "catch_up_base"]

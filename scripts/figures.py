@@ -16,6 +16,9 @@ from peft_kvcache.provenance import lookup
 
 HUB_CARDS = ROOT / "hub_cards"
 README_BEGIN, README_END = "<!-- figures:begin (scripts/publish.py writes this table) -->", "<!-- figures:end -->"
+SERVE_BEGIN, SERVE_END = "<!-- serve-figures:begin (scripts/publish.py writes this table) -->", "<!-- serve-figures:end -->"
+SERVERS = {"a": "(a) this server", "a'": "(a') this server, base cache kept by reverse maps",
+           "b": "(b) prefix reuse keyed by adapter (vLLM, SGLang today)", "c": "(c) no prefix reuse"}
 
 
 def figure(stem: str, key: str) -> Figure:
@@ -104,3 +107,28 @@ def readme_table() -> str:
                   "compute", "KL plain / recipe", "TTFT vs re-prefill, cold sink: plain / recipe"], rows) + (
         "\n\nFrom `benchmarks/results/siblings.json`, `adapters.json` and `ttft-*.json` (provenance inside), written by "
         "`python -m scripts.publish`.")
+
+
+def serve_table() -> str:
+    """The chat server's load benchmark (`benchmarks/results/serve-load.json`): TTFT, throughput and quality against
+    no reuse, and the ratios."""
+    data = results("serve-load")
+    rows = []
+    for key, label in SERVERS.items():
+        if key not in data["summary"]:
+            continue
+        s, q = data["summary"][key], data["quality"].get(key)
+        rows.append([label, f"{s['ttft_p50']:.2f} s", f"{s['ttft_p95']:.2f} s",
+                     f"{s['compute_ttft_p50']:.2f} / {s['compute_ttft_p95']:.2f} s", f"{s['tokens_per_second']:.1f}",
+                     f"{100 * s['cached_fraction']:.0f}%",
+                     "-" if q is None else f"{q['first_token_kl_mean']:.3f} / {q['first_token_top1_agreement']:.2f} / "
+                                           f"{q['reply_agreement']:.2f}"])
+    ratios = [[name, *(f"{r[k]:.2f}" for k in ("ttft_p50", "ttft_p95", "compute_ttft_p50", "compute_ttft_p95",
+                                                "tokens_per_second"))] for name, r in data["ratios"].items()]
+    setup = data["setup"]
+    return (f"{setup['conversations']} concurrent conversations x {setup['turns']} turns switching adapters, "
+            f"{setup['max_tokens']} new tokens at most, greedy, streamed; maps: {setup['maps'].split(';')[0]}.\n\n"
+            + table(["server", "TTFT p50", "TTFT p95", "compute TTFT p50 / p95", "tokens/s", "prompt cached",
+                     "vs (c): first-token KL / same first token / same reply"], rows) + "\n\n"
+            + table(["ratio", "TTFT p50", "TTFT p95", "compute p50", "compute p95", "throughput"], ratios)
+            + "\n\nFrom `benchmarks/results/serve-load.json`, written by `python -m benchmarks.serve_load`.")

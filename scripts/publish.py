@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import adapters, budget, levers, nonlinear, siblings, ttft
+from benchmarks import adapters, budget, levers, nonlinear, serve_load, siblings, ttft
 from benchmarks.adapters import PREFIX
 from benchmarks.common import ADAPTERS, RESULTS, ROOT, SMOLLM, save, table
 from benchmarks.tasks import continuation_examples
@@ -409,12 +409,19 @@ class Publisher:
                  ["map", "predicted", "measured", "measured in"],
                  [[p["map"], f"{p['predicted']:.3f}", f"{p['measured']:.3f}", p["measured_on"]] for p in points]))
 
+    def serve_load(self) -> None:
+        """The chat server's load benchmark on the published adapter maps (`benchmarks.serve_load`)."""
+        serve_load.main(["--threads", str(torch.get_num_threads())])
+
     def readme(self) -> None:
-        """Regenerate the README's table of measured figures from the results files."""
+        """Regenerate the README's tables of measured figures from the results files."""
         path = ROOT / "README.md"
         text = path.read_text()
-        start, end = text.index(figures.README_BEGIN) + len(figures.README_BEGIN), text.index(figures.README_END)
-        path.write_text(text[:start] + "\n" + figures.readme_table() + "\n" + text[end:])
+        for (begin, end), render in (((figures.README_BEGIN, figures.README_END), figures.readme_table),
+                                     ((figures.SERVE_BEGIN, figures.SERVE_END), figures.serve_table)):
+            start, stop = text.index(begin) + len(begin), text.index(end)
+            text = text[:start] + "\n" + render() + "\n" + text[stop:]
+        path.write_text(text)
 
 
 def _publish(kv_map: KVMap, name: str, dtype: str) -> None:
@@ -453,7 +460,7 @@ def _plot_scaling(curve: dict, path: Path) -> None:
 STAGES = {"siblings": ("capture", "scaling", "gate", "recipe", "levers", "evaluate", "ttft"),
           "nonlinear": ("nonlinear",),
           "adapters": ("calibrate_adapters", "adapter_gate", "adapter_evaluate", "adapter_ttft"),
-          "cards": ("storage", "sibling_cards", "adapter_cards", "gate_correlation", "readme")}
+          "cards": ("storage", "sibling_cards", "adapter_cards", "gate_correlation", "serve_load", "readme")}
 
 
 def main() -> None:

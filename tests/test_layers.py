@@ -19,13 +19,15 @@ FLOORS = {
     "kvmap": 5, "refresh": 5,
     "cache": 6, "adapter_maps": 6,
     "quality": 7, "sessions": 7,
-    "evaluate": 8, "calibrate": 8,
-    "blend": 9, "nonlinear": 9,
-    "cli": 10, "__init__": 11, "__main__": 12,
+    "evaluate": 8, "calibrate": 8, "prefix_store": 8, "openai_api": 8,
+    "blend": 9, "nonlinear": 9, "server": 9,
+    "serve": 10,  # the serve command: may calibrate missing maps at startup (--calibrate-missing)
+    "cli": 11, "__init__": 12, "__main__": 13,
 }
-RUNTIME = {"apply", "kvmap", "refresh", "cache", "adapter_maps", "sessions"}
+RUNTIME = {"apply", "kvmap", "refresh", "cache", "adapter_maps", "sessions", "prefix_store", "openai_api", "server"}
 CALIBRATION = {"calibrate", "checkpoint", "fit", "blend", "nonlinear", "evaluate"}
-MODEL_RUNNING = {"capture", "refresh", "cache", "quality", "sessions", "evaluate", "calibrate", "blend", "nonlinear"}
+MODEL_RUNNING = {"capture", "refresh", "cache", "quality", "sessions", "evaluate", "calibrate", "blend", "nonlinear",
+                 "prefix_store"}
 
 
 def imports_of(module: str) -> set[str]:

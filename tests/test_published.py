@@ -67,9 +67,10 @@ def test_the_card_shows_the_configs_figures(card):
         assert f"| {name} | {figure.value:.4g} | `{figure.results}` |" in text
 
 
-def test_the_readme_table_is_the_one_the_results_give():
-    from scripts.publish import README_BEGIN, README_END, readme_table
+def test_the_readme_tables_are_the_ones_the_results_give():
+    from scripts import figures
 
     text = (ROOT / "README.md").read_text()
-    block = text[text.index(README_BEGIN) + len(README_BEGIN): text.index(README_END)]
-    assert block.strip() == readme_table().strip()
+    for (begin, end), render in (((figures.README_BEGIN, figures.README_END), figures.readme_table),
+                                 ((figures.SERVE_BEGIN, figures.SERVE_END), figures.serve_table)):
+        assert text[text.index(begin) + len(begin): text.index(end)].strip() == render().strip()

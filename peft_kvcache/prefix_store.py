@@ -1,0 +1,309 @@
+"""A token-prefix KV store shared by every conversation of a server, and the engine that serves a request for
+one model variant (the base model or one of its PEFT adapters) from it.
+
+The chat API is stateless: each request carries the whole conversation. `PrefixEngine.run` finds the longest
+token prefix of the prompt the store holds and
+
+- reuses it exactly when it was built for the requested variant (``"reused"``);
+- else maps the base model's cache of the longest base prefix into the requested adapter
+  (`sessions.cache_from_base`, ``"mapped"``; an Activated LoRA reuses the base prefix as is,
+  ``"activated_lora"``), when that prefix is longer;
+- and prefills only the rest (all of it: ``"prefilled"``).
+
+After the reply it stores the variant's cache of the whole conversation and, after an adapter's reply, the base
+model's cache of it too (`sessions.catch_up_base`: reverse map or a base pass over the new tokens), so the next
+switch maps from it. Entries are read through fresh caches built from slices of their tensors: generate()
+extends a `DynamicCache` by rebinding each layer to a new tensor, so an entry is never written. Entries enter
+the store only when a request completes, so one that fails or is cancelled leaves the store as it was.
+
+Memory is bounded (bytes of the entries' tensors) with least-recently-used eviction; an entry is keyed by
+its variant and is never served to another one.
+
+Example:
+    >>> engine = PrefixEngine(SharedPeftModel(peft_model, maps), PrefixStore(2 * 2**30))   # doctest: +SKIP
+    >>> result = engine.run("shout", prompt_ids, {"max_new_tokens": 32, "do_sample": False})  # doctest: +SKIP
+    >>> result.source, result.cached_tokens                                                # doctest: +SKIP
+    ('mapped', 412)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from transformers.cache_utils import DynamicCache
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from ._compat import with_cache
+from .capture import CapturedKV, cache_states
+from .errors import ServerError
+from .models import adapter_active, is_activated_lora, model_device
+from .sessions import FirstTokenTimer, KeepBase, SharedPeftModel, cache_from_base, catch_up_base
+
+logger = logging.getLogger(__name__)
+
+# What a server reuses across requests: "map" (this library: exact reuse, or the base cache mapped into an
+# adapter), "exact" (a prefix cache keyed by adapter, what vLLM / SGLang do today), "none" (prefill every time).
+Reuse = Literal["map", "exact", "none"]
+REUSE_MODES = ("map", "exact", "none")
+
+
+@dataclass
+class Entry:
+    """One stored cache: ``variant``'s KV (``None``: the base model) of the tokens ``ids``."""
+
+    variant: str | None
+    ids: torch.Tensor  # [n] token ids
+    kv: CapturedKV  # per layer [1, kv_heads, n, head_dim]
+    nbytes: int
+
+
+class PrefixStore:
+    """Caches of token prefixes per model variant, bounded to ``max_bytes`` with LRU eviction; thread-safe.
+
+    Example:
+        >>> store = PrefixStore(max_bytes=2**20)
+        >>> kv = CapturedKV([torch.zeros(1, 1, 3, 2)], [torch.zeros(1, 1, 3, 2)])
+        >>> store.add("shout", torch.tensor([5, 6, 7]), kv)
+        True
+        >>> entry, k = store.longest("shout", torch.tensor([5, 6, 9, 9]), limit=3); k
+        2
+        >>> store.longest(None, torch.tensor([5, 6, 9, 9]), limit=3)[1]   # never served to another variant
+        0
+    """
+
+    def __init__(self, max_bytes: int):
+        if not isinstance(max_bytes, int) or max_bytes <= 0:
+            raise ServerError(f"the prefix store needs a positive memory bound in bytes, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self.evictions = 0
+        self._entries: OrderedDict[tuple, Entry] = OrderedDict()  # oldest first
+        self._bytes = 0
+        self._lock = threading.RLock()
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def longest(self, variant: str | None, ids: torch.Tensor, limit: int) -> tuple[Entry | None, int]:
+        """The entry of ``variant`` sharing the longest prefix with ``ids`` ``[n]`` and that prefix's length
+        (at most ``limit``); ``(None, 0)`` when none shares a token."""
+        best, best_length = None, 0
+        with self._lock:
+            for entry in self._entries.values():
+                if entry.variant != variant:
+                    continue
+                m = min(entry.ids.shape[0], ids.shape[0], limit)
+                differ = (entry.ids[:m] != ids[:m]).nonzero()
+                length = int(differ[0, 0]) if differ.numel() else m
+                if length > best_length:
+                    best, best_length = entry, length
+        return best, best_length
+
+    def touch(self, entry: Entry) -> None:
+        """Mark ``entry`` as just used (it is evicted last)."""
+        with self._lock:
+            key = _key(entry.variant, entry.ids)
+            if key in self._entries:
+                self._entries.move_to_end(key)
+
+    def add(self, variant: str | None, ids: torch.Tensor, kv: CapturedKV) -> bool:
+        """Store ``variant``'s cache ``kv`` of ``ids`` ``[n]`` (``kv`` covers exactly those tokens), replacing the
+        entries of that variant it extends, then evict the least recently used entries beyond the bound.
+        Returns False when the entry alone exceeds the bound (it is not stored)."""
+        if kv.length != ids.shape[0]:
+            raise ServerError(f"a prefix entry of {ids.shape[0]} tokens came with a cache of {kv.length}")
+        kv = CapturedKV([_owned(k) for k in kv.keys], [_owned(v) for v in kv.values])
+        nbytes = sum(t.nbytes for t in kv.keys + kv.values)
+        if nbytes > self.max_bytes:
+            logger.warning("a %d-token cache (%.1f MiB) exceeds the prefix store's bound (%.1f MiB): not stored",
+                           ids.shape[0], nbytes / 2**20, self.max_bytes / 2**20)
+            return False
+        ids = ids.detach().cpu().clone()
+        with self._lock:
+            longer, length = self.longest(variant, ids, ids.shape[0])
+            if longer is not None and length == ids.shape[0]:  # already held (as an entry or a prefix of one)
+                self.touch(longer)
+                return True
+            for key, entry in list(self._entries.items()):
+                if entry.variant != variant or entry.ids.shape[0] > ids.shape[0]:
+                    continue
+                if torch.equal(entry.ids, ids[: entry.ids.shape[0]]):  # a prefix of the new entry: redundant
+                    self._remove(key)
+            self._entries[_key(variant, ids)] = Entry(variant, ids, kv, nbytes)
+            self._bytes += nbytes
+            while self._bytes > self.max_bytes:
+                self._remove(next(iter(self._entries)))
+                self.evictions += 1
+        return True
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    def entries(self) -> list[Entry]:
+        """The entries, least recently used first (a snapshot)."""
+        with self._lock:
+            return list(self._entries.values())
+
+    def _remove(self, key: tuple) -> None:
+        self._bytes -= self._entries.pop(key).nbytes
+
+
+def _key(variant: str | None, ids: torch.Tensor) -> tuple:
+    return variant, ids.shape[0], ids.numpy().tobytes()
+
+
+def _owned(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself if it owns its whole storage, else a compact copy (a view would pin, and hide from
+    the memory bound, the larger tensor it is cut from)."""
+    tensor = tensor.detach()
+    if tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.nbytes:
+        return tensor
+    return tensor.contiguous().clone()
+
+
+@dataclass
+class Generation:
+    """What `PrefixEngine.run` did for one request."""
+
+    variant: str | None
+    new_ids: torch.Tensor  # [generated] token ids
+    prompt_tokens: int
+    source: str  # "reused" | "mapped" | "activated_lora" | "prefilled"
+    cached_tokens: int  # prompt tokens not prefilled (reused or mapped)
+    first_token_seconds: float  # from ``started`` to the first generated token
+    prepare_seconds: float  # finding, slicing and mapping the cache
+    cancelled: bool = False  # generation ended early because ``cancelled`` said so (nothing was stored)
+    model_tokens: dict[str, int] = field(default_factory=dict)
+
+
+class _StopWhen(StoppingCriteria):
+    def __init__(self, should_stop: Callable[[], bool]):
+        self.should_stop = should_stop
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), bool(self.should_stop()), dtype=torch.bool, device=input_ids.device)
+
+
+class PrefixEngine:
+    """Serves generation requests for any variant of a `SharedPeftModel` from a `PrefixStore` (see the module).
+
+    Args:
+        shared: the PEFT model, its maps and its lock (every model use holds it).
+        store: the prefix store (one per model).
+        reuse: ``"map"`` (default), ``"exact"`` (reuse only caches of the same variant) or ``"none"``.
+        keep_base: how the base cache catches up after an adapter's reply (`sessions.catch_up_base`): ``"prefill"``
+            (default: a base pass over the new tokens, after the reply is delivered; base requests stay exact and
+            every switch maps from an exact base cache) or ``"reverse_map"`` (no model pass; base requests then
+            run on mapped-back caches, as good as the reverse maps are).
+
+    Example:
+        >>> engine = PrefixEngine(shared, PrefixStore(2**30), reuse="map")               # doctest: +SKIP
+        >>> engine.run(None, prompt_ids, {"max_new_tokens": 16, "do_sample": False}).source  # doctest: +SKIP
+        'prefilled'
+    """
+
+    def __init__(self, shared: SharedPeftModel, store: PrefixStore, reuse: Reuse = "map",
+                 keep_base: KeepBase = "prefill"):
+        if reuse not in REUSE_MODES:
+            raise ServerError(f"reuse must be one of {REUSE_MODES}, got {reuse!r}")
+        if keep_base not in ("prefill", "reverse_map"):
+            raise ServerError(f"keep_base must be 'prefill' or 'reverse_map', got {keep_base!r}")
+        self.shared, self.store, self.reuse, self.keep_base = shared, store, reuse, keep_base
+
+    def mappable(self, adapter: str) -> bool:
+        """Whether a switch to ``adapter`` can start from the base model's cache (a map, or an Activated LoRA)."""
+        return adapter in self.shared.maps.to_adapter or is_activated_lora(self.shared.model, adapter)
+
+    def run(self, variant: str | None, prompt_ids: torch.Tensor, generation_kwargs: dict, *,
+            streamer: BaseStreamer | None = None, should_stop: Callable[[], bool] | None = None,
+            cancelled: Callable[[], bool] | None = None, started: float | None = None, seed: int | None = None,
+            on_prepared: Callable[[str, int], None] | None = None,
+            on_generated: Callable[[Generation], None] | None = None) -> Generation:
+        """Generate ``variant``'s reply to ``prompt_ids`` ``[n]`` from the longest cached prefix.
+
+        ``streamer`` receives the tokens as generate() makes them; ``should_stop`` is polled after each token
+        (a stop string was generated); ``cancelled`` too, and a cancelled request stores nothing (its client went
+        away); ``started`` (a ``time.perf_counter()`` value, default now) is where the
+        first-token time counts from; ``seed`` seeds sampling. ``on_prepared(source, cached_tokens)`` is called
+        once the cache is chosen (before generation), ``on_generated`` is called with the result as
+        soon as the reply is complete, before the store is updated (the model's lock is still held, so the
+        next request sees the updated store). If generation raises, the store is left as it was.
+        """
+        self.shared.check_adapter(variant)
+        started = time.perf_counter() if started is None else started
+        prompt = prompt_ids.reshape(1, -1).cpu()
+        criteria = StoppingCriteriaList([_StopWhen(f) for f in (should_stop, cancelled) if f is not None])
+        model = self.shared.model
+        with self.shared.lock, torch.no_grad():
+            prepare_started = time.perf_counter()
+            cache, source, cached, prepared = self._cache_for(variant, prompt)
+            prepare_seconds = time.perf_counter() - prepare_started
+            if on_prepared is not None:
+                on_prepared(source, cached)
+            timer = FirstTokenTimer(started, streamer)
+            if seed is not None:
+                torch.manual_seed(seed)  # global RNG: safe, every model use holds the lock
+            with adapter_active(model, variant):
+                output = model.generate(input_ids=prompt.to(model_device(model)),
+                                        attention_mask=torch.ones_like(prompt), streamer=timer,
+                                        stopping_criteria=criteria, **with_cache(model, cache),
+                                        **generation_kwargs).cpu()
+            result = Generation(variant, output[0, prompt.shape[1]:], prompt.shape[1], source, cached, timer.seconds,
+                                prepare_seconds, cancelled is not None and bool(cancelled()),
+                                {"prepare": prepared, "prefill": prompt.shape[1] - cached})
+            if on_generated is not None:
+                on_generated(result)
+            if not result.cancelled:
+                result.model_tokens["keep_base"] = self._keep(variant, output, cache)
+        logger.debug("request variant=%s source=%s cached=%d tokens=%s", variant, source, cached, result.model_tokens)
+        return result
+
+    def _cache_for(self, variant: str | None, prompt: torch.Tensor) -> tuple[DynamicCache, str, int, int]:
+        """The cache the request starts from: ``(cache, source, cached tokens, model tokens spent on it)``."""
+        limit = prompt.shape[1] - 1  # generate() must compute at least the last prompt token
+        if self.reuse == "none" or limit <= 0:
+            return DynamicCache(), "prefilled", 0, 0
+        own, length = self.store.longest(variant, prompt[0], limit)
+        if self.reuse == "map" and variant is not None and self.mappable(variant):
+            base, base_length = self.store.longest(None, prompt[0], limit)
+            if base_length > length:  # a longer history in the base model's cache: map it
+                self.store.touch(base)
+                cache, source, prepared = cache_from_base(self.shared, variant, base.kv.prefix(base_length).to_cache(),
+                                                          prompt[:, :base_length])
+                return cache, source, base_length, prepared
+        if own is None:
+            return DynamicCache(), "prefilled", 0, 0
+        self.store.touch(own)
+        return own.kv.prefix(length).to_cache(), "reused", length, 0
+
+    def _keep(self, variant: str | None, output: torch.Tensor, cache: DynamicCache) -> int:
+        """Store the reply's cache (and the base's, after an adapter's reply); returns the model tokens spent."""
+        if self.reuse == "none":
+            return 0
+        covered = cache.get_seq_length()  # the conversation but its last token
+        self.store.add(variant, output[0, :covered], cache_states(cache))
+        if self.reuse != "map" or variant is None:
+            return 0
+        base, length = self.store.longest(None, output[0], covered)
+        base_cache = DynamicCache() if base is None else base.kv.prefix(length).to_cache()
+        spent = catch_up_base(self.shared, variant, base_cache, cache, output, self.keep_base)
+        kept = base_cache.get_seq_length()
+        if kept > length:
+            self.store.add(None, output[0, :kept], cache_states(base_cache))
+        return spent
+
+
+__all__ = ["Entry", "Generation", "PrefixEngine", "PrefixStore", "REUSE_MODES", "Reuse"]

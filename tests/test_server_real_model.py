@@ -1,0 +1,77 @@
+"""The chat server on the small real model (SmolLM2-135M-Instruct) with the committed adapters, driven by the
+`openai` client: a conversation that moves from the base model to shout and docstring maps its history at each
+switch, and each reply is AdapterSession's for the same turn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi", reason="the server's extra: pip install -e '.[serve,test]'")
+pytest.importorskip("openai", reason="the test extra: pip install -e '.[test]'")
+
+from peft_kvcache import AdapterSession, SharedPeftModel  # noqa: E402
+from peft_kvcache.adapter_maps import AdapterMaps  # noqa: E402
+from peft_kvcache.errors import PeftKVCacheError  # noqa: E402
+from peft_kvcache.fixtures import fixture_available, load_model  # noqa: E402
+from peft_kvcache.models import load_adapters  # noqa: E402
+from peft_kvcache.prefix_store import PrefixEngine, PrefixStore  # noqa: E402
+from peft_kvcache.serve import calibrate_missing, load_maps  # noqa: E402
+from peft_kvcache.server import create_app, running  # noqa: E402
+
+SMOLLM = "gguf:smollm2-135m-instruct"
+ROOT = Path(__file__).resolve().parents[1]
+ADAPTERS = ("shout", "docstring")
+pytestmark = [
+    pytest.mark.real_model,
+    pytest.mark.skipif(not fixture_available(SMOLLM), reason="run `python -m peft_kvcache.fixtures` first"),
+]
+
+
+@pytest.fixture(scope="module")
+def smollm_stack():
+    """SmolLM2 with the committed adapters and their published maps (hub_cards/), or maps calibrated here on
+    4 stdlib files when the published ones do not load (e.g. while they are re-published in a new format)."""
+    base, tokenizer = load_model(SMOLLM)
+    model = load_adapters(base, {a: str(ROOT / "adapters" / a) for a in ADAPTERS})
+    try:
+        maps, _, unusable = load_maps(model, ADAPTERS, [str(ROOT / "hub_cards")], "smollm2-135m-instruct")
+    except PeftKVCacheError:
+        maps, unusable = AdapterMaps(), {"all": "not loadable"}
+    if unusable or not all(a in maps.to_adapter and a in maps.to_base for a in ADAPTERS):
+        maps = calibrate_missing(model, tokenizer, ADAPTERS, AdapterMaps(), files=4, tokens=256)
+    return SharedPeftModel(model, maps), tokenizer
+
+
+def test_switching_conversation_on_smollm2(smollm_stack):
+    from openai import OpenAI
+
+    shared, tokenizer = smollm_stack
+    generation = dict(max_new_tokens=24, eos_token_id=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    session = AdapterSession(shared, keep_base="prefill", **generation)  # the server's default
+    script = [("smollm2", "What does the Python function sorted() return? One sentence."),
+              ("shout", "Say that again."),
+              ("docstring", "Write the docstring of this Python function:\n```python\ndef area(w, h):\n"
+                            "    return w * h\n```")]
+    app = create_app(PrefixEngine(shared, PrefixStore(2**30)), tokenizer, "smollm2", max_tokens=24)
+    with running(app) as url:
+        api = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        messages, turns = [], []
+        for model, text in script:
+            messages.append({"role": "user", "content": text})
+            out = api.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
+            reply, extra = out.choices[0].message.content, out.model_extra["peft_kvcache"]
+            rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            prompt = torch.tensor(tokenizer(rendered, add_special_tokens=False).input_ids)
+            held = session.ids.shape[1]
+            assert torch.equal(prompt[:held], session.ids[0]), "the re-rendered history should extend the session's"
+            turn = session.turn(prompt[held:], adapter=None if model == "smollm2" else model)
+            assert reply == tokenizer.decode(turn.new_ids[0], skip_special_tokens=True), model
+            turns.append((extra, out.usage.prompt_tokens_details.cached_tokens, turn.cached_tokens))
+            messages.append({"role": "assistant", "content": reply})
+    for extra, cached, session_cached in turns[1:]:  # each switch mapped the history, as the session did
+        assert extra["context_source"] == "mapped:smollm2" and cached == extra["cached_tokens"] == session_cached > 20
+    shouted = [c for c in messages[3]["content"] if c.isalpha()]
+    assert sum(c.isupper() for c in shouted) > 0.7 * len(shouted)  # the shout adapter answered
