@@ -91,28 +91,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _adapter_specs(specs: Sequence[str]) -> dict[str, Path]:
-    adapters = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise CLIUsageError(f"--adapter {spec!r}: expected NAME=PATH (a folder saved by PEFT)")
-        if not (Path(path).expanduser() / "adapter_config.json").is_file():
-            raise CLIUsageError(f"--adapter {spec!r}: {path} holds no adapter_config.json (not a PEFT adapter)")
-        if name in adapters:
-            raise CLIUsageError(f"--adapter {name!r} is given twice")
-        adapters[name] = Path(path).expanduser()
-    return adapters
-
-
 def cmd_calibrate_adapters(args: argparse.Namespace) -> int:
     from .blend import choose_adapter_blends
     from .calibrate import calibrate_adapters
     from .evaluate import token_sequences
-    from .models import load_adapters
+    from .models import load_adapters, parse_adapter_specs
 
     config = _config(args, same_layer=True)
-    adapters = _adapter_specs(args.adapter)
+    adapters = parse_adapter_specs(args.adapter)
     texts, description = _texts(args, "calibration")
     if args.blend_files and args.blend_files >= len(texts):
         raise CLIUsageError(f"--blend-files {args.blend_files} leaves no calibration text of the {len(texts)} read")
@@ -125,7 +111,7 @@ def cmd_calibrate_adapters(args: argparse.Namespace) -> int:
     fit = {n: texts[n] for n in names[: len(names) - args.blend_files]}
     maps = calibrate_adapters(model, fit, tokenizer, config=config, reverse=not args.no_reverse,
                               description=description, base_spec=args.base,
-                              adapter_paths={n: str(p) for n, p in adapters.items()}, progress=not args.no_progress,
+                              adapter_paths=adapters, progress=not args.no_progress,
                               checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
     if args.blend_files:  # each map's blend toward its source cache, chosen on text the fit did not see
         held = [texts[n] for n in names[len(fit):]]

@@ -7,14 +7,15 @@ import hashlib
 import sys
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ._compat import weights_version
-from .errors import CacheMismatchError, IncompatibleModelsError, SessionError
+from .errors import CacheMismatchError, CLIUsageError, IncompatibleModelsError, SessionError
 from .positions import head_dim_of
 
 
@@ -153,6 +154,42 @@ def load_adapters(base_model: torch.nn.Module, adapters: dict[str, str]) -> torc
     if model is None:
         raise SessionError("load_adapters needs at least one adapter")
     return model.eval()
+
+
+def parse_adapter_specs(specs: Sequence[str]) -> dict[str, str]:
+    """``{name: folder or Hub id}`` from ``--adapter NAME=PATH`` arguments, checked before any model loads (a
+    `CLIUsageError` for a malformed, repeated or unusable one; names hold no ':', which clients use as base:adapter).
+    """
+    adapters: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise CLIUsageError(f"--adapter {spec!r}: expected NAME=PATH (a folder saved by PEFT or a Hub repo id)")
+        if name in adapters:
+            raise CLIUsageError(f"--adapter {name!r} is given twice")
+        if ":" in name:
+            raise CLIUsageError(f"--adapter {name!r}: a name holds no ':' (clients may write base:adapter)")
+        local = Path(path).expanduser()
+        if local.exists() and not (local / "adapter_config.json").is_file():
+            raise CLIUsageError(f"--adapter {spec!r}: {path} holds no adapter_config.json (not a PEFT adapter)")
+        if not local.exists() and not is_repo_id(path):
+            raise CLIUsageError(f"--adapter {spec!r}: {path} is neither a folder nor a Hub repo id")
+        adapters[name] = str(local) if local.exists() else path
+    return adapters
+
+
+def is_repo_id(spec: str) -> bool:
+    """Whether ``spec`` reads as a Hub repo id (owner/name) rather than a local path."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        return False
+    try:
+        validate_repo_id(spec)
+    except HFValidationError:
+        return False
+    return True
 
 
 def is_activated_lora(model: torch.nn.Module, adapter: str) -> bool:

@@ -19,7 +19,7 @@ from pathlib import Path
 from .adapter_maps import AdapterMaps, folder_name
 from .errors import PeftKVCacheError, ServerError
 from .kvmap import KVMap, is_map_folder, resolve_map_folder
-from .models import adapter_active, base_name, cached_fingerprint, load_adapters
+from .models import adapter_active, base_name, cached_fingerprint, is_repo_id, load_adapters, parse_adapter_specs
 from .prefix_store import REUSE_MODES, PrefixEngine, PrefixStore
 from .sessions import SharedPeftModel
 
@@ -93,47 +93,15 @@ class ServeOptions:
         if args.calibration_files < 2:
             raise ServerError(f"--calibration-files must be at least 2 (one is held out), got {args.calibration_files}")
         for spec in args.maps:
-            if not Path(spec).expanduser().exists() and not _is_repo_id(spec):
+            if not Path(spec).expanduser().exists() and not is_repo_id(spec):
                 raise ServerError(f"--maps {spec!r} is neither a folder nor a Hub repo id")
-        adapters = parse_adapters(args.adapter)
+        adapters = parse_adapter_specs(args.adapter)
         if args.served_model_name in adapters or ":" in (args.served_model_name or ""):
             raise ServerError(f"--served-model-name {args.served_model_name!r} collides with an adapter name or "
                               "holds ':' (the base:adapter separator)")
         return cls(args.model, adapters, list(args.maps), args.map_prefix, args.calibrate_missing,
                    args.calibration_files, int(args.cache_memory * 2**30), args.max_tokens, args.prefix_reuse,
                    args.keep_base, args.served_model_name, args.dtype)
-
-
-def parse_adapters(specs: Sequence[str]) -> dict[str, str]:
-    """``{name: folder or Hub id}`` from ``NAME=PATH`` specs (a `ServerError` for a malformed one)."""
-    adapters: dict[str, str] = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise ServerError(f"--adapter {spec!r}: expected NAME=PATH")
-        if ":" in name or name in adapters:
-            raise ServerError(f"--adapter {name!r}: names must be unique and hold no ':' (clients may write "
-                              "base:adapter)")
-        local = Path(path).expanduser()
-        if local.exists() and not (local / "adapter_config.json").is_file():
-            raise ServerError(f"--adapter {spec!r}: {path} holds no adapter_config.json (not a PEFT adapter)")
-        if not local.exists() and not _is_repo_id(path):
-            raise ServerError(f"--adapter {spec!r}: {path} is neither a folder nor a Hub repo id")
-        adapters[name] = str(local) if local.exists() else path
-    return adapters
-
-
-def _is_repo_id(spec: str) -> bool:
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    if spec.startswith((".", "/", "~")) or spec.count("/") != 1:
-        return False
-    try:
-        validate_repo_id(spec)
-    except HFValidationError:
-        return False
-    return True
 
 
 def load_maps(model, adapters: Sequence[str], specs: Sequence[str], prefix: str,
@@ -257,4 +225,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["ServeOptions", "add_arguments", "build", "calibrate_missing", "load_maps", "parse_adapters", "run"]
+__all__ = ["ServeOptions", "add_arguments", "build", "calibrate_missing", "load_maps", "run"]

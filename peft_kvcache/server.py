@@ -34,8 +34,8 @@ import logging
 import time
 import uuid
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from importlib import resources
 

@@ -324,6 +324,7 @@ def test_metrics_count_requests_sources_tokens_and_the_store(fresh):
     reply, _, _ = _ask(api, NAME, messages, stream=False)
     messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "more"}]
     _, extra, cached = _ask(api, "second", messages, stream=True)
+    server.worker.submit(lambda: None).result(timeout=60)  # the worker keeps the caches after the reply ends
     text = _metrics(url)
     assert re.search(r'peft_kvcache_requests_total\{model="second",status="200"\} [1-9]', text)
     assert re.search(r'peft_kvcache_ttft_seconds_count\{source="mapped"\} [1-9]', text)
