@@ -1,8 +1,8 @@
 """Every place peft-kvcache depends on how transformers (or torch) behave inside, in one small module.
 
 transformers 5.24 renamed the cache argument of ``forward``/``generate`` from ``past_key_values`` to
-``cache`` (the old name warns and goes away in 5.40 / 6.0); the supported range starts before that, so the
-name is detected once per model class. The other functions read state transformers does not document as
+``cache`` (the old name warns and goes away in 5.40 / 6.0); the name is detected once per model class, so a
+model class that still takes ``past_key_values`` works too. The other functions read state transformers does not document as
 public; ``tests/test_compat.py`` checks each against the installed version and fails loudly when one breaks.
 """
 

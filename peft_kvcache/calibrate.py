@@ -420,7 +420,7 @@ def calibrate_adapters(model: torch.nn.Module, calibration_data, tokenizer=None,
     return maps
 
 
-# The artifact does not know how it is fitted; calibration gives it DESIGN's `KVMap.calibrate(...)` spelling
+# The artifact does not know how it is fitted; calibration gives it the public `KVMap.calibrate(...)` spelling
 # (the package imports this module, so the attribute is there whenever peft_kvcache is).
 KVMap.calibrate = staticmethod(calibrate)
 

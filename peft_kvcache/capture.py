@@ -29,9 +29,6 @@ class CapturedKV:
         """A transformers `DynamicCache` holding these tensors (a model extends it in place)."""
         return fill_cache(DynamicCache(), zip(self.keys, self.values))
 
-    def clone(self) -> "CapturedKV":
-        return CapturedKV([k.clone() for k in self.keys], [v.clone() for v in self.values])
-
     @property
     def length(self) -> int:
         return self.keys[0].shape[2] if self.keys else 0

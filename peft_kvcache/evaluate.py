@@ -1,4 +1,4 @@
-"""Retention metrics (DESIGN.md, "the retention protocol").
+"""Retention metrics: how much of what the full context gives the target a mapped cache keeps.
 
 Each example is ``context (C tokens) + continuation (M tokens)``; the target predicts every continuation
 token teacher-forced. Variants differ only in what the target knows of the context:
