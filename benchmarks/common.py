@@ -9,13 +9,14 @@ from pathlib import Path
 
 import torch
 
-from peft_kvcache.provenance import write_results
+from peft_kvcache.provenance import code_state, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SMALL, LARGE = "gguf:qwen2.5-coder-0.5b-instruct", "gguf:qwen2.5-coder-1.5b-instruct"
 SMOLLM = "gguf:smollm2-135m-instruct"
 ADAPTERS = ("docstring", "shout")
 ROOT = RESULTS.parents[1]
+code_state()  # results record the code this run started with, even if a commit lands while it runs
 
 
 def timed(fn: Callable[[], object], repeats: int = 5, warmup: int = 1, before: Callable[[], None] | None = None) -> dict:

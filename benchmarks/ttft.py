@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from peft_kvcache import KVMap, MappedCache
-from peft_kvcache.cache import _SINK_MEMO
+from peft_kvcache.cache import _SINKS
 from peft_kvcache.calibrate import ModelSide
 from peft_kvcache.capture import forward, run_with_cache
 from peft_kvcache.config import KVMapConfig
@@ -99,7 +99,7 @@ def measure(source_run, target, kv_map, ids: torch.Tensor, repeats: int = 5, rec
             forward(target, last, cache, position_ids=step, logits_to_keep=1)
         return run
 
-    clear = _SINK_MEMO.clear
+    clear = _SINKS.clear
     row = {"context": length, "full": full or timed(lambda: forward(target, ids, None, logits_to_keep=1), repeats),
            "cold": timed(switch(0), repeats, before=clear), "warm": timed(switch(0), repeats),
            "map_only": timed(lambda: MappedCache.from_source(source_kv.to_cache(), kv_map, target, input_ids=context,

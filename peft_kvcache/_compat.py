@@ -2,8 +2,9 @@
 
 transformers 5.24 renamed the cache argument of ``forward``/``generate`` from ``past_key_values`` to
 ``cache`` (the old name warns and goes away in 5.40 / 6.0); the name is detected once per model class, so a
-model class that still takes ``past_key_values`` works too. The other functions read state transformers does not document as
-public; ``tests/test_compat.py`` checks each against the installed version and fails loudly when one breaks.
+model class that still takes ``past_key_values`` works too. The other functions read state transformers does
+not document as public; ``tests/test_compat.py`` checks each against the installed version and fails loudly
+when one breaks.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 logger = logging.getLogger(__name__)
 
 
-def _transformers_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under a PEFT wrapper (the model itself otherwise)."""
+def unwrap_peft(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a `PeftModel` (the model itself otherwise)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
@@ -36,7 +37,7 @@ def cache_argument(model: torch.nn.Module) -> str:
     Example:
         >>> model(input_ids=ids, **{cache_argument(model): cache})   # doctest: +SKIP
     """
-    return _cache_argument_of(type(_transformers_model(model)))
+    return _cache_argument_of(type(unwrap_peft(model)))
 
 
 def with_cache(model: torch.nn.Module, cache: Cache | None) -> dict:
@@ -62,7 +63,7 @@ def update_positions(update_kwargs: dict) -> torch.Tensor | None:
 
 def attention_implementation(model: torch.nn.Module) -> str:
     """The attention implementation a model runs (``"eager"``, ``"sdpa"``, ...)."""
-    return _transformers_model(model).config._attn_implementation
+    return unwrap_peft(model).config._attn_implementation
 
 
 def fill_cache(cache: DynamicCache, layers_kv) -> DynamicCache:

@@ -12,8 +12,16 @@ from .errors import ArtifactError
 
 
 def to_json(record) -> dict:
-    """A record as JSON-ready data (tuples become lists)."""
+    """A record as JSON-ready data (nested records become dicts; json writes tuples as lists)."""
     return asdict(record)
+
+
+def check_fields(record, where: str, error: type[Exception]) -> None:
+    """Refuse a record built in Python whose fields do not match their annotations (``top_k="2"``), with the
+    same messages as `from_json`."""
+    hints = typing.get_type_hints(type(record))
+    for f in fields(record):
+        _convert(hints[f.name], getattr(record, f.name), f"{where}.{f.name}", error)
 
 
 def from_json(cls: type, data: Any, where: str, error: type[Exception] = ArtifactError):

@@ -16,6 +16,12 @@ def folder_name(prefix: str, adapter: str, reverse: bool) -> str:
     return f"{prefix}-{slug}-to-base" if reverse else f"{prefix}-base-to-{slug}"
 
 
+def default_prefix(base_spec: str) -> str:
+    """The folder prefix of a base model's maps: its name, lower case (``gguf:smollm2-135m-instruct`` ->
+    ``smollm2-135m-instruct``, ``org/Model-1B`` -> ``model-1b``)."""
+    return Path(base_spec.split(":")[-1].rstrip("/")).name.lower()
+
+
 @dataclass
 class AdapterMaps:
     """The maps of one `PeftModel`: ``to_adapter[name]`` (base -> adapter) and ``to_base[name]`` (adapter -> base).

@@ -113,7 +113,7 @@ def choose_blend(
 
     Example:
         >>> blended = choose_blend(kv_map, target, heldout_ids, lambda ids: run_with_cache(source, ids))  # doctest: +SKIP
-        >>> blended.config.blend["values"]                                                               # doctest: +SKIP
+        >>> blended.config.blend.values                                                        # doctest: +SKIP
         0.5
     """
     if criterion not in ("nll", "kl"):
@@ -176,7 +176,8 @@ def choose_adapter_blends(maps: AdapterMaps, model: torch.nn.Module, sequences: 
         source, target = (adapter, None) if reverse else (None, adapter)
         with adapter_active(model, source), torch.no_grad():
             caches = {}
-            for ids in sequences:
+            # only the sequences choose_blend keeps (it refuses the call if none is long enough)
+            for ids in (s for s in sequences if s.numel() > continuation + kv_map.config.sink_tokens + 1):
                 prefix = ids[None, : ids.numel() - continuation - 1]
                 caches[prefix.numpy().tobytes()] = run_with_cache(model, prefix)
         with adapter_active(model, target):

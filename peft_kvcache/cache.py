@@ -5,7 +5,6 @@ prefill."""
 from __future__ import annotations
 
 import logging
-import weakref
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache
@@ -16,7 +15,7 @@ from .capture import CapturedKV, cache_states, run_with_cache
 from .config import Refresh
 from .errors import CacheMismatchError
 from .kvmap import KVMap
-from .models import check_token_ids, layer_placements, unwrap_peft, vocab_size_of, weights_key
+from .models import ModelMemo, check_token_ids, layer_placements, vocab_size_of, weights_key
 from .positions import positions_from_mask, rotary_spec_of
 from .refresh import RefreshResult, refresh_cache
 
@@ -47,7 +46,7 @@ class MappedCache(DynamicCache):
     @classmethod
     def from_source(
         cls,
-        source: torch.nn.Module | Cache,
+        source: torch.nn.Module | Cache | CapturedKV,
         kv_map: KVMap,
         target_model: torch.nn.Module,
         input_ids: torch.Tensor | None = None,
@@ -60,7 +59,8 @@ class MappedCache(DynamicCache):
         """Map a context into the target's KV space; the target computes the attention sink itself.
 
         Args:
-            source: the source model (it is run over ``input_ids``) or a source `Cache` it already holds.
+            source: the source model (it is run over ``input_ids``) or a cache it already holds (a `Cache`,
+                a `CapturedKV` or ``(keys, values)`` pairs per layer).
             kv_map: the fitted map from the source to ``target_model``.
             target_model: the model that will continue the conversation (a `PeftModel` works).
             input_ids: ``[batch, seq]`` context token ids, i.e. the prompt without its last token. Required
@@ -76,7 +76,10 @@ class MappedCache(DynamicCache):
         Returns:
             A `MappedCache` with the target's layer count, shapes, dtypes and devices.
         """
-        source_is_cache = isinstance(source, (Cache, tuple, list))
+        source_is_cache = isinstance(source, (Cache, CapturedKV, tuple, list))
+        if not source_is_cache and not isinstance(source, torch.nn.Module):
+            raise CacheMismatchError(f"source must be a source model or its cache (a transformers Cache, a "
+                                     f"CapturedKV or (keys, values) pairs per layer), got {type(source).__name__}")
         policy = _refresh_policy(kv_map, refresh_tokens)
         if not isinstance(position_offset, int) or isinstance(position_offset, bool) or position_offset < 0:
             raise CacheMismatchError(f"position_offset must be a non-negative integer, got {position_offset!r}")
@@ -128,6 +131,7 @@ class MappedCache(DynamicCache):
         return cache
 
     def get_mask_sizes(self, query_length, *args, **kwargs):
+        """transformers' mask sizes; refuses a first pass that brings no token beyond the mapped context."""
         if not self._continuation_checked and isinstance(query_length, int) and query_length == 0:
             raise CacheMismatchError(  # generate() sliced away every token: the prompt is not longer than the cache
                 f"generate() was given no token beyond the {self.get_seq_length()} the mapped cache holds: pass the "
@@ -135,6 +139,7 @@ class MappedCache(DynamicCache):
         return super().get_mask_sizes(query_length, *args, **kwargs)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """`DynamicCache.update`, checking once that the first tokens appended continue the mapped context."""
         if not self._continuation_checked and layer_idx == 0:
             self._check_continuation(key_states, kwargs)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -172,8 +177,7 @@ def _refresh_policy(kv_map: KVMap, refresh_tokens: int | Refresh | None) -> Refr
                                                    {"probe_tokens": recommended.probe_tokens, "span": recommended.span}))
     else:
         raise CacheMismatchError(f"refresh_tokens must be None, an integer or a Refresh, got {refresh_tokens!r}")
-    if policy.tokens < 0 or policy.probe_tokens < 1 or policy.span < 1:
-        raise CacheMismatchError(f"refresh_tokens must be >= 0 (with probe_tokens and span >= 1), got {policy}")
+    policy.validate("refresh_tokens", CacheMismatchError)
     return policy if policy.tokens > 0 else None
 
 
@@ -216,16 +220,11 @@ def _with_target_sink(mapped, target_model, input_ids, attention_mask, sink_toke
 # The sink's KV depends only on its token ids, their positions and the target's weights, and a chat template
 # starts every conversation with the same tokens: memoize it (outside the user's model object, keyed on the
 # weights' version) instead of paying a full pass over the target's weights at every switch.
-_SINK_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_SINK_MEMO_SIZE = 16
+_SINKS = ModelMemo(16)
 
 
 def target_sink(target_model, ids: torch.Tensor, mask: torch.Tensor, position_offset: int) -> CapturedKV:
     """The target's own KV of the leading ``ids`` (memoized)."""
-    memo = _SINK_MEMO.setdefault(unwrap_peft(target_model), {})
     key = (weights_key(target_model), ids.numpy().tobytes(), tuple(ids.shape), mask.numpy().tobytes(), position_offset)
-    if key not in memo:
-        if len(memo) >= _SINK_MEMO_SIZE:
-            memo.pop(next(iter(memo)))
-        memo[key] = run_with_cache(target_model, ids, mask, position_ids=positions_from_mask(mask) + position_offset)
-    return memo[key]
+    positions = positions_from_mask(mask) + position_offset
+    return _SINKS.get(target_model, key, lambda: run_with_cache(target_model, ids, mask, position_ids=positions))

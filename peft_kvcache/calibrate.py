@@ -31,6 +31,7 @@ from .models import (
     adapter_active,
     cached_fingerprint,
     check_pair,
+    check_token_ids,
     is_activated_lora,
     is_peft_model,
     layer_features,
@@ -57,6 +58,7 @@ class ModelSide:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelSide":
+        """The facts calibration records about ``model``: name, fingerprint, KV layout and rotary."""
         return cls(model_name(model), cached_fingerprint(model), KVLayout.of(model), rotary_spec_of(model))
 
 
@@ -64,7 +66,8 @@ class ModelSide:
 
 
 def heldout_flags(count: int, heldout_fraction: float) -> list[bool]:
-    """Which of ``count`` texts form the held-out split: every ``round(1 / fraction)``-th, at least one."""
+    """Which of ``count`` texts form the held-out split: every ``round(1 / fraction)``-th (at most every second),
+    at least one."""
     if not 0 < heldout_fraction < 1:
         raise CalibrationError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
     if count < 2:
@@ -111,11 +114,13 @@ class CalibrationTexts:
         return [c for pieces, held in zip(self.chunks, self.heldout) if held == (split == "heldout") for c in pieces]
 
     def record(self, description: str = "") -> DataRecord:
+        """The `DataRecord` of these texts: each text's name, token count and split."""
         texts = [TextRecord(name, sum(len(c) for c in pieces), "heldout" if held else "train")
                  for name, pieces, held in zip(self.names, self.chunks, self.heldout)]
         return DataRecord(description=description, texts=texts)
 
     def all_chunks(self) -> list[torch.Tensor]:
+        """Every chunk of every text, in order (both splits)."""
         return [c for pieces in self.chunks for c in pieces]
 
 
@@ -123,16 +128,10 @@ def _token_ids(item, tokenizer, vocab_size: int | None) -> torch.Tensor:
     if isinstance(item, str):
         if tokenizer is None:
             raise CalibrationError("calibration texts need a tokenizer: pass tokenizer=...")
-        ids = torch.tensor(tokenizer(item, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    else:
-        ids = torch.as_tensor(item)
-        if ids.dim() != 1 or (ids.numel() and ids.is_floating_point()):
-            raise CalibrationError(f"calibration token ids must be 1-D integer tensors, got {ids.dtype} "
-                                   f"{tuple(ids.shape)}")
-        ids = ids.long()
-    if vocab_size is not None and ids.numel() and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
-        raise CalibrationError(f"calibration token id {int(ids.max())} is outside the vocabulary ({vocab_size})")
-    return ids
+        item = tokenizer(item, add_special_tokens=False)["input_ids"]
+    if (item.numel() if isinstance(item, torch.Tensor) else len(item) if isinstance(item, (list, tuple)) else 1) == 0:
+        return torch.empty(0, dtype=torch.long)  # too short to use: dropped with the other short texts
+    return check_token_ids(item, vocab_size, "calibration token ids", dims=(1,), error=CalibrationError)
 
 
 # ----- the loop -----
@@ -159,6 +158,7 @@ class StatisticsRun:
         return layout.layer_width * (layout.num_layers if block is None else 1)
 
     def add(self, split: str, runs: dict[str, CapturedKV], mask: torch.Tensor) -> None:
+        """Add one batch's features (past the sink, unpadded tokens only) to ``split``'s statistics."""
         positions = positions_from_mask(mask)
         rows = mask.bool() & (positions >= self.sink_tokens)  # the sink is the target's own at inference
         if not rows.any():
@@ -172,14 +172,17 @@ class StatisticsRun:
                                                                  {t: features[t][k] for t in targets})
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every statistic as named tensors (the checkpoint's content)."""
         return {f"{source}|{block}|{split}|{kind}|{name}": tensor
                 for (source, block, split, kind), entry in self.stats.items()
                 for name, tensor in entry.state_dict().items()}
 
     def all_reduce(self) -> None:
+        """Sum the statistics over the processes of a ``torchrun`` job."""
         all_reduce_statistics(list(self.stats.values()))
 
     def pair(self, source: str, block: int | None, kind: str) -> tuple[SufficientStatistics, SufficientStatistics]:
+        """The train and held-out statistics of one source group, layer block and kind."""
         return self.stats[source, block, "train", kind], self.stats[source, block, "heldout", kind]
 
 
@@ -336,6 +339,9 @@ def calibrate(source_model: torch.nn.Module, target_model: torch.nn.Module, cali
     sides = {"source": ModelSide.of(source_model), "target": ModelSide.of(target_model)}
     if config.same_layer and sides["source"].layout != sides["target"].layout:
         raise CalibrationError("same_layer needs models of the same depth and KV width; use top_k layer selection")
+    if not config.same_layer and config.top_k > sides["source"].layout.num_layers:
+        raise CalibrationError(f"top_k {config.top_k} exceeds the source model's {sides['source'].layout.num_layers} "
+                               "layers")
     texts = CalibrationTexts.build(calibration_data, tokenizer, config, vocab_size_of(source_model))
     run = StatisticsRun({"source": ["target"]}, sides, config.same_layer, config.sink_tokens)
     collect(lambda ids, mask: {"source": run_with_cache(source_model, ids, mask),

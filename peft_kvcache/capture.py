@@ -27,16 +27,23 @@ class CapturedKV:
 
     def to_cache(self) -> DynamicCache:
         """A transformers `DynamicCache` holding these tensors (a model extends it in place)."""
-        return fill_cache(DynamicCache(), zip(self.keys, self.values))
+        return fill_cache(DynamicCache(), self.pairs())
+
+    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``[(keys, values), ...]`` per layer (what `MappedCache` and ``fill_cache`` take)."""
+        return list(zip(self.keys, self.values))
 
     @property
     def length(self) -> int:
+        """Tokens held (0 for no layers)."""
         return self.keys[0].shape[2] if self.keys else 0
 
 
 def cache_states(cache: Cache | Sequence) -> CapturedKV:
     """Per-layer keys and values of a transformers cache (or of ``((keys, values), ...)`` pairs); refuses
     layers that keep only a window of tokens and empty layers."""
+    if isinstance(cache, CapturedKV):
+        return cache
     if isinstance(cache, (tuple, list)):
         if not cache or not all(isinstance(pair, (tuple, list)) and len(pair) == 2 for pair in cache):
             raise CacheMismatchError("a source cache given as a sequence must hold (keys, values) pairs per layer")

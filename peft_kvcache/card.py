@@ -12,6 +12,7 @@ from pathlib import Path
 from huggingface_hub import ModelCard, ModelCardData
 
 from .config import KVMapConfig, ModelSpec, parameter_count
+from .models import is_repo_id
 
 logger = logging.getLogger(__name__)
 
@@ -76,18 +77,7 @@ def plot_layer_selection(config: KVMapConfig, path: str | Path) -> Path | None:
 
 def _hub_ids(*names: str) -> list[str]:
     """The names that can be Hub model ids (not local paths, not fixture names), without duplicates."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    ids = []
-    for name in names:
-        try:
-            validate_repo_id(name)
-        except HFValidationError:
-            continue
-        if "/" in name and not Path(name).exists() and name not in ids:
-            ids.append(name)
-    return ids
+    return list(dict.fromkeys(n for n in names if is_repo_id(n) and not Path(n).exists()))
 
 
 def _hub_id_of(spec: ModelSpec | None, fallback: str) -> str:
@@ -230,6 +220,7 @@ def quality_text(config: KVMapConfig) -> str:
 
 
 def recipe_text(config: KVMapConfig) -> str:
+    """The card's paragraph on the recommended refresh and the budget curve behind it."""
     r = config.refresh
     if r is None:
         return "`MappedCache.from_source` maps the whole context by default (no refresh is recommended for this map)."

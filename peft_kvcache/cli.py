@@ -92,6 +92,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate_adapters(args: argparse.Namespace) -> int:
+    from .adapter_maps import default_prefix
     from .blend import choose_adapter_blends
     from .calibrate import calibrate_adapters
     from .evaluate import token_sequences
@@ -121,7 +122,7 @@ def cmd_calibrate_adapters(args: argparse.Namespace) -> int:
                                 f"{2 * BLEND_CONTINUATION} tokens")
         maps = choose_adapter_blends(maps, model, sequences, continuation=BLEND_CONTINUATION,
                                      progress=not args.no_progress)
-    prefix = args.prefix or Path(args.base.split(":")[-1].rstrip("/")).name.lower()
+    prefix = args.prefix or default_prefix(args.base)
     for folder, (_, _, kv_map) in zip(maps.save_pretrained(args.output, prefix, args.repo_namespace), maps.all()):
         print(f"saved {kv_map!r} to {folder}")
     return 0

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._records import from_json, to_json
+from ._records import check_fields, from_json, to_json
 from ._version import __version__
 from .errors import ArtifactError, CalibrationError
 from .fit import DEFAULT_LAMBDA_GRID
@@ -57,7 +57,9 @@ class CalibrationConfig:
                                            "source Gram", default=DEFAULT_LAMBDA_GRID)
 
     def validate(self, where: str = "CalibrationConfig", error: type[Exception] = CalibrationError) -> None:
-        """Refuse out-of-range options; the message names the field (the CLI turns it into its flag)."""
+        """Refuse options of the wrong type or out of range; the message names the field (the CLI turns it into
+        its flag)."""
+        check_fields(self, where, error)
         checks = [
             ("top_k", self.top_k >= 1, "must be a positive integer"),
             ("heldout_fraction", 0 < self.heldout_fraction < 1, "must be strictly between 0 and 1"),
@@ -90,6 +92,7 @@ class DataRecord:
     texts: list[TextRecord] = field(default_factory=list)
 
     def names(self, split: str | None = None) -> list[str]:
+        """The text names, of one split (``"train"``, ``"heldout"``) or of all."""
         return [t.name for t in self.texts if split is None or t.split == split]
 
 
@@ -138,6 +141,9 @@ class Refresh:
     span: int = 8
 
     def validate(self, where: str = "Refresh", error: type[Exception] = ArtifactError) -> None:
+        """Refuse fields of the wrong type, a negative budget, or a probe or span under 1 (``error`` names
+        ``where``)."""
+        check_fields(self, where, error)
         if self.tokens < 0 or self.probe_tokens < 1 or self.span < 1:
             raise error(f"{where}: tokens must be >= 0, probe_tokens and span >= 1, got {to_json(self)}")
 
@@ -176,6 +182,7 @@ class QualityRecord:
 
     @property
     def predicted_retention(self) -> float | None:
+        """The gate's predicted retention, None when no gate was measured."""
         return None if self.gate is None else self.gate.predicted_retention
 
 
@@ -194,6 +201,8 @@ class BlendRecord:
 
 @dataclass
 class NonlinearCandidate:
+    """One layer and kind tried for an MLP head: held-out R² linear vs with the head, and whether it was kept."""
+
     kind: str
     layer: int
     r2_linear: float
@@ -217,6 +226,7 @@ class NonlinearRecord:
     candidates: list[NonlinearCandidate] = field(default_factory=list)
 
     def layers(self, kind: str) -> list[int]:
+        """Target layers of ``kind`` ("keys" or "values") that have an MLP head."""
         return list(self.keys if kind == "keys" else self.values)
 
 
@@ -270,6 +280,7 @@ class KVMapConfig:
         return [] if self.nonlinear is None else self.nonlinear.layers(kind)
 
     def to_dict(self) -> dict:
+        """The config as JSON-ready data (what ``config.json`` holds)."""
         return to_json(self)
 
     @classmethod
@@ -285,6 +296,8 @@ class KVMapConfig:
         return from_json(cls, data, where)
 
     def validate(self, where: str = "config.json", error: type[Exception] = ArtifactError) -> None:
+        """Refuse shapes, layer lists, rotary and per-head figures that do not fit together (``error`` names the
+        field)."""
         for name, layout in (("source_layout", self.source_layout), ("target_layout", self.target_layout)):
             if not (0 < layout.num_layers <= MAX_LAYERS and 0 < layout.kv_heads <= MAX_HEADS
                     and 0 < layout.head_dim <= MAX_HEAD_DIM and layout.head_dim % 2 == 0):

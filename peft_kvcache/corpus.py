@@ -30,6 +30,7 @@ _SKIPPED_PARTS = {"test", "tests", "idle_test", "site-packages", "lib2to3", "__p
 
 
 def stdlib_root() -> Path:
+    """The running Python's standard library folder."""
     return Path(sysconfig.get_paths()["stdlib"])
 
 

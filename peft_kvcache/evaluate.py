@@ -93,6 +93,7 @@ class VariantScores:
     agree: list[torch.Tensor] = field(default_factory=list)
 
     def add(self, logits: torch.Tensor, full: torch.Tensor, labels: torch.Tensor) -> None:
+        """Score one example's continuation logits against the full prefill's and the labels."""
         self.correct.append((logits.argmax(-1) == labels).float())
         self.kl.append(token_kl(full, logits))
         self.agree.append((logits.argmax(-1) == full.argmax(-1)).float())
@@ -159,6 +160,7 @@ class RetentionReport:
         return {"a": a, "b": b, "metric": metric, "difference": point, "low": low, "high": high}
 
     def rows(self) -> list[dict]:
+        """One dict per variant: accuracy, raw and normalized retention with paired intervals, KL, agreement."""
         full_acc = float(torch.cat(self.scores["full"].correct).mean())
         rows = []
         for name, s in self.scores.items():
@@ -185,6 +187,7 @@ class RetentionReport:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
+        """The report as JSON-ready data (lengths, example count, rows)."""
         return {"context_length": self.context_length, "continuation_length": self.continuation_length,
                 "examples": len(self.scores["full"].correct), "rows": self.rows()}
 
@@ -219,8 +222,9 @@ def evaluate_retention(
         sparse_control: with ``refresh``, also ``sparse@W+rK``: the positions the refresh chose (through the
             mapped cache), computed by the target beside only the sink and the last W tokens, no mapped context:
             what the map adds beyond choosing the positions.
-        check_tokens: W > 0 also runs the per-request check (``MappedCache.from_source(check_tokens=W)``) on
-            every example and keeps its reports in ``report.context_checks`` (see ``check_catch_rate``),
+        check_tokens: W > 0 also runs the per-request check (`peft_kvcache.quality.check_context` with
+            ``ContextCheck(W)``) on every example and keeps its reports in ``report.context_checks`` (see
+            ``check_catch_rate``),
             with ``check_margin`` nats of margin.
 
     Example:
@@ -233,8 +237,10 @@ def evaluate_retention(
     usable = [s[:total] for s in sequences if s.numel() >= total]
     if not usable:
         raise EvaluationError(f"no sequence has the {total} tokens an example needs")
-    if min(windows) < 1 or max(windows) >= context_length:
-        raise EvaluationError(f"windows must be in 1..{context_length - 1}, got {list(windows)}")
+    if not windows or min(windows) < 1 or max(windows) >= context_length:
+        raise EvaluationError(f"windows must be one or more W in 1..{context_length - 1}, got {list(windows)}")
+    if any(k < 1 for k in refresh):
+        raise EvaluationError(f"refresh budgets must be positive (mapped@W is the budget-0 row), got {list(refresh)}")
     kv_map.check_models(source_model, target_model)
     sink = kv_map.config.sink_tokens
     names = ["full", "no_context"] + [f"mapped@{w}" for w in windows]

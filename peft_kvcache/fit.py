@@ -42,6 +42,7 @@ class SufficientStatistics:
 
     @classmethod
     def empty(cls, source_dim: int, target_dims: dict[str, int]) -> "SufficientStatistics":
+        """Zero statistics for ``source_dim`` features and each named target's width."""
         f64 = torch.float64
         return cls(
             count=torch.zeros((), dtype=f64),
@@ -88,6 +89,7 @@ class SufficientStatistics:
 
     @classmethod
     def from_state_dict(cls, state: dict[str, torch.Tensor]) -> "SufficientStatistics":
+        """Statistics back from `state_dict` (a checkpoint)."""
         stats = cls(count=state["count"], x_sum=state["x_sum"], x_gram=state["x_gram"])
         for key, value in state.items():
             kind, _, name = key.partition(".")

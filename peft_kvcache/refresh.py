@@ -17,6 +17,8 @@ eager attention (transformers returns attention weights only from it).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -111,7 +113,9 @@ def refresh_positions(target_model, cache: Cache, context_ids: torch.Tensor, pos
     new = queries[None] <= queries[:, None]  # refreshed/appended entries up to each query (causal)
     allowed = torch.cat([old, new], dim=1)
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-    forward(target_model, tokens, cache, position_ids=(queries + position_offset)[None], attention_mask=mask[None, None])
+    with _restored_on_error(cache):
+        forward(target_model, tokens, cache, position_ids=(queries + position_offset)[None],
+                attention_mask=mask[None, None])
     split = length + positions.numel()
     for layer in cache.layers:
         index = positions.to(layer.keys.device)
@@ -140,8 +144,7 @@ def refresh_cache(target_model, cache: Cache, input_ids: torch.Tensor, policy: R
     length = input_ids.shape[1]
     if input_ids.shape[0] != 1:
         raise CacheMismatchError("the refresh works on one conversation at a time (batch 1)")
-    if policy.tokens < 0 or policy.probe_tokens < 1 or policy.span < 1:
-        raise CacheMismatchError(f"a refresh needs tokens >= 0, probe_tokens >= 1 and span >= 1, got {policy}")
+    policy.validate("refresh_cache's policy", CacheMismatchError)
     probe = min(policy.probe_tokens, length - sink_tokens - 1)
     if probe < 1:  # no context beyond the sink to refresh
         return RefreshResult(torch.empty(0, dtype=torch.long), 0, 0)
@@ -153,12 +156,26 @@ def refresh_cache(target_model, cache: Cache, input_ids: torch.Tensor, policy: R
                        "%d-token probe: clamped to %d (the target computes the whole context, as a prefill would)",
                        budget, available, probe, available)
         budget = available
-    truncate(cache, start)
-    scores = attention_scores(target_model, cache, input_ids[:, start:], position_offset)
-    positions = select_spans(scores, budget, policy.span, first=sink_tokens)
-    refresh_positions(target_model, cache, input_ids[:, :start], positions, position_offset,
-                      append_ids=input_ids[:, start:])
+    with _restored_on_error(cache):
+        truncate(cache, start)
+        scores = attention_scores(target_model, cache, input_ids[:, start:], position_offset)
+        positions = select_spans(scores, budget, policy.span, first=sink_tokens)
+        refresh_positions(target_model, cache, input_ids[:, :start], positions, position_offset,
+                          append_ids=input_ids[:, start:])
     return RefreshResult(positions, probe, budget)
+
+
+@contextmanager
+def _restored_on_error(cache: Cache) -> Iterator[None]:
+    """Put every layer's tensors back when the block raises (a forward that fails midway leaves some layers
+    extended). The cache's updates replace tensors rather than writing into them, so references suffice."""
+    saved = [(layer.keys, layer.values) for layer in cache.layers]
+    try:
+        yield
+    except BaseException:
+        for layer, (keys, values) in zip(cache.layers, saved):
+            layer.keys, layer.values = keys, values
+        raise
 
 
 __all__ = ["RefreshResult", "attention_scores", "refresh_cache", "refresh_positions", "select_spans"]

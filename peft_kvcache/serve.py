@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .adapter_maps import AdapterMaps, folder_name
+from .adapter_maps import AdapterMaps, default_prefix, folder_name
 from .errors import PeftKVCacheError, ServerError
 from .kvmap import KVMap, is_map_folder, resolve_map_folder
 from .models import adapter_active, base_name, cached_fingerprint, is_repo_id, load_adapters, parse_adapter_specs
@@ -92,6 +92,13 @@ class ServeOptions:
             raise ServerError(f"--max-tokens must be at least 1, got {args.max_tokens}")
         if args.calibration_files < 2:
             raise ServerError(f"--calibration-files must be at least 2 (one is held out), got {args.calibration_files}")
+        if args.calibrate_missing:
+            from .corpus import stdlib_files
+
+            available = len(stdlib_files("calibration"))
+            if args.calibration_files > available:
+                raise ServerError(f"--calibration-files {args.calibration_files}: the stdlib calibration split has "
+                                  f"{available} files")
         for spec in args.maps:
             if not Path(spec).expanduser().exists() and not is_repo_id(spec):
                 raise ServerError(f"--maps {spec!r} is neither a folder nor a Hub repo id")
@@ -159,16 +166,17 @@ def _check_map(model, kv_map: KVMap, adapter: str, reverse: bool, where: str) ->
 
 def calibrate_missing(model, tokenizer, adapters: Sequence[str], maps: AdapterMaps, files: int = CALIBRATION_FILES,
                       tokens: int = 512) -> AdapterMaps:
-    """Fit both maps of ``adapters`` on the first ``tokens`` tokens of ``files`` calibration-split stdlib files and
-    add them to ``maps``."""
+    """Fit the maps of ``adapters`` on the first ``tokens`` tokens of ``files`` calibration-split stdlib files and
+    add each direction ``maps`` lacks (a direction it holds keeps its map)."""
     from .calibrate import calibrate_adapters
     from .corpus import stdlib_texts
 
     fitted = calibrate_adapters(model, stdlib_texts("calibration", files), tokenizer, adapters=list(adapters),
                                 progress=False, max_length=tokens, chunks_per_text=1,
                                 description=f"first {tokens} tokens of {files} calibration-split stdlib files")
-    maps.to_adapter.update(fitted.to_adapter)
-    maps.to_base.update(fitted.to_base)
+    for fitted_maps, kept in ((fitted.to_adapter, maps.to_adapter), (fitted.to_base, maps.to_base)):
+        for adapter, kv_map in fitted_maps.items():
+            kept.setdefault(adapter, kv_map)  # a direction that loaded keeps its published map
     return maps
 
 
@@ -186,7 +194,7 @@ def build(options: ServeOptions):
         model = load_adapters(base, options.adapters)
     except (OSError, ValueError, RuntimeError) as err:
         raise ServerError(f"--adapter cannot be loaded on {options.model}: {err}") from None
-    prefix = options.map_prefix or Path(options.model.split(":")[-1].rstrip("/")).name.lower()
+    prefix = options.map_prefix or default_prefix(options.model)
     maps, found, unusable = load_maps(model, list(options.adapters), options.maps, prefix)
     missing = [a for a in options.adapters if a not in maps.to_adapter or a not in maps.to_base]
     if unusable and not options.calibrate_missing:

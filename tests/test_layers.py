@@ -1,5 +1,5 @@
-"""The package's import graph: no cycles, and every import goes down the layers (positions -> capture -> fit ->
-artifact -> cache -> sessions; calibration and evaluation beside the runtime, never below it)."""
+"""The package's import graph: no cycles, and every import goes down the floors of `FLOORS` (README, "Layout");
+the artifact and the runtime import no calibration, and only the model-running modules run models."""
 
 from __future__ import annotations
 

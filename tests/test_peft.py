@@ -1,4 +1,5 @@
-"""Base <-> adapter maps of a PeftModel (peft_maps.py), on tiny random models with random LoRA adapters."""
+"""Base <-> adapter maps of a PeftModel (adapter_maps.py, calibrate.calibrate_adapters), on tiny random models
+with random LoRA adapters."""
 
 from __future__ import annotations
 

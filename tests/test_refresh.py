@@ -53,6 +53,32 @@ def test_refresh_changes_only_the_chosen_positions(sibling_pair, sibling_map):
         refresh_positions(target, cache, ids[:, :10], chosen)
 
 
+@pytest.mark.parametrize("failing_pass", [0, 1])  # the probe's scoring pass, then the recompute pass
+def test_a_refresh_that_fails_midway_leaves_the_cache_as_it_was(sibling_pair, sibling_map, failing_pass):
+    from peft_kvcache.refresh import refresh_cache
+
+    source, target = sibling_pair
+    ids = random_ids(1, 30, seed=7)[0][None]
+    cache = _plain(MappedCache.from_source(source, sibling_map, target, input_ids=ids[:, :-1]))
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    passes = []
+
+    def fail_on_the_last_layer(module, args):
+        passes.append(1)
+        if len(passes) > failing_pass:
+            raise RuntimeError("out of memory")
+
+    handle = target.model.layers[-1].register_forward_pre_hook(fail_on_the_last_layer)
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            refresh_cache(target, cache, ids[:, :-1], Refresh(tokens=4, probe_tokens=3))
+    finally:
+        handle.remove()
+    assert len(passes) == failing_pass + 1  # it failed in the pass asked for, after the first layers had run
+    for layer, (keys, values) in zip(cache.layers, before):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+
+
 def test_attention_scores_match_the_models_own_attention_and_leave_cache_and_model_as_they_were():
     model = tiny_model("llama", seed=2)
     model.set_attn_implementation("sdpa")

@@ -433,6 +433,20 @@ def test_serve_refuses_bad_options_before_loading_anything(tmp_path):
     assert main(["serve", "--model", "x", "--adapter", f"a={tmp_path}"]) == 2  # no adapter_config.json
     assert main(["serve", "--model", "x", "--adapter", "a=org/repo", "--cache-memory", "0"]) == 2
     assert main(["serve", "--model", "x", "--adapter", "a:b=org/repo"]) == 2
+    assert main(["serve", "--model", "x", "--adapter", "a=org/repo", "--calibrate-missing", "--calibration-files",
+                 "100000"]) == 2
+
+
+def test_calibrating_missing_maps_keeps_every_direction_that_loaded(monkeypatch):
+    import peft_kvcache.calibrate as calibrate
+    from peft_kvcache import AdapterMaps
+    from peft_kvcache.serve import calibrate_missing
+
+    published, fitted = object(), {"to": object(), "back": object()}
+    monkeypatch.setattr(calibrate, "calibrate_adapters", lambda *a, **k: AdapterMaps(
+        to_adapter={"first": fitted["to"]}, to_base={"first": fitted["back"]}))
+    maps = calibrate_missing(None, None, ["first"], AdapterMaps(to_base={"first": published}), files=2)
+    assert maps.to_adapter["first"] is fitted["to"] and maps.to_base["first"] is published
 
 
 def test_serve_command_starts_says_which_maps_and_answers(tmp_path):

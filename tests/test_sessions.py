@@ -11,7 +11,7 @@ from peft import LoraConfig, get_peft_model
 from test_peft import MODULES, peft_with_adapters
 
 from peft_kvcache import AdapterSession, SessionError, SharedPeftModel
-from peft_kvcache.cache import _SINK_MEMO
+from peft_kvcache.cache import _SINKS
 from peft_kvcache.calibrate import calibrate_adapters
 from peft_kvcache.models import adapter_active, unwrap_peft
 
@@ -75,7 +75,7 @@ def test_a_switch_never_prefills_the_history(real_shared):
         session.turn(random_ids(1, 60, seed=1)[0], adapter="strong")  # a long first turn: the history
         for adapter in ("mild", "strong", None, "mild"):
             m, counted[:] = 5, []
-            _SINK_MEMO.clear()  # count the sink's own pass
+            _SINKS.clear()  # count the sink's own pass
             turn = session.turn(random_ids(1, m, seed=2)[0], adapter=adapter)
             g = turn.new_ids.shape[1]
             # sink (mapped turns) + the new message and the last reply token + decode steps + base catch-up
