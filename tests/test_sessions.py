@@ -151,3 +151,28 @@ def test_default_policy_maps_back_and_serves_base_turns(real_shared):
     assert turn.model_tokens["keep_base"] == 0 and turn.cache_source == "mapped"
     turn = session.turn(random_ids(1, 5, seed=3)[0], adapter=None)
     assert turn.cache_source == "base" and turn.model_tokens["generate_prompt"] == 6
+
+
+def test_generation_gets_the_prompt_and_its_mask_on_the_models_device():
+    # generate derives positions from the mask, so a mask left on the CPU breaks a model on an accelerator
+    from transformers.cache_utils import DynamicCache
+
+    from peft_kvcache.sessions import generate_on_cache
+
+    class OnMeta(torch.nn.Module):  # a model whose weights live off the CPU
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(1, device="meta"))
+            self.seen = {}
+
+        def forward(self, input_ids, cache=None):
+            raise AssertionError("generate is called, not forward")
+
+        def generate(self, input_ids, attention_mask, **kwargs):
+            self.seen = {"ids": input_ids.device, "mask": attention_mask.device, "cache": "cache" in kwargs}
+            return torch.zeros(1, input_ids.shape[1] + 1, dtype=torch.long)
+
+    model = OnMeta()
+    output = generate_on_cache(model, torch.ones(1, 4, dtype=torch.long), DynamicCache(), max_new_tokens=1)
+    assert model.seen == {"ids": torch.device("meta"), "mask": torch.device("meta"), "cache": True}
+    assert output.device == torch.device("cpu")
