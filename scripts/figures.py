@@ -90,8 +90,8 @@ def readme_table() -> str:
         ttft_rows = {r["context"]: r for r in results(f"ttft-{name}")["rows"]}
         for task, report in tasks.items():
             by = {r["variant"]: r for r in report["rows"]}
-            speed = (f"{ttft_rows[2048]['speedup_cold']:.0f}x / {ttft_rows[2048].get('speedup_recipe', 0):.0f}x at 2k, "
-                     f"{ttft_rows[8192]['speedup_cold']:.0f}x / {ttft_rows[8192].get('speedup_recipe', 0):.0f}x at 8k"
+            speed = (", ".join(f"{r['speedup_cold']:.0f}x / {r['speedup_recipe']:.0f}x at {c}" if "speedup_recipe" in r
+                               else f"{r['speedup_cold']:.0f}x at {c}" for c, r in ttft_rows.items())
                      if task == "continuation" else "")
             rows.append([name, f"{task} ({report['examples']})", fmt(by["mapped@1"]), fmt(by[variant]), fmt(by[control]),
                          f"{by['mapped@1']['kl']:.3f} / {by[variant]['kl']:.3f}", speed])
