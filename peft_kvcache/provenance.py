@@ -59,6 +59,14 @@ def code_state(cwd: str | os.PathLike | None = None) -> dict:
     return _CODE_STATES[root]
 
 
+def command_line() -> str:
+    """The command that started this process, as one would type it again: ``python -m package.module ...`` for a
+    module run with ``-m`` (whose ``sys.argv[0]`` is the module's file path)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    head = ["-m", spec.name.removesuffix(".__main__")] if spec is not None and spec.name else sys.argv[:1]
+    return shlex.join([Path(sys.executable).name, *head, *sys.argv[1:]])
+
+
 def provenance(seeds: dict[str, int] | None = None, data: Any = None, cwd: str | os.PathLike | None = None) -> dict:
     """The provenance block of a results file, for the current process (the code as `code_state` first saw it).
 
@@ -70,7 +78,7 @@ def provenance(seeds: dict[str, int] | None = None, data: Any = None, cwd: str |
 
     return {
         **code_state(cwd),
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.machine(),
         "cpu": _cpu_model(),

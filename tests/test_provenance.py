@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
+from pathlib import Path
 
 from peft_kvcache.provenance import code_state, lookup, provenance
 
@@ -29,3 +32,17 @@ def test_a_commit_made_while_a_run_goes_on_is_not_claimed_by_its_results(tmp_pat
 def test_lookup_picks_list_entries_by_name():
     data = {"rows": [{"variant": "full", "kl": 0.0}, {"variant": "mapped@1", "kl": 0.3}]}
     assert lookup(data, "rows/variant=mapped@1/kl") == 0.3 and lookup(data, "rows/0/variant") == "full"
+
+
+def test_the_command_of_a_module_run_is_recorded_as_typed(tmp_path):
+    """``python -m pkg.mod --flag`` is recorded as such, not as the module's file path (which may not run alone)."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "mod.py").write_text("from peft_kvcache.provenance import command_line\nprint(command_line())\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-m", "pkg.mod", "--flag", "a b"], cwd=tmp_path, capture_output=True,
+                          text=True, check=True, env=env)
+    assert done.stdout.strip().endswith("-m pkg.mod --flag 'a b'")
+    script = subprocess.run([sys.executable, "pkg/mod.py", "--x"], cwd=tmp_path, capture_output=True, text=True,
+                            check=True, env=env)
+    assert script.stdout.strip().endswith("pkg/mod.py --x")
