@@ -50,13 +50,22 @@ def load_smollm2(adapters: Sequence[str] = ADAPTERS):
 
 # ----- 1. retention -----
 
-def retention(model, base, adapters, maps, sequences, context, continuation, refresh=()) -> dict:
+def held_out_examples(tokenizer, context: int, continuation: int, count: int) -> tuple[list[torch.Tensor], list[str]]:
+    """The retention section's examples: the first ``context + continuation`` tokens of evaluation-split files."""
+    return continuation_examples(tokenizer, stdlib_texts("evaluation", 83), context, continuation, count)
+
+
+def retention(model, base, adapters, maps, sequences, context, continuation, refresh=(), reverse=False) -> dict:
+    """Per adapter, the base -> adapter map (``reverse``: the adapter -> base map, the base continuing from the
+    adapter's mapped cache) against naive reuse of the unmapped cache, on the same ``sequences``."""
     out = {}
     for adapter in adapters:
         model.set_adapter(adapter)
         started = time.perf_counter()
-        report = evaluate_retention(base, model, maps.to_adapter[adapter], sequences, context, continuation,
-                                    refresh=refresh, progress=False)
+        source, target, kv_map = (model, base, maps.to_base[adapter]) if reverse else (base, model,
+                                                                                       maps.to_adapter[adapter])
+        report = evaluate_retention(source, target, kv_map, sequences, context, continuation, refresh=refresh,
+                                    progress=False)
         out[adapter] = {"table": report.table(), **report.to_dict(),
                         "mapped_minus_naive_kl": report.paired_difference("mapped@1", "naive@1", metric="kl"),
                         "mapped_minus_naive_normalized": report.paired_difference("mapped@1", "naive@1"),
@@ -66,7 +75,7 @@ def retention(model, base, adapters, maps, sequences, context, continuation, ref
                 out[adapter][f"mapped@1+r{k}_minus_{other}"] = {
                     metric: report.paired_difference(f"mapped@1+r{k}", other, metric=metric)
                     for metric in ("normalized", "kl")}
-        print(f"\n## {adapter}\n{report.table()}", flush=True)
+        print(f"\n## {adapter}{' -> base' if reverse else ''}\n{report.table()}", flush=True)
     return out
 
 
@@ -324,9 +333,12 @@ def long_ids(tokenizer, length: int) -> torch.Tensor:
     return ids[:length]
 
 
-def markdown(results: dict) -> str:
-    lines = ["# Base -> adapter KV maps: SmolLM2-135M-Instruct with real LoRA adapters", "",
-             f"Model {results['model']} (float32); the maps of `{PREFIX}-base-to-<adapter>` (same-layer "
+def markdown(results: dict, reverse: bool = False) -> str:
+    """The results as markdown; ``reverse``: they are of the adapter -> base maps."""
+    title, maps = ("Adapter -> base", f"{PREFIX}-<adapter>-to-base") if reverse else ("Base -> adapter",
+                                                                                     f"{PREFIX}-base-to-<adapter>")
+    lines = [f"# {title} KV maps: SmolLM2-135M-Instruct with real LoRA adapters", "",
+             f"Model {results['model']} (float32); the maps of `{maps}` (same-layer "
              "identity-prior ridge, sink computed by the target). Held-out text and provenance: the JSON beside this.", ""]
     if "retention" in results:
         lines += ["", "## Retention on held-out stdlib files (teacher-forced)", ""]
@@ -418,8 +430,7 @@ def main() -> None:
 def run(model, tokenizer, maps, args) -> dict:
     """Every section not in ``args.skip``; the held-out text each used is under ``data``."""
     base, _ = load_model(SMOLLM)
-    examples, names = continuation_examples(tokenizer, stdlib_texts("evaluation", 83), args.context,
-                                            args.continuation, args.examples)
+    examples, names = held_out_examples(tokenizer, args.context, args.continuation, args.examples)
     results = {"model": SMOLLM, "data": {"continuation": names, "docstring_prompts": "evaluation-split functions"}}
     if "retention" not in args.skip:
         results["retention"] = retention(model, base, list(maps.to_adapter), maps, examples, args.context,

@@ -53,12 +53,16 @@ def budget_figures(direction: str, context: int = 1024) -> dict[str, Figure]:
             for row in rows for metric in ("continuation", "recall", "speedup") if row[metric] is not None}
 
 
-def adapter_figures(adapter: str) -> dict[str, Figure]:
+def adapter_figures(adapter: str, reverse: bool = False) -> dict[str, Figure]:
+    """Continuation retention of the base -> ``adapter`` map against naive reuse, and its own task after a long chat;
+    ``reverse``: continuation retention of the ``adapter`` -> base map (`adapters-reverse.json`)."""
     figures = {}
     for variant, label in (("mapped@1", "mapped"), ("naive@1", "naive_reuse")):
         for metric in ("normalized_retention", "kl"):
             figures[f"continuation.{label}.{metric}"] = figure(
-                "adapters", f"retention/{adapter}/rows/variant={variant}/{metric}")
+                "adapters-reverse" if reverse else "adapters", f"retention/{adapter}/rows/variant={variant}/{metric}")
+    if reverse:
+        return figures
     for name, label in (("session: mapped history", "session_mapped"), ("session: base history reused as is",
                                                                          "session_naive_reuse")):
         figures[f"own_task_after_chat.{label}.loss_gain_share"] = figure(
@@ -95,17 +99,18 @@ def readme_table() -> str:
                      if task == "continuation" else "")
             rows.append([name, f"{task} ({report['examples']})", fmt(by["mapped@1"]), fmt(by[variant]), fmt(by[control]),
                          f"{by['mapped@1']['kl']:.3f} / {by[variant]['kl']:.3f}", speed])
-    adapters_ = results("adapters")
-    for adapter in ADAPTERS:
-        by = {r["variant"]: r for r in adapters_["retention"][adapter]["rows"]}
-        ttft_rows = {r["context"]: r for r in results(f"ttft-{folder_name(PREFIX, adapter, False)}")["rows"]}
-        rows.append([folder_name(PREFIX, adapter, False), f"continuation ({adapters_['retention'][adapter]['examples']})",
+    for adapter, reverse in ((a, r) for a in ADAPTERS for r in (False, True)):
+        retention = results("adapters-reverse" if reverse else "adapters")["retention"][adapter]
+        by = {r["variant"]: r for r in retention["rows"]}
+        speed = "-" if reverse else " / ".join(  # the reverse switch is not timed on its own
+            f"{r['speedup_cold']:.0f}x at {r['context']}" for r in results(f"ttft-{folder_name(PREFIX, adapter, False)}")["rows"])
+        rows.append([folder_name(PREFIX, adapter, reverse), f"continuation ({retention['examples']})",
                      fmt(by["mapped@1"]), "-", f"naive reuse {fmt(by['naive@1'])}",
-                     f"{by['mapped@1']['kl']:.3f} (naive {by['naive@1']['kl']:.3f})",
-                     " / ".join(f"{r['speedup_cold']:.0f}x at {c}" for c, r in ttft_rows.items())])
+                     f"{by['mapped@1']['kl']:.3f} (naive {by['naive@1']['kl']:.3f})", speed])
     return table(["map", "task (examples)", "plain switch: normalized [95% CI]", "with the recipe", "control at equal "
                   "compute", "KL plain / recipe", "TTFT vs re-prefill, cold sink: plain / recipe"], rows) + (
-        "\n\nFrom `benchmarks/results/siblings.json`, `adapters.json` and `ttft-*.json` (provenance inside), written by "
+        "\n\nFrom `benchmarks/results/siblings.json`, `adapters.json`, `adapters-reverse.json` and `ttft-*.json` (provenance "
+        "inside), written by "
         "`python -m scripts.publish`.")
 
 

@@ -363,6 +363,16 @@ class Publisher:
         results = adapters.run(model, tokenizer, self.adapter_maps(), options)
         save("adapters", results, adapters.markdown(results), data=results.pop("data"))
 
+    def adapter_reverse(self) -> None:
+        """The adapter -> base maps on `adapter_evaluate`'s held-out texts: the base continuing from the adapter's
+        mapped cache against reusing it as is."""
+        model, tokenizer = self.adapter_model()
+        base, _ = load_model(SMOLLM)
+        examples, names = adapters.held_out_examples(tokenizer, 512, 64, 48)
+        results = {"model": SMOLLM, "retention": adapters.retention(model, base, ADAPTERS, self.adapter_maps(),
+                                                                    examples, 512, 64, reverse=True)}
+        save("adapters-reverse", results, adapters.markdown(results, reverse=True), data={"continuation": names})
+
     def adapter_ttft(self) -> None:
         model, tokenizer = self.adapter_model()
         maps = self.adapter_maps()
@@ -380,7 +390,8 @@ class Publisher:
         gates = figures.results("adapter-gates")["gates"]
         for adapter, reverse, kv_map in self.adapter_maps().all():
             name = folder_name(PREFIX, adapter, reverse)
-            measured = {} if reverse else {**figures.adapter_figures(adapter), **figures.ttft_figures(f"ttft-{name}")}
+            measured = (figures.adapter_figures(adapter, reverse=True) if reverse else
+                        {**figures.adapter_figures(adapter), **figures.ttft_figures(f"ttft-{name}")})
             kv_map.config.quality = QualityRecord(gate=from_json(GateRecord, gates[name], "adapter-gates.json"),
                                                   figures=measured)
             _publish(kv_map, name, storage.get(folder_name(PREFIX, adapter, False), "float32"))
@@ -399,11 +410,13 @@ class Publisher:
                 points.append({"map": f"{entry['map']} ({p['files']} files)", "measured_on": "sibling-scaling.json",
                                "predicted": gates[direction][str(p["files"])]["predicted_retention"],
                                "measured": p["normalized_retention"]})
-        adapter_gates, adapter_results = figures.results("adapter-gates")["gates"], figures.results("adapters")
-        for adapter in ADAPTERS:
-            points.append({"map": folder_name(PREFIX, adapter, False), "measured_on": "adapters.json",
-                           "predicted": adapter_gates[folder_name(PREFIX, adapter, False)]["predicted_retention"],
-                           "measured": lookup(adapter_results, f"retention/{adapter}/rows/variant=mapped@1/normalized_retention")})
+        adapter_gates = figures.results("adapter-gates")["gates"]
+        for adapter, reverse in ((a, r) for a in ADAPTERS for r in (False, True)):
+            stem = "adapters-reverse" if reverse else "adapters"
+            points.append({"map": folder_name(PREFIX, adapter, reverse), "measured_on": f"{stem}.json",
+                           "predicted": adapter_gates[folder_name(PREFIX, adapter, reverse)]["predicted_retention"],
+                           "measured": lookup(figures.results(stem),
+                                              f"retention/{adapter}/rows/variant=mapped@1/normalized_retention")})
         r, low, high = figures.pearson_interval([p["predicted"] for p in points], [p["measured"] for p in points])
         save("gate-correlation", {"pearson_r": r, "low": low, "high": high, "maps": len(points), "points": points},
              f"# The quality gate against measured retention\n\nPearson r = {r:.3f} [{low:.3f}, {high:.3f}] over "
@@ -461,7 +474,7 @@ def _plot_scaling(curve: dict, path: Path) -> None:
 
 STAGES = {"siblings": ("capture", "scaling", "gate", "recipe", "levers", "evaluate", "ttft"),
           "nonlinear": ("nonlinear",),
-          "adapters": ("calibrate_adapters", "adapter_gate", "adapter_evaluate", "adapter_ttft"),
+          "adapters": ("calibrate_adapters", "adapter_gate", "adapter_evaluate", "adapter_reverse", "adapter_ttft"),
           "cards": ("storage", "sibling_cards", "adapter_cards", "gate_correlation", "serve_load", "readme")}
 
 
