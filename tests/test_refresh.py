@@ -184,3 +184,25 @@ def test_the_refresh_recomputes_the_positions_the_probe_attends_to(sibling_pair,
     expected = select_spans(attention_scores(target, probe, ids[:, 36:]), 6, 3, first=1)
     result = refresh_cache(target, _plain(mapped), ids, Refresh(6, 4, 3), sink_tokens=1)
     assert result.positions.tolist() == expected.tolist()  # chosen by the probe's attention, not at random
+
+
+def test_a_map_s_recorded_recipe_is_the_default_and_zero_opts_out(sibling_pair, sibling_map):
+    """A published map records its refresh; `from_source` with no refresh argument applies exactly that one, and
+    ``refresh_tokens=0`` gives the plain mapped cache."""
+    source, target = sibling_pair
+    context = random_ids(1, 33, seed=9)[0][None, :-1]
+    recipe = Refresh(6, 4)
+    recorded = sibling_map.config.refresh
+    try:
+        sibling_map.config.refresh = recipe
+        default = MappedCache.from_source(source, sibling_map, target, input_ids=context)
+        opted_out = MappedCache.from_source(source, sibling_map, target, input_ids=context, refresh_tokens=0)
+    finally:
+        sibling_map.config.refresh = recorded
+    explicit = MappedCache.from_source(source, sibling_map, target, input_ids=context, refresh_tokens=recipe)
+    plain = MappedCache.from_source(source, sibling_map, target, input_ids=context, refresh_tokens=0)
+    same = lambda a, b: all(torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)  # noqa: E731
+                            for x, y in zip(a.layers, b.layers))
+    assert default.refresh is not None and torch.equal(default.refresh.positions, explicit.refresh.positions)
+    assert same(default, explicit) and same(opted_out, plain) and opted_out.refresh is None
+    assert not same(default, plain)  # the recipe changed the cache
