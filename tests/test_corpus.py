@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from peft_kvcache.corpus import prose_texts, read_texts, stdlib_files, stdlib_texts
+from peft_kvcache.corpus import prose_texts, read_texts, stdlib_files, stdlib_root, stdlib_texts
 
 
 def test_calibration_and_evaluation_files_are_disjoint_and_stable():
@@ -13,6 +13,9 @@ def test_calibration_and_evaluation_files_are_disjoint_and_stable():
     assert calibration and evaluation and not calibration & evaluation
     assert list(stdlib_texts("calibration", 3)) == list(stdlib_texts("calibration", 5))[:3]  # a fixed order
     assert set(stdlib_texts("calibration", 4, skip=4)).isdisjoint(stdlib_texts("calibration", 4))
+    # the texts themselves, not only the file lists: evaluation text is never calibration text
+    assert set(stdlib_texts("evaluation", 40)).isdisjoint(stdlib_texts("calibration", 200))
+    assert set(stdlib_texts("evaluation", 40)) <= {path.relative_to(stdlib_root()).as_posix() for path in evaluation}
 
 
 def test_benchmark_roles_use_disjoint_texts():

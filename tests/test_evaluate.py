@@ -4,7 +4,14 @@ from conftest import random_ids, tiny_model
 
 from peft_kvcache import KVMap
 from peft_kvcache._compat import output_cache, with_cache
-from peft_kvcache.evaluate import RetentionReport, VariantScores, evaluate_retention, window_logits
+from peft_kvcache.evaluate import (
+    RetentionReport,
+    VariantScores,
+    evaluate_retention,
+    full_logits,
+    token_kl,
+    window_logits,
+)
 
 
 @torch.no_grad()
@@ -20,6 +27,20 @@ def test_window_control_sees_its_sink():
     cache = output_cache(model(ids[None, :1], use_cache=True))
     reference = model(ids[None, 26:39], position_ids=torch.arange(26, 39)[None], **with_cache(model, cache)).logits[0, -10:]
     torch.testing.assert_close(with_sink, reference, rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_the_reports_window_control_is_the_one_with_the_sink():
+    """`evaluate_retention`'s window@W row scores the control that keeps the map's sink, not a bare window."""
+    model = tiny_model("llama")
+    kv_map = KVMap.calibrate(model, model, random_ids(6, 40), progress=False)
+    sequences = random_ids(2, 40, seed=3)
+    report = evaluate_retention(model, model, kv_map, sequences, context_length=30, continuation_length=10,
+                                windows=(4,), progress=False)
+    sink = kv_map.config.sink_tokens
+    assert sink >= 1
+    expected = [token_kl(full_logits(model, ids, 30), window_logits(model, ids, 30, 4, sink)) for ids in sequences]
+    torch.testing.assert_close(torch.cat(report.scores["window@4"].kl), torch.cat(expected), rtol=1e-4, atol=1e-6)
 
 
 def test_identity_map_retains_everything_and_naive_reuse_equals_full():
