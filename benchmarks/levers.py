@@ -1,7 +1,7 @@
 """Levers on the sibling maps, each against the published recipe on the same held-out examples (the "selection"
 texts, never the goal table's), with paired 95% intervals: kept only where the interval is above zero.
 
-- source layers per target layer: ``top_k`` 1, 4 and all (fitted from the same 128-file statistics as the
+- source layers per target layer: ``top_k`` 1 and 4 (fitted from the same 128-file statistics as the
   published top-2 maps, `scripts/publish.py`'s capture);
 - where the refresh looks: the mean over every probe token instead of the last one; the last 32 context tokens
   always refreshed, the rest of the budget by attention.
@@ -122,7 +122,7 @@ def run(models, tokenizer, maps: dict[str, dict[str, KVMap]], policy: dict[str, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--maps", required=True, help="folder with <label>/<pair map> folders (top1, top2, ...)")
-    parser.add_argument("--labels", nargs="+", default=["top1", "top2", "top4", "all"])
+    parser.add_argument("--labels", nargs="+", default=["top1", "top2", "top4"])
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--continuation-files", type=int, default=16)
