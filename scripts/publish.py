@@ -57,7 +57,7 @@ GATE_FILES, GATE_TOKENS = 8, 512 + 16  # the gate's texts: calibration-split fil
 # continuation files, 24 recall cases per depth, budgets up to 256, 2048-token contexts, 8k TTFT) are the next run.
 # the budget curve: context -> (budgets K, continuation files, recall cases per kind and depth); it chooses the recipe
 BUDGET_PLAN = {1024: ([0, 16, 32, 64, 128], 6, 1)}
-# source-layer levers (all 24/28 source layers would be a 3k-7k-feature ridge per target layer: hours here)
+# source-layer levers (all 24/28 source layers: a 3k-7k-feature ridge per target layer, too slow for this run)
 LEVER_TOP_K, LEVER_FILES, LEVER_RECALL = {"top1": 1, "top4": 4}, 6, 1
 NONLINEAR_FILES, NONLINEAR_RECALL = 24, 4  # MLP rows from the first 24 of a map's own calibration files
 FINAL_CONTEXT, FINAL_FILES, FINAL_RECALL = 1024, 12, 2  # the goal table (recall cases per kind and depth)
