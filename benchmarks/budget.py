@@ -159,12 +159,7 @@ def main() -> None:
     parser.add_argument("--maps", default=str(RESULTS.parents[1] / "hub_cards"))
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--budgets", type=int, nargs="+", default=[0, 16, 32, 64, 128, 256])
-    parser.add_argument("--continuation-files", type=int, default=16)
-    parser.add_argument("--recall-cases", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    models, tokenizer = siblings.load_pair()
+    args, models, tokenizer = siblings.parse_and_load(parser)
     maps = {d: KVMap.from_pretrained(Path(args.maps) / siblings.pair_name(d)) for d in siblings.DIRECTIONS}
     run(models, tokenizer, maps, {c: (args.budgets, args.continuation_files, args.recall_cases) for c in args.contexts})
 

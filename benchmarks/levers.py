@@ -125,12 +125,7 @@ def main() -> None:
     parser.add_argument("--labels", nargs="+", default=["top1", "top2", "top4"])
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--continuation-files", type=int, default=16)
-    parser.add_argument("--recall-cases", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    models, tokenizer = siblings.load_pair()
+    args, models, tokenizer = siblings.parse_and_load(parser)
     maps = {d: {label: KVMap.from_pretrained(Path(args.maps) / label / siblings.pair_name(d)) for label in args.labels}
             for d in siblings.DIRECTIONS}
     run(models, tokenizer, maps, {d: Refresh(args.budget) for d in siblings.DIRECTIONS}, args.context,

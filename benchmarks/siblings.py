@@ -81,6 +81,16 @@ def load_pair() -> tuple[dict, object]:
     return {"small": small, "large": large}, tokenizer
 
 
+def parse_and_load(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, dict, object]:
+    """A sibling benchmark's command line: its own options plus the task sizes and threads; then the pair."""
+    parser.add_argument("--continuation-files", type=int, default=16)
+    parser.add_argument("--recall-cases", type=int, default=8, help="recall cases per kind and depth")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    return (args, *load_pair())
+
+
 def calibration_texts(tokenizer, files: int, config: CalibrationConfig) -> CalibrationTexts:
     """The first ``files`` calibration-split stdlib files, cut by ``config`` (whole files held out)."""
     return CalibrationTexts.build(stdlib_texts("calibration", files), tokenizer, config)
