@@ -34,7 +34,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 # What a server reuses across requests: "map" (this library: exact reuse, or the base cache mapped into an
 # adapter), "exact" (a prefix cache keyed by adapter, what vLLM / SGLang do today), "none" (prefill every time).
 Reuse = Literal["map", "exact", "none"]
-REUSE_MODES = ("map", "exact", "none")
+REUSE_MODES: tuple[str, ...] = get_args(Reuse)
 
 
 @dataclass

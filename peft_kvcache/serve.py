@@ -21,7 +21,7 @@ from .errors import PeftKVCacheError, ServerError
 from .kvmap import KVMap, is_map_folder, resolve_map_folder
 from .models import adapter_active, base_name, cached_fingerprint, is_repo_id, load_adapters, parse_adapter_specs
 from .prefix_store import REUSE_MODES, PrefixEngine, PrefixStore
-from .sessions import SharedPeftModel
+from .sessions import KEEP_BASE, SharedPeftModel
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--prefix-reuse", choices=REUSE_MODES, default="map", help="map: reuse caches exactly and map the base "
         "cache into an adapter on a switch (default); exact: reuse only caches of the same adapter (what vLLM and "
         "SGLang do); none: prefill every prompt. For comparisons")
-    add("--keep-base", choices=("prefill", "reverse_map"), default="prefill", help="how the base cache of a "
+    add("--keep-base", choices=KEEP_BASE, default="prefill", help="how the base cache of a "
         "conversation catches up after an adapter's reply: prefill (a base pass over the new tokens, after the reply "
         "is sent: base replies stay exact) or reverse_map (no pass; base replies then run on mapped-back caches, "
         "good with the published maps) (default: %(default)s)")

@@ -265,11 +265,12 @@ def create_app(engine: PrefixEngine, tokenizer, model_name: str | None = None, m
         if kind == "error":
             return JSONResponse(reply.failed(payload), status_code=500)
         if not body.stream:
-            return JSONResponse(reply.completion(payload), headers=_headers(reply.extra(payload)))
+            extra = reply.extra(payload)
+            return JSONResponse(reply.completion(payload),
+                                headers=_headers(extra["context_source"], extra["cached_tokens"], extra["ttft_seconds"]))
         ttft = payload if kind == "first" else payload.first_token_seconds
         source, cached = job.prepared
-        headers = {HEADER_CONTEXT: server.context_source(source, cached), HEADER_CACHED: str(cached),
-                   HEADER_TTFT: f"{ttft:.6f}"}
+        headers = _headers(server.context_source(source, cached), cached, ttft)
         return StreamingResponse(reply.events(None if kind == "first" else payload), media_type="text/event-stream",
                                  headers={**headers, "Cache-Control": "no-cache"})
 
@@ -374,6 +375,6 @@ def running(app, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0) 
         sock.close()
 
 
-def _headers(extra: dict) -> dict:
-    return {HEADER_CONTEXT: extra["context_source"], HEADER_CACHED: str(extra["cached_tokens"]),
-            HEADER_TTFT: f"{extra['ttft_seconds']:.6f}"}
+def _headers(context_source: str, cached_tokens: int, ttft_seconds: float) -> dict:
+    """The response headers that say how the context was obtained (a stream sends them with its first token)."""
+    return {HEADER_CONTEXT: context_source, HEADER_CACHED: str(cached_tokens), HEADER_TTFT: f"{ttft_seconds:.6f}"}

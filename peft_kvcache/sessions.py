@@ -42,13 +42,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
-from ._compat import fill_cache, with_cache
+from ._compat import with_cache
 from .adapter_maps import AdapterMaps
 from .apply import map_cache
 from .cache import MappedCache
@@ -69,7 +69,7 @@ from .models import (
 logger = logging.getLogger(__name__)
 
 KeepBase = Literal["prefill", "reverse_map"]
-KEEP_BASE = ("prefill", "reverse_map")
+KEEP_BASE: tuple[str, ...] = get_args(KeepBase)
 
 
 class SharedPeftModel:
@@ -325,8 +325,7 @@ def cache_from_base(shared: SharedPeftModel, adapter: str, base_cache: DynamicCa
     """
     model = shared.model
     if is_activated_lora(model, adapter):
-        captured = cache_states(base_cache)
-        return fill_cache(DynamicCache(), zip(captured.keys, captured.values)), "activated_lora", 0
+        return cache_states(base_cache).to_cache(), "activated_lora", 0
     kv_map = shared.map_to(adapter)
     with adapter_active(model, adapter):
         mapped = MappedCache.from_source(base_cache, kv_map, model, input_ids=context_ids)
@@ -362,6 +361,7 @@ def catch_up_base(shared: SharedPeftModel, adapter: str, base_cache: DynamicCach
     for layer, (keys, values) in enumerate(mapped):
         base_cache.update(keys, values, layer)
     return 0
+
 
 __all__ = ["KEEP_BASE", "AdapterSession", "FirstTokenTimer", "KeepBase", "SharedPeftModel", "TurnResult",
            "cache_from_base", "catch_up_base", "check_keep_base", "generate_on_cache"]
