@@ -19,11 +19,10 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers.cache_utils import DynamicCache
 
 from peft_kvcache import KVMap, MappedCache
-from peft_kvcache._compat import fill_cache, truncate
-from peft_kvcache.capture import run_with_cache
+from peft_kvcache._compat import truncate
+from peft_kvcache.capture import cache_states, run_with_cache
 from peft_kvcache.config import Refresh
 from peft_kvcache.evaluate import RetentionReport, VariantScores, cached_logits, full_logits, window_logits
 from peft_kvcache.refresh import attention_scores, refresh_positions, select_spans
@@ -53,7 +52,7 @@ def refreshed(target, kv_map: KVMap, source_kv, ids: torch.Tensor, policy: Refre
     """The mapped cache of ``ids`` ``[1, n]`` with the refresh, positions chosen by the lever ``how``."""
     mapped = MappedCache.from_source(source_kv.to_cache(), kv_map, target, input_ids=ids, refresh_tokens=0,
                                      verify_models=False)
-    cache = fill_cache(DynamicCache(), [(layer.keys, layer.values) for layer in mapped.layers])
+    cache = cache_states(mapped).to_cache()
     start, sink = ids.shape[1] - policy.probe_tokens, kv_map.config.sink_tokens
     truncate(cache, start)
     scores = attention_scores(target, cache, ids[:, start:], every_probe_token=True)

@@ -37,7 +37,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from peft_kvcache.adapter_maps import AdapterMaps
-from peft_kvcache.corpus import stdlib_texts
+from peft_kvcache.corpus import DOCSTRING_INSTRUCTION, stdlib_texts
 from peft_kvcache.errors import PeftKVCacheError
 from peft_kvcache.fixtures import cache_root, load_model
 from peft_kvcache.models import adapter_active, load_adapters
@@ -46,13 +46,13 @@ from peft_kvcache.provenance import write_results
 from peft_kvcache.serve import calibrate_missing, load_maps
 from peft_kvcache.sessions import SharedPeftModel
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL, PREFIX, ADAPTERS = "gguf:smollm2-135m-instruct", "smollm2-135m-instruct", ("shout", "docstring")
-RESULTS = ROOT / "benchmarks" / "results" / "serve-load"
+from .adapters import PREFIX
+from .common import RESULTS, ROOT, SMOLLM
+
+ADAPTERS = ("shout", "docstring")
 MODES = {"a": ("map", "prefill"), "a'": ("map", "reverse_map"), "b": ("exact", "prefill"), "c": ("none", "prefill")}
 LABELS = {"a": "(a) this server: reuse + map on switch", "a'": "(a') as (a), base kept by reverse maps",
           "b": "(b) adapter-keyed prefix reuse only", "c": "(c) no prefix reuse"}
-DOCSTRING = "Write the docstring of this Python function:\n```python\n{code}\n```"  # the adapter's training prompt
 
 
 # ----- the scripted conversations -----
@@ -79,8 +79,8 @@ def scripts(conversations: int, turns: int) -> list[list[tuple[str | None, str]]
     for i, text in enumerate(texts):
         first, second = functions(text)
         messages = [f"Here is part of a module from Python's standard library:\n```python\n{text[:1200]}\n```\n"
-                    "What is this code for?", DOCSTRING.format(code=first), "What does that function return?",
-                    DOCSTRING.format(code=second)]
+                    "What is this code for?", DOCSTRING_INSTRUCTION.format(code=first), "What does that function return?",
+                    DOCSTRING_INSTRUCTION.format(code=second)]
         out.append([(rotation[(i + t) % 3], messages[t % 4]) for t in range(turns)])
     if len(out) < conversations:
         raise SystemExit(f"only {len(out)} evaluation files have two short documented functions")
@@ -176,7 +176,7 @@ def load_run(url: str, conversations, model_name: str, max_tokens: int, deadline
 def load_stack(calibration_files: int):
     """SmolLM2 with the committed adapters and their maps: ``(model, tokenizer, maps, where the maps came from)``.
     The published maps (hub_cards/) if they load, else the ones this benchmark calibrated before, else new ones."""
-    base, tokenizer = load_model(MODEL)
+    base, tokenizer = load_model(SMOLLM)
     model = load_adapters(base, {a: str(ROOT / "adapters" / a) for a in ADAPTERS})
     cached = cache_root() / f"serve-load-maps-{calibration_files}files"
     calibrated = (f"calibrated by this benchmark on {calibration_files} calibration-split stdlib files, first 512 "
@@ -299,7 +299,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--calibration-files", type=int, default=16)
     parser.add_argument("--time-limit", type=float, default=900, help="seconds all three load runs may take")
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--output", type=Path, default=RESULTS / "serve-load")
     args = parser.parse_args(argv)
     from peft_kvcache.server import create_app, running
 
@@ -327,7 +327,7 @@ def main(argv=None) -> int:
     qualities = {key: quality(model, tokenizer, key, records, engines) for key in ("a", "a'", "b")}
     text = markdown(args, stats, ratios, qualities, maps_note)
     print(text)
-    payload = {"setup": {"model": MODEL, "adapters": list(ADAPTERS), "conversations": args.conversations,
+    payload = {"setup": {"model": SMOLLM, "adapters": list(ADAPTERS), "conversations": args.conversations,
                          "turns": args.turns, "max_tokens": args.max_tokens, "maps": maps_note, "modes": MODES},
                "summary": stats, "ratios": ratios, "quality": qualities, "requests": records}
     write_results(args.output, payload, text, data={"script": "evaluation-split stdlib modules (first 1200 chars) "

@@ -21,6 +21,11 @@ SERVERS = {"a": "(a) this server", "a'": "(a') this server, base cache kept by r
            "b": "(b) prefix reuse keyed by adapter (vLLM, SGLang today)", "c": "(c) no prefix reuse"}
 
 
+def adapter_results(reverse: bool) -> str:
+    """The results file (stem) of the base -> adapter maps' retention, or of the adapter -> base maps'."""
+    return "adapters-reverse" if reverse else "adapters"
+
+
 def figure(stem: str, key: str) -> Figure:
     return Figure(lookup(results(stem), key), f"benchmarks/results/{stem}.json", key)
 
@@ -60,13 +65,13 @@ def adapter_figures(adapter: str, reverse: bool = False) -> dict[str, Figure]:
     for variant, label in (("mapped@1", "mapped"), ("naive@1", "naive_reuse")):
         for metric in ("normalized_retention", "kl"):
             figures[f"continuation.{label}.{metric}"] = figure(
-                "adapters-reverse" if reverse else "adapters", f"retention/{adapter}/rows/variant={variant}/{metric}")
+                adapter_results(reverse), f"retention/{adapter}/rows/variant={variant}/{metric}")
     if reverse:
         return figures
     for name, label in (("session: mapped history", "session_mapped"), ("session: base history reused as is",
                                                                          "session_naive_reuse")):
         figures[f"own_task_after_chat.{label}.loss_gain_share"] = figure(
-            "adapters", f"task_history/{adapter}/gain_retention_in_loss/{name}")
+            adapter_results(False), f"task_history/{adapter}/gain_retention_in_loss/{name}")
     return figures
 
 
@@ -100,7 +105,7 @@ def readme_table() -> str:
             rows.append([name, f"{task} ({report['examples']})", fmt(by["mapped@1"]), fmt(by[variant]), fmt(by[control]),
                          f"{by['mapped@1']['kl']:.3f} / {by[variant]['kl']:.3f}", speed])
     for adapter, reverse in ((a, r) for a in ADAPTERS for r in (False, True)):
-        retention = results("adapters-reverse" if reverse else "adapters")["retention"][adapter]
+        retention = results(adapter_results(reverse))["retention"][adapter]
         by = {r["variant"]: r for r in retention["rows"]}
         speed = "-" if reverse else " / ".join(  # the reverse switch is not timed on its own
             f"{r['speedup_cold']:.0f}x at {r['context']}" for r in results(f"ttft-{folder_name(PREFIX, adapter, False)}")["rows"])

@@ -64,6 +64,7 @@ FINAL_CONTEXT, FINAL_FILES, FINAL_RECALL = 1024, 12, 2  # the goal table (recall
 TTFT_LENGTHS, TTFT_REPEATS = (512, 2048), 5
 STORAGE_FILES = 4  # selection texts on which float32 and bfloat16 weights are compared
 ADAPTER_FILES, ADAPTER_CHATS, BLEND_FILES = 128, 8, 12  # the adapter maps' calibration and blend texts
+ADAPTER_CONTEXT, ADAPTER_CONTINUATION, ADAPTER_EXAMPLES = 512, 64, 48  # the adapter maps' retention (both ways)
 ADAPTER_TTFT_LENGTHS = (1024, 4096)
 
 
@@ -359,20 +360,22 @@ class Publisher:
 
     def adapter_evaluate(self) -> None:
         model, tokenizer = self.adapter_model()
-        options = argparse.Namespace(examples=48, context=512, continuation=64, task_examples=34, history_tokens=1024,
+        options = argparse.Namespace(examples=ADAPTER_EXAMPLES, context=ADAPTER_CONTEXT,
+                                     continuation=ADAPTER_CONTINUATION, task_examples=34, history_tokens=1024,
                                      turns=8, skip=[])
         results = adapters.run(model, tokenizer, self.adapter_maps(), options)
-        save("adapters", results, adapters.markdown(results), data=results.pop("data"))
+        save(figures.adapter_results(False), results, adapters.markdown(results), data=results.pop("data"))
 
     def adapter_reverse(self) -> None:
         """The adapter -> base maps on `adapter_evaluate`'s held-out texts: the base continuing from the adapter's
         mapped cache against reusing it as is."""
         model, tokenizer = self.adapter_model()
         base, _ = load_model(SMOLLM)
-        examples, names = adapters.held_out_examples(tokenizer, 512, 64, 48)
-        results = {"model": SMOLLM, "retention": adapters.retention(model, base, ADAPTERS, self.adapter_maps(),
-                                                                    examples, 512, 64, reverse=True)}
-        save("adapters-reverse", results, adapters.markdown(results, reverse=True), data={"continuation": names})
+        examples, names = adapters.held_out_examples(tokenizer, ADAPTER_CONTEXT, ADAPTER_CONTINUATION,
+                                                     ADAPTER_EXAMPLES)
+        results = {"model": SMOLLM, "retention": adapters.retention(
+            model, base, ADAPTERS, self.adapter_maps(), examples, ADAPTER_CONTEXT, ADAPTER_CONTINUATION, reverse=True)}
+        save(figures.adapter_results(True), results, adapters.markdown(results, reverse=True), data={"continuation": names})
 
     def adapter_ttft(self) -> None:
         model, tokenizer = self.adapter_model()
@@ -413,7 +416,7 @@ class Publisher:
                                "measured": p["normalized_retention"]})
         adapter_gates = figures.results("adapter-gates")["gates"]
         for adapter, reverse in ((a, r) for a in ADAPTERS for r in (False, True)):
-            stem = "adapters-reverse" if reverse else "adapters"
+            stem = figures.adapter_results(reverse)
             points.append({"map": folder_name(PREFIX, adapter, reverse), "measured_on": f"{stem}.json",
                            "predicted": adapter_gates[folder_name(PREFIX, adapter, reverse)]["predicted_retention"],
                            "measured": lookup(figures.results(stem),
