@@ -26,15 +26,16 @@ import torch
 import torch.nn.functional as F
 
 from peft_kvcache import AdapterMaps, AdapterSession, MappedCache, SharedPeftModel
-from peft_kvcache.apply import map_cache
-from peft_kvcache.capture import forward, run_with_cache
-from peft_kvcache.config import Refresh
-from peft_kvcache.corpus import DOCSTRING_INSTRUCTION as INSTRUCTION
-from peft_kvcache.corpus import docstring_chat as encode
-from peft_kvcache.corpus import functions_with_docstrings, stdlib_texts
-from peft_kvcache.evaluate import RetentionReport, VariantScores, evaluate_retention, token_kl
-from peft_kvcache.fixtures import load_model
-from peft_kvcache.models import adapter_active, is_activated_lora, layer_placements, load_adapters
+from peft_kvcache.calibration.retention import RetentionReport, VariantScores, evaluate_retention, token_kl
+from peft_kvcache.lab.corpus import DOCSTRING_INSTRUCTION as INSTRUCTION
+from peft_kvcache.lab.corpus import docstring_chat as encode
+from peft_kvcache.lab.corpus import functions_with_docstrings, stdlib_texts
+from peft_kvcache.lab.fixtures import load_model
+from peft_kvcache.maps.apply import map_cache
+from peft_kvcache.maps.config import Refresh
+from peft_kvcache.modeling.adapters import adapter_active, is_activated_lora, load_adapters
+from peft_kvcache.modeling.capture import forward, run_with_cache
+from peft_kvcache.modeling.layout import layer_placements
 
 from .common import ADAPTERS, ROOT, SMOLLM, save, timed
 from .tasks import continuation_examples

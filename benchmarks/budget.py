@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from peft_kvcache import KVMap
-from peft_kvcache.capture import run_with_cache
-from peft_kvcache.config import Refresh
-from peft_kvcache.evaluate import evaluate_retention
+from peft_kvcache.calibration.retention import evaluate_retention
+from peft_kvcache.maps.config import Refresh
+from peft_kvcache.modeling.capture import run_with_cache
 
 from . import siblings, ttft
 from .common import RESULTS, save, table

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from peft_kvcache.provenance import code_state, write_results
+from peft_kvcache.lab.provenance import code_state, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SMALL, LARGE = "gguf:qwen2.5-coder-0.5b-instruct", "gguf:qwen2.5-coder-1.5b-instruct"

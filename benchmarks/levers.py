@@ -21,11 +21,11 @@ import torch
 from tqdm.auto import tqdm
 
 from peft_kvcache import KVMap, MappedCache
-from peft_kvcache._compat import truncate
-from peft_kvcache.capture import cache_states, run_with_cache
-from peft_kvcache.config import Refresh
-from peft_kvcache.evaluate import RetentionReport, VariantScores, cached_logits, full_logits, window_logits
-from peft_kvcache.refresh import attention_scores, refresh_positions, select_spans
+from peft_kvcache.calibration.retention import RetentionReport, VariantScores, cached_logits, full_logits, window_logits
+from peft_kvcache.maps.config import Refresh
+from peft_kvcache.modeling._compat import truncate
+from peft_kvcache.modeling.capture import cache_states, run_with_cache
+from peft_kvcache.runtime.refresh import attention_scores, refresh_positions, select_spans
 
 from . import siblings
 from .common import save, table

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from peft_kvcache import KVMap
-from peft_kvcache.config import Refresh, to_json
-from peft_kvcache.corpus import stdlib_texts
-from peft_kvcache.nonlinear import fit_nonlinear_heads
+from peft_kvcache.calibration.nonlinear import fit_nonlinear_heads
+from peft_kvcache.lab.corpus import stdlib_texts
+from peft_kvcache.maps.config import Refresh, to_json
 
 from .common import save, table
 from .levers import score_variants

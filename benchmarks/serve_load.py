@@ -36,15 +36,15 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from peft_kvcache.adapter_maps import AdapterMaps
-from peft_kvcache.corpus import DOCSTRING_INSTRUCTION, stdlib_texts
 from peft_kvcache.errors import PeftKVCacheError
-from peft_kvcache.fixtures import cache_root, load_model
-from peft_kvcache.models import adapter_active, load_adapters
-from peft_kvcache.prefix_store import PrefixEngine, PrefixStore
-from peft_kvcache.provenance import write_results
-from peft_kvcache.serve import calibrate_missing, load_maps
-from peft_kvcache.sessions import SharedPeftModel
+from peft_kvcache.lab.corpus import DOCSTRING_INSTRUCTION, stdlib_texts
+from peft_kvcache.lab.fixtures import cache_root, load_model
+from peft_kvcache.lab.provenance import write_results
+from peft_kvcache.maps.adapter_maps import AdapterMaps
+from peft_kvcache.modeling.adapters import adapter_active, load_adapters
+from peft_kvcache.runtime.sessions import SharedPeftModel
+from peft_kvcache.serving.command import calibrate_missing, load_maps
+from peft_kvcache.serving.prefix_store import PrefixEngine, PrefixStore
 
 from .adapters import PREFIX
 from .common import RESULTS, ROOT, SMOLLM
@@ -301,7 +301,7 @@ def main(argv=None) -> int:
     parser.add_argument("--time-limit", type=float, default=900, help="seconds all three load runs may take")
     parser.add_argument("--output", type=Path, default=RESULTS / "serve-load")
     args = parser.parse_args(argv)
-    from peft_kvcache.server import create_app, running
+    from peft_kvcache.serving.app import create_app, running
 
     torch.set_num_threads(args.threads)
     conversations = scripts(args.conversations, args.turns)

@@ -18,11 +18,8 @@ from pathlib import Path
 import torch
 
 from peft_kvcache import KVMap, MappedCache
-from peft_kvcache.calibrate import CalibrationTexts, ModelSide, StatisticsRun, build_map, collect
-from peft_kvcache.capture import run_with_cache
-from peft_kvcache.config import CalibrationConfig, CalibrationRecord, ModelSpec, Refresh
-from peft_kvcache.corpus import corpus_description, prose_texts, stdlib_texts
-from peft_kvcache.evaluate import (
+from peft_kvcache.calibration.loop import CalibrationTexts, ModelSide, StatisticsRun, build_map, collect
+from peft_kvcache.calibration.retention import (
     RetentionReport,
     VariantScores,
     cached_logits,
@@ -30,7 +27,10 @@ from peft_kvcache.evaluate import (
     full_logits,
     window_logits,
 )
-from peft_kvcache.fixtures import load_model
+from peft_kvcache.lab.corpus import corpus_description, prose_texts, stdlib_texts
+from peft_kvcache.lab.fixtures import load_model
+from peft_kvcache.maps.config import CalibrationConfig, CalibrationRecord, ModelSpec, Refresh
+from peft_kvcache.modeling.capture import run_with_cache
 
 from .common import LARGE, SMALL, interval, save, table
 from .tasks import ANSWER_TOKENS, DEPTHS, continuation_examples, recall_examples

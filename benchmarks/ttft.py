@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from peft_kvcache import KVMap, MappedCache
-from peft_kvcache.cache import _SINKS
-from peft_kvcache.calibrate import ModelSide
-from peft_kvcache.capture import forward, run_with_cache
-from peft_kvcache.config import KVMapConfig
+from peft_kvcache.calibration.loop import ModelSide
+from peft_kvcache.maps.config import KVMapConfig
+from peft_kvcache.modeling.capture import forward, run_with_cache
+from peft_kvcache.runtime.cache import _SINKS
 
 from .common import RESULTS, interval, save, table, timed
 

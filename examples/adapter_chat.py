@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from peft_kvcache import AdapterMaps, AdapterSession, SharedPeftModel
-from peft_kvcache.capture import run_with_cache
-from peft_kvcache.corpus import DOCSTRING_INSTRUCTION, functions_with_docstrings, stdlib_texts
-from peft_kvcache.fixtures import load_model
-from peft_kvcache.models import adapter_active, load_adapters
+from peft_kvcache.lab.corpus import DOCSTRING_INSTRUCTION, functions_with_docstrings, stdlib_texts
+from peft_kvcache.lab.fixtures import load_model
+from peft_kvcache.modeling.adapters import adapter_active, load_adapters
+from peft_kvcache.modeling.capture import run_with_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPARE = 8  # first greedy tokens compared with the adapter's own re-prefill

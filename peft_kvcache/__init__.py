@@ -7,11 +7,8 @@ base model of a PEFT adapter into the target's KV space.
     out = target_model.generate(input_ids=prompt, cache=cache, max_new_tokens=32)
 """
 
-from . import calibrate as _calibrate  # noqa: F401  (attaches KVMap.calibrate)
 from ._version import __version__  # noqa: F401
-from .adapter_maps import AdapterMaps
-from .cache import MappedCache
-from .config import CalibrationConfig, KVMapConfig, Refresh
+from .calibration import loop as _calibrate  # noqa: F401  (attaches KVMap.calibrate)
 from .errors import (
     ArtifactError,
     CacheMismatchError,
@@ -29,8 +26,11 @@ from .errors import (
     SessionError,
     UnsupportedPositionalSchemeError,
 )
-from .kvmap import KVMap
-from .sessions import AdapterSession, SharedPeftModel, TurnResult
+from .maps.adapter_maps import AdapterMaps
+from .maps.config import CalibrationConfig, KVMapConfig, Refresh
+from .maps.kvmap import KVMap
+from .runtime.cache import MappedCache
+from .runtime.sessions import AdapterSession, SharedPeftModel, TurnResult
 
 __all__ = [
     "AdapterMaps",

@@ -1,5 +1,6 @@
 """Files and folders replaced atomically: a reader sees the old version or the new one, never a mix, never
-nothing, and a process killed halfway leaves nothing that the next save or load does not clean up."""
+nothing, and a process killed halfway leaves nothing that the next save or load does not clean up. And the one
+rule that tells a local path from a Hub repo id (`is_repo_id`)."""
 
 from __future__ import annotations
 
@@ -123,3 +124,19 @@ def recover_folder(target: Path, is_complete: Callable[[Path], bool]) -> None:
     for _, entry in leftovers:
         if entry.exists():
             shutil.rmtree(entry, ignore_errors=True)
+
+
+def is_repo_id(spec: str) -> bool:
+    """Whether ``spec`` reads as a Hub repo id (``owner/name``) rather than a local path: not explicit (``./``,
+    ``~``, absolute), one slash, and valid by the Hub's rules. Code that falls back to the Hub asks this first,
+    so a missing local folder is reported as missing instead of being looked up."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if spec.startswith((".", "~", os.sep)) or os.path.isabs(spec) or spec.count("/") != 1:
+        return False
+    try:
+        validate_repo_id(spec)
+    except HFValidationError:
+        return False
+    return True

@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 
-from . import serve
 from ._version import __version__
-from .config import CalibrationConfig, ModelSpec
 from .errors import CalibrationError, CLIUsageError, PeftKVCacheError
+from .maps.config import CalibrationConfig, ModelSpec
+from .serving import command as serve
 
 PROG = "peft-kvcache"
 BLEND_CONTINUATION = 64  # tokens scored per held-out text when choosing an adapter map's blend
@@ -38,7 +38,7 @@ def _load_model(option: str, spec: str, dtype: str):
     """``(model, tokenizer)`` for the model spec given to ``option``; a load failure names the option."""
     import torch
 
-    from .fixtures import load_model
+    from .lab.fixtures import load_model
 
     try:
         return load_model(spec, dtype=getattr(torch, dtype))
@@ -50,7 +50,7 @@ def _load_model(option: str, spec: str, dtype: str):
 
 def _config(args: argparse.Namespace, **defaults) -> CalibrationConfig:
     """The `CalibrationConfig` of the flags (one per field), checked before any model loads; errors name the flag."""
-    from .calibrate import resolve_config
+    from .calibration.loop import resolve_config
 
     given = {f.name: getattr(args, f.name) for f in fields(CalibrationConfig) if getattr(args, f.name) is not None}
     try:
@@ -61,14 +61,14 @@ def _config(args: argparse.Namespace, **defaults) -> CalibrationConfig:
 
 
 def _texts(args: argparse.Namespace, split: str) -> tuple[dict[str, str], str]:
-    from .corpus import read_texts
+    from .lab.corpus import read_texts
 
     return read_texts(args.data, split, args.num_files, 32 if split == "calibration" else 20)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from .calibrate import calibrate, join_process_group
-    from .card import inherited_license, summary_text
+    from .calibration.loop import calibrate, join_process_group
+    from .maps.card import inherited_license, summary_text
 
     config = _config(args)
     rank, world = join_process_group()
@@ -92,11 +92,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate_adapters(args: argparse.Namespace) -> int:
-    from .adapter_maps import default_prefix
-    from .blend import choose_adapter_blends
-    from .calibrate import calibrate_adapters
-    from .evaluate import token_sequences
-    from .models import load_adapters, parse_adapter_specs
+    from .calibration.blend import choose_adapter_blends
+    from .calibration.loop import calibrate_adapters
+    from .calibration.retention import token_sequences
+    from .maps.adapter_maps import default_prefix
+    from .modeling.adapters import load_adapters, parse_adapter_specs
 
     config = _config(args, same_layer=True)
     adapters = parse_adapter_specs(args.adapter)
@@ -129,8 +129,8 @@ def cmd_calibrate_adapters(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from .evaluate import evaluate_retention, record_figures, token_sequences
-    from .kvmap import KVMap, resolve_map_folder
+    from .calibration.retention import evaluate_retention, record_figures, token_sequences
+    from .maps.kvmap import KVMap, resolve_map_folder
 
     if args.write and not Path(args.map).expanduser().is_dir():
         raise CLIUsageError("evaluate --write needs a local MAP folder")
@@ -165,7 +165,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_card(args: argparse.Namespace) -> int:
-    from .kvmap import KVMap
+    from .maps.kvmap import KVMap
 
     folder = _local_folder(args.map)
     kv_map = KVMap.from_pretrained(folder)
@@ -177,8 +177,8 @@ def cmd_card(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .card import summary_text
-    from .kvmap import KVMap, resolve_map_folder
+    from .maps.card import summary_text
+    from .maps.kvmap import KVMap, resolve_map_folder
 
     folder = resolve_map_folder(args.map, revision=args.revision)
     kv_map = KVMap.from_pretrained(folder)
@@ -187,7 +187,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from .kvmap import KVMap
+    from .maps.kvmap import KVMap
 
     kv_map = KVMap.from_pretrained(_local_folder(args.map))  # validates before anything is uploaded
     print(kv_map.push_to_hub(args.repo_id, private=args.private or None, token=args.token,
@@ -301,7 +301,7 @@ COMMANDS = {
              "peft-kvcache push maps/coder-up my-org/coder-up-kvmap --private"),
     "serve": (serve.run, "serve an OpenAI-compatible chat API over a base model and its adapters",
               "Chat completions for the base model and each adapter, with one prefix cache shared across adapters: "
-              "a switch maps the base cache of the history instead of prefilling it (see peft_kvcache.server).",
+              "a switch maps the base cache of the history instead of prefilling it (see peft_kvcache.serving.app).",
               "peft-kvcache serve --model gguf:smollm2-135m-instruct --adapter shout=adapters/shout --maps hub_cards"),
 }
 

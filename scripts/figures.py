@@ -1,5 +1,5 @@
 """The figures of the published maps and the README: each one read by code from a results file under
-benchmarks/results/, cited by file and key (`peft_kvcache.config.Figure`)."""
+benchmarks/results/, cited by file and key (`peft_kvcache.maps.config.Figure`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import statistics
 from benchmarks.adapters import PREFIX
 from benchmarks.common import ADAPTERS, RESULTS, ROOT, table
 from peft_kvcache import KVMap
-from peft_kvcache.adapter_maps import folder_name
-from peft_kvcache.config import Figure, Refresh
-from peft_kvcache.provenance import lookup
+from peft_kvcache.lab.provenance import lookup
+from peft_kvcache.maps.adapter_maps import folder_name
+from peft_kvcache.maps.config import Figure, Refresh
 
 HUB_CARDS = ROOT / "hub_cards"
 README_BEGIN, README_END = "<!-- figures:begin (scripts/publish.py writes this table) -->", "<!-- figures:end -->"

@@ -24,11 +24,14 @@ from benchmarks.adapters import PREFIX
 from benchmarks.common import ADAPTERS, RESULTS, ROOT, SMOLLM, save, table
 from benchmarks.tasks import continuation_examples
 from peft_kvcache import AdapterMaps, KVMap
-from peft_kvcache.adapter_maps import folder_name
-from peft_kvcache.blend import choose_adapter_blends
-from peft_kvcache.calibrate import calibrate_adapters
-from peft_kvcache.capture import run_with_cache
-from peft_kvcache.config import (
+from peft_kvcache.calibration.blend import choose_adapter_blends
+from peft_kvcache.calibration.gate import measure_quality
+from peft_kvcache.calibration.loop import calibrate_adapters
+from peft_kvcache.lab.corpus import corpus_description, docstring_chat, functions_with_docstrings, stdlib_texts
+from peft_kvcache.lab.fixtures import load_model
+from peft_kvcache.lab.provenance import lookup
+from peft_kvcache.maps.adapter_maps import folder_name
+from peft_kvcache.maps.config import (
     CalibrationConfig,
     DataRecord,
     GateRecord,
@@ -38,11 +41,8 @@ from peft_kvcache.config import (
     from_json,
     to_json,
 )
-from peft_kvcache.corpus import corpus_description, docstring_chat, functions_with_docstrings, stdlib_texts
-from peft_kvcache.fixtures import load_model
-from peft_kvcache.models import adapter_active
-from peft_kvcache.provenance import lookup
-from peft_kvcache.quality import measure_quality
+from peft_kvcache.modeling.adapters import adapter_active
+from peft_kvcache.modeling.capture import run_with_cache
 from scripts import figures
 
 logger = logging.getLogger("publish")
@@ -401,6 +401,14 @@ class Publisher:
             _publish(kv_map, name, storage.get(folder_name(PREFIX, adapter, False), "float32"))
 
 
+    def render_cards(self) -> None:
+        """Render every published card again from its own config.json (after a change of the card's template or of
+        the code paths its snippet names): config and weights are written back as they are."""
+        for folder in sorted(p for p in HUB_CARDS.iterdir() if (p / "config.json").is_file()):
+            kv_map = KVMap.from_pretrained(folder)
+            kv_map.save_pretrained(folder, repo_id=f"hub_cards/{folder.name}", overwrite=True)
+            logger.info("rendered the card of %s", folder.name)
+
     # ----- summary -----
 
     def gate_correlation(self) -> None:
@@ -479,12 +487,13 @@ def _plot_scaling(curve: dict, path: Path) -> None:
 STAGES = {"siblings": ("capture", "scaling", "gate", "recipe", "levers", "evaluate", "ttft"),
           "nonlinear": ("nonlinear",),
           "adapters": ("calibrate_adapters", "adapter_gate", "adapter_evaluate", "adapter_reverse", "adapter_ttft"),
-          "cards": ("storage", "sibling_cards", "adapter_cards", "gate_correlation", "serve_load", "readme")}
+          "cards": ("storage", "sibling_cards", "adapter_cards", "gate_correlation", "serve_load", "readme",
+                    "render_cards")}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=sorted(STAGES), nargs="+", default=sorted(STAGES))
+    parser.add_argument("--only", choices=list(STAGES), nargs="+", default=list(STAGES))
     parser.add_argument("--stages", nargs="+", default=None, help="run only these stages (default: all)")
     parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "publish")
     parser.add_argument("--scales", type=int, nargs="+", default=list(SCALES),

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from peft_kvcache.corpus import docstring_chat as encode
-from peft_kvcache.corpus import functions_with_docstrings
+from peft_kvcache.lab.corpus import docstring_chat as encode
+from peft_kvcache.lab.corpus import functions_with_docstrings
 
 MODEL = "gguf:smollm2-135m-instruct"
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -65,7 +65,7 @@ def answer_nll(model, examples, pad_id: int, batch_size: int = 8) -> float:
 def train(name: str, task: str, args, train_pairs, eval_pairs) -> dict:
     from peft import LoraConfig, get_peft_model
 
-    from peft_kvcache.fixtures import load_model
+    from peft_kvcache.lab.fixtures import load_model
 
     model, tokenizer = load_model(MODEL)  # fresh base weights for every adapter
 
@@ -104,7 +104,7 @@ def train(name: str, task: str, args, train_pairs, eval_pairs) -> dict:
     peft_model.eval()
     adapter_nll = answer_nll(peft_model, eval_examples, pad_id)
     folder = Path(args.out) / name
-    from peft_kvcache.fixtures import FIXTURES
+    from peft_kvcache.lab.fixtures import FIXTURES
 
     # The Hub id, not this machine's cache path (the weights are its GGUF Q4_1 dequantization).
     peft_model.peft_config["default"].base_model_name_or_path = FIXTURES[MODEL].hub_id
@@ -129,9 +129,9 @@ def adapter_card(name: str, task: str, alora: bool, base_nll: float, adapter_nll
     return (f"---\nlibrary_name: peft\nbase_model: HuggingFaceTB/SmolLM2-135M-Instruct\ntags: [lora, peft-kvcache]\n"
             f"---\n\n# {name}: a small {kind} adapter for SmolLM2-135M-Instruct\n\nGiven a Python function "
             f"without its docstring, it {what}. Trained by `scripts/train_adapters.py` on functions from the "
-            f"Python standard library (calibration split of `peft_kvcache.corpus`), r=8 on all attention and MLP "
+            f"Python standard library (calibration split of `peft_kvcache.lab.corpus`), r=8 on all attention and MLP "
             f"projections, a few minutes on one CPU thread; base weights: the GGUF Q4_1 dequantization "
-            f"(`peft_kvcache.fixtures`).\n\nHeld-out answer NLL (evaluation-split functions): base "
+            f"(`peft_kvcache.lab.fixtures`).\n\nHeld-out answer NLL (evaluation-split functions): base "
             f"{base_nll:.3f} -> adapter {adapter_nll:.3f}. See `training.json`.\n")
 
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-from peft import get_peft_model
-
 from conftest import char_tokenizer, tiny_model
+from peft import get_peft_model
 from test_peft import lora
 
 # One token per character; every turn closed by [EOS], so a reply (which ends on [EOS] or at max_tokens)

@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 
 import peft_kvcache
 from peft_kvcache import ArtifactError, KVMap, KVMapConfig
-from peft_kvcache.config import CalibrationRecord, DataRecord
-from peft_kvcache.models import KVLayout
-from peft_kvcache.positions import RotaryRecord
+from peft_kvcache.maps.config import CalibrationRecord, DataRecord
+from peft_kvcache.modeling.layout import KVLayout
+from peft_kvcache.modeling.positions import RotaryRecord
 
 SOURCE, TARGET = KVLayout(2, 2, 8), KVLayout(3, 2, 8)
 
@@ -290,7 +290,7 @@ def test_a_folder_without_the_map_files(tmp_path, saved):
 
 
 def test_a_huge_config_file_is_refused_unread(saved, monkeypatch):
-    monkeypatch.setattr("peft_kvcache.kvmap._MAX_CONFIG_BYTES", 100)
+    monkeypatch.setattr("peft_kvcache.maps.kvmap._MAX_CONFIG_BYTES", 100)
     assert "too large" in _load_error(saved)
 
 
@@ -321,7 +321,7 @@ def test_a_failed_save_leaves_no_folder(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("peft_kvcache.kvmap.save_file", fail)
+    monkeypatch.setattr("peft_kvcache.maps.kvmap.save_file", fail)
     with pytest.raises(OSError, match="disk full"):
         make_map().save_pretrained(tmp_path / "map", chart=False)
     assert os.listdir(tmp_path) == []

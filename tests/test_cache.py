@@ -15,7 +15,7 @@ from peft_kvcache import (
     MappedCache,
     UnsupportedPositionalSchemeError,
 )
-from peft_kvcache._compat import cache_argument, output_cache, with_cache
+from peft_kvcache.modeling._compat import cache_argument, output_cache, with_cache
 
 
 @pytest.fixture
@@ -184,7 +184,7 @@ def test_calibration_options_of_the_wrong_type_or_range_are_refused_by_name(opti
 
 
 def test_more_source_layers_than_the_source_has_are_refused_before_any_capture(monkeypatch):
-    import peft_kvcache.calibrate as calibrate
+    import peft_kvcache.calibration.loop as calibrate
 
     monkeypatch.setattr(calibrate, "collect", lambda *a, **k: pytest.fail("captured before checking top_k"))
     model = tiny_model()
@@ -202,7 +202,7 @@ def test_a_calibrated_sibling_map_predicts_the_targets_own_cache(sibling_pair, s
     """On text the fit never saw, the mapped keys and values are closer to the target's own than no map at all
     (zeros: the whole error, 1.0) and than the map's bias alone (its weights zeroed): the weights carry the
     source's context into the target's space."""
-    from peft_kvcache.capture import run_with_cache
+    from peft_kvcache.modeling.capture import run_with_cache
 
     source, target = sibling_pair
     ids = random_ids(1, 48, seed=21)[0][None]

@@ -13,8 +13,9 @@ import pytest
 import torch
 from huggingface_hub import ModelCard
 
-from peft_kvcache import KVMap, KVMapConfig, card
-from peft_kvcache.config import (
+from peft_kvcache import KVMap, KVMapConfig
+from peft_kvcache.maps import card
+from peft_kvcache.maps.config import (
     CalibrationConfig,
     CalibrationRecord,
     DataRecord,
@@ -25,8 +26,8 @@ from peft_kvcache.config import (
     Refresh,
     TextRecord,
 )
-from peft_kvcache.models import KVLayout
-from peft_kvcache.positions import RotaryRecord
+from peft_kvcache.modeling.layout import KVLayout
+from peft_kvcache.modeling.positions import RotaryRecord
 
 SOURCE_FP, TARGET_FP = "0123456789abcdef" * 4, "fedcba9876543210" * 4
 ROTARY = RotaryRecord("default", 8, 8, 1.0)

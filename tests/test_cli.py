@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from peft_kvcache import KVMap
 from peft_kvcache.cli import build_parser, main
-from peft_kvcache.provenance import lookup
+from peft_kvcache.lab.provenance import lookup
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("calibrate", "calibrate-adapters", "evaluate", "card", "inspect", "push")
@@ -221,15 +221,15 @@ def test_evaluate_prints_a_table_and_records_figures_only_for_held_out_text(cali
 
 
 def test_evaluate_needs_enough_tokens(calibrated, workspace):
-    pytest.importorskip("peft_kvcache.evaluate")
+    pytest.importorskip("peft_kvcache.calibration.retention")
     status, _, err = cli(["evaluate", str(calibrated), "--data", str(workspace["data"]),
                           "--context-length", "100000", "--no-progress"])
     assert status == 2 and "--context-length 100000" in err
 
 
 def test_evaluate_write_refuses_a_repo_before_any_work(monkeypatch):
-    pytest.importorskip("peft_kvcache.evaluate")
-    monkeypatch.setattr("peft_kvcache.kvmap.resolve_map_folder",
+    pytest.importorskip("peft_kvcache.calibration.retention")
+    monkeypatch.setattr("peft_kvcache.maps.kvmap.resolve_map_folder",
                         lambda *a, **k: pytest.fail("resolved the map before checking --write"))
     status, _, err = cli(["evaluate", "org/some-map", "--write"])
     assert status == 2 and "--write" in err
@@ -285,8 +285,8 @@ def test_the_console_script_points_at_main():
 
 
 def test_stdlib_data_reads_the_split_asked_for():
-    corpus = pytest.importorskip("peft_kvcache.corpus")
-    from peft_kvcache.corpus import read_texts
+    corpus = pytest.importorskip("peft_kvcache.lab.corpus")
+    from peft_kvcache.lab.corpus import read_texts
 
     texts, description = read_texts("stdlib", "calibration", 2)
     assert list(texts.values()) == corpus.calibration_texts(2) and "calibration split" in description
@@ -318,8 +318,8 @@ def test_calibrate_adapters_writes_both_directions_for_every_adapter(workspace, 
     from peft import PeftModel
 
     from peft_kvcache import AdapterMaps, FingerprintMismatchError, MappedCache
-    from peft_kvcache.capture import run_with_cache
-    from peft_kvcache.models import adapter_active
+    from peft_kvcache.modeling.adapters import adapter_active
+    from peft_kvcache.modeling.capture import run_with_cache
 
     status, out, err = cli(["calibrate-adapters", "--base", str(workspace["target"]),
                             "--adapter", f"terse={adapter_folders['terse']}", "--adapter",

@@ -1,4 +1,4 @@
-"""Every assumption peft_kvcache makes about transformers internals (`peft_kvcache._compat`), checked against the
+"""Every assumption peft_kvcache makes about transformers internals (`peft_kvcache.modeling._compat`), checked against the
 installed version: if one of these fails after an upgrade, the package's behaviour would silently change."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import torch
 from conftest import random_ids, tiny_model
 from transformers.cache_utils import DynamicCache
 
-from peft_kvcache import MappedCache, _compat
-from peft_kvcache.capture import forward, run_with_cache
+from peft_kvcache import MappedCache
+from peft_kvcache.modeling import _compat
+from peft_kvcache.modeling.capture import forward, run_with_cache
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

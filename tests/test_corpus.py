@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from peft_kvcache.corpus import prose_texts, read_texts, stdlib_files, stdlib_root, stdlib_texts
+from peft_kvcache.lab.corpus import prose_texts, read_texts, stdlib_files, stdlib_root, stdlib_texts
 
 
 def test_calibration_and_evaluation_files_are_disjoint_and_stable():

@@ -16,10 +16,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from peft_kvcache import KVMap
-from peft_kvcache.calibrate import CalibrationTexts, ModelSide, StatisticsRun, collect
-from peft_kvcache.capture import run_with_cache
-from peft_kvcache.config import CalibrationConfig
-from peft_kvcache.fit import SufficientStatistics, all_reduce_statistics
+from peft_kvcache.calibration.fit import SufficientStatistics, all_reduce_statistics
+from peft_kvcache.calibration.loop import CalibrationTexts, ModelSide, StatisticsRun, collect
+from peft_kvcache.maps.config import CalibrationConfig
+from peft_kvcache.modeling.capture import run_with_cache
 
 ROOT = Path(__file__).parent.parent
 
@@ -64,7 +64,7 @@ def test_adapter_shards_add_up_to_the_whole():
     """The adapter calibration (base -> adapters and back, per layer block) goes through the same loop."""
     from peft import LoraConfig, get_peft_model
 
-    from peft_kvcache.models import adapter_active
+    from peft_kvcache.modeling.adapters import adapter_active
 
     base = tiny_model("llama", seed=2)
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["k_proj", "v_proj"], init_lora_weights=False),

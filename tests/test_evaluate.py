@@ -3,8 +3,7 @@ import torch
 from conftest import random_ids, tiny_model
 
 from peft_kvcache import KVMap
-from peft_kvcache._compat import output_cache, with_cache
-from peft_kvcache.evaluate import (
+from peft_kvcache.calibration.retention import (
     RetentionReport,
     VariantScores,
     evaluate_retention,
@@ -12,6 +11,7 @@ from peft_kvcache.evaluate import (
     token_kl,
     window_logits,
 )
+from peft_kvcache.modeling._compat import output_cache, with_cache
 
 
 @torch.no_grad()

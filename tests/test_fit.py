@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from peft_kvcache import CalibrationError, NumericalError
-from peft_kvcache.fit import SufficientStatistics, _Centered, fit_layers, solve_ridge
-from peft_kvcache.models import KVLayout
+from peft_kvcache.calibration.fit import SufficientStatistics, _Centered, fit_layers, solve_ridge
+from peft_kvcache.modeling.layout import KVLayout
 
 
 def _stats(x, y):

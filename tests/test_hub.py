@@ -15,7 +15,7 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from peft_kvcache import ArtifactError, KVMap, MappedCache
-from peft_kvcache.config import QualityRecord
+from peft_kvcache.maps.config import QualityRecord
 
 REPO = "org/tiny-kvmap"
 MAIN_SHA = "1" * 40

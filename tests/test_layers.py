@@ -1,71 +1,127 @@
-"""The package's import graph: no cycles, and every import goes down the floors of `FLOORS` (README, "Layout");
-the artifact and the runtime import no calibration, and only the model-running modules run models."""
+"""The package's shape, as rules over its import graph (README, "Layout"):
+
+1. Packages sit on floors; a module imports only its own package or lower floors (at module level or inside a
+   function), but for the two ``calibrate`` classmethods of the artifact, which import calibration when called.
+2. Inside a package the imports form no cycle.
+3. What a module pulls in when it is imported, directly or through other modules: the artifact (`maps`) reaches
+   no calibration, runtime, serving or `lab` code and runs no model; the runtime reaches no calibration, serving or
+   `lab` code.
+"""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import pytest
+
 import peft_kvcache
 
 PACKAGE = Path(peft_kvcache.__file__).parent
-# Each module's floor: a module may import only modules on lower floors.
-FLOORS = {
-    "errors": 0, "_files": 0, "_compat": 0, "_version": 0, "_records": 0.5,
-    "positions": 1, "fit": 1, "corpus": 1, "provenance": 1, "fixtures": 1,
-    "models": 2, "checkpoint": 2,
-    "config": 3, "capture": 3, "apply": 3,
-    "card": 4,
-    "kvmap": 5, "refresh": 5,
-    "cache": 6, "adapter_maps": 6,
-    "quality": 7, "sessions": 7,
-    "evaluate": 8, "calibrate": 8, "prefix_store": 8, "openai_api": 8,
-    "blend": 9, "nonlinear": 9, "server": 9,
-    "serve": 10,  # the serve command: may calibrate missing maps at startup (--calibrate-missing)
-    "cli": 11, "__init__": 12, "__main__": 13,
-}
-RUNTIME = {"apply", "kvmap", "refresh", "cache", "adapter_maps", "sessions", "prefix_store", "openai_api", "server"}
-CALIBRATION = {"calibrate", "checkpoint", "fit", "blend", "nonlinear", "evaluate"}
-MODEL_RUNNING = {"capture", "refresh", "cache", "quality", "sessions", "evaluate", "calibrate", "blend", "nonlinear",
-                 "prefix_store"}
+FOUNDATION = {"errors", "_version", "_files"}
+FLOORS = {**dict.fromkeys(FOUNDATION, 0), "lab": 1, "modeling": 2, "maps": 3, "runtime": 4, "calibration": 5,
+          "serving": 6, "cli": 7, "__init__": 8, "__main__": 9}
+# (module, package it may import only inside a function): KVMap.calibrate and AdapterMaps.calibrate
+CALLED_UPWARD = {("maps.kvmap", "calibration"), ("maps.adapter_maps", "calibration")}
 
 
-def imports_of(module: str) -> set[str]:
-    """Package modules imported anywhere in ``module`` (top level and inside functions)."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+def modules(root: Path = PACKAGE) -> dict[str, Path]:
+    """Dotted name (under the package) -> file of every module."""
+    found = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        found[".".join(parts[:-1]) if parts[-1] == "__init__" and len(parts) > 1 else ".".join(parts)] = path
+    return found
+
+
+def package_of(module: str) -> str:
+    return module.split(".")[0]
+
+
+def imports_of(module: str, root: Path = PACKAGE, top_level_only: bool = False) -> set[str]:
+    """Package modules ``module`` imports (dotted, under the package), anywhere in it or only at module level."""
+    path, known = modules(root)[module], modules(root)
+    is_package = path.name == "__init__.py"
+    base = [] if module == "__init__" else module.split(".") if is_package else module.split(".")[:-1]
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
     found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            found.update([node.module] if node.module else [alias.name for alias in node.names])
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("peft_kvcache"):
-            found.add((node.module or "").removeprefix("peft_kvcache").lstrip(".") or "__init__")
-    return {name.split(".")[0] for name in found}
+    for node in nodes:
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            anchor = base[: len(base) - node.level + 1]
+            target = ".".join(anchor + ([node.module] if node.module else []))
+        elif (node.module or "").split(".")[0] == "peft_kvcache":
+            target = node.module.removeprefix("peft_kvcache").lstrip(".")
+        else:
+            continue
+        for alias in node.names:  # "from .maps import kvmap" imports the module maps.kvmap
+            child = f"{target}.{alias.name}" if target else alias.name
+            found.add(child if child in known else target or "__init__")
+    return {name for name in found if name != module}
 
 
-def test_every_module_has_a_floor():
-    assert {p.stem for p in PACKAGE.glob("*.py")} == set(FLOORS)
+def closure(module: str, root: Path = PACKAGE) -> set[str]:
+    """Every package module importing ``module`` loads (module-level imports, followed transitively)."""
+    seen, todo = set(), [module]
+    while todo:
+        for name in imports_of(todo.pop(), root, top_level_only=True):
+            if name not in seen:
+                seen.add(name)
+                todo.append(name)
+    return seen
 
 
-def test_imports_only_go_down():
-    upward = [(module, name) for module in FLOORS for name in imports_of(module)
-              if name not in FLOORS or FLOORS[name] >= FLOORS[module]]
+def test_every_module_sits_in_a_known_package():
+    assert {package_of(m) for m in modules()} <= set(FLOORS)
+
+
+def test_imports_go_to_lower_floors_or_stay_in_their_package():
+    upward = []
+    for module in modules():
+        for name in imports_of(module):
+            mine, theirs = package_of(module), package_of(name)
+            if mine == theirs or FLOORS[theirs] < FLOORS[mine] or (module, theirs) in CALLED_UPWARD:
+                continue
+            upward.append((module, name))
     assert upward == []
 
 
-def test_the_artifact_knows_no_calibration_and_runs_no_model():
-    assert imports_of("kvmap") & (CALIBRATION | MODEL_RUNNING) == set()
-    assert imports_of("card") & {"kvmap"} == set()  # the card renders from the config alone
+def test_the_calibrate_classmethods_import_calibration_only_when_called():
+    for module, package in CALLED_UPWARD:
+        assert not any(package_of(n) == package for n in imports_of(module, top_level_only=True)), module
 
 
-def test_runtime_modules_import_no_calibration():
-    offenders = {module: imports_of(module) & CALIBRATION for module in RUNTIME}
-    assert {m: names for m, names in offenders.items() if names} == {}
+def test_no_cycle_inside_a_package():
+    graph = {m: {n for n in imports_of(m) if package_of(n) == package_of(m)} for m in modules()}
+
+    def reaches(start: str, goal: str, seen: set) -> bool:
+        return any(n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen)) for n in graph[start])
+
+    assert [m for m in graph if reaches(m, m, set())] == []
 
 
-def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
-    """The rule above would catch a cycle: positions importing cache is refused."""
-    fake = tmp_path / "positions.py"
-    fake.write_text("from .cache import MappedCache\n")
-    monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path)
-    assert imports_of("positions") == {"cache"}
-    assert FLOORS["cache"] >= FLOORS["positions"]
+@pytest.mark.parametrize("package, forbidden", [
+    ("maps", {"calibration", "runtime", "serving", "lab", "cli"}),
+    ("runtime", {"calibration", "serving", "lab", "cli"}),
+])
+def test_what_the_artifact_and_the_runtime_load(package, forbidden):
+    reached = {m: {n for n in closure(m) if package_of(n) in forbidden} for m in modules() if package_of(m) == package}
+    assert {m: names for m, names in reached.items() if names} == {}
+
+
+def test_the_artifact_runs_no_model():
+    assert {m for m in modules() if package_of(m) == "maps" and "modeling.capture" in closure(m)} == set()
+
+
+def test_the_rules_see_an_indirect_import(tmp_path):
+    """A runtime module that reaches lab through a map module (as kvmap -> config -> fit once reached calibration
+    through a constant) is caught by the closure rule, and the floor rule names the upward step."""
+    for name, text in {"runtime/cache.py": "from ..maps.config import X\n", "maps/config.py": "from ..lab.corpus import Y\n",
+                       "lab/corpus.py": "Y = 1\n", "runtime/__init__.py": "", "maps/__init__.py": "",
+                       "lab/__init__.py": ""}.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert closure("runtime.cache", tmp_path) == {"maps.config", "lab.corpus"}
+    assert imports_of("runtime.cache", tmp_path) == {"maps.config"}

@@ -10,11 +10,17 @@ import torch
 from conftest import random_ids, tiny_model
 
 from peft_kvcache import KVMap, MappedCache
-from peft_kvcache._compat import output_cache
-from peft_kvcache.apply import map_cache
+from peft_kvcache.calibration.nonlinear import (
+    RowReservoir,
+    fit_nonlinear_heads,
+    keep_mlp,
+    train_residual_mlp,
+    weak_layers,
+)
 from peft_kvcache.errors import ArtifactError
-from peft_kvcache.nonlinear import RowReservoir, fit_nonlinear_heads, keep_mlp, train_residual_mlp, weak_layers
-from peft_kvcache.positions import positions_from_mask
+from peft_kvcache.maps.apply import map_cache
+from peft_kvcache.modeling._compat import output_cache
+from peft_kvcache.modeling.positions import positions_from_mask
 
 
 def linear_fit(x_train, y_train, x):

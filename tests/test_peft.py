@@ -10,11 +10,11 @@ from peft import LoraConfig, get_peft_model
 from transformers.cache_utils import DynamicCache
 
 from peft_kvcache import FingerprintMismatchError, MappedCache
-from peft_kvcache._compat import with_cache
-from peft_kvcache.adapter_maps import AdapterMaps, folder_name
-from peft_kvcache.calibrate import calibrate_adapters
-from peft_kvcache.capture import run_with_cache
-from peft_kvcache.models import adapter_active
+from peft_kvcache.calibration.loop import calibrate_adapters
+from peft_kvcache.maps.adapter_maps import AdapterMaps, folder_name
+from peft_kvcache.modeling._compat import with_cache
+from peft_kvcache.modeling.adapters import adapter_active
+from peft_kvcache.modeling.capture import run_with_cache
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -154,7 +154,7 @@ def test_same_layer_statistics_give_the_maps_of_full_layer_selection(peft_pair):
 
 
 def test_adapter_blends_are_scored_with_each_side_in_its_own_adapter_state(peft_pair):
-    from peft_kvcache.blend import choose_adapter_blends
+    from peft_kvcache.calibration.blend import choose_adapter_blends
 
     model, maps = peft_pair
     active = model.active_adapter

@@ -4,8 +4,8 @@ from conftest import tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM, BloomConfig, GPT2Config, MistralConfig
 
 from peft_kvcache import UnsupportedPositionalSchemeError
-from peft_kvcache.capture import run_with_cache
-from peft_kvcache.positions import (
+from peft_kvcache.modeling.capture import run_with_cache
+from peft_kvcache.modeling.positions import (
     apply_rotary,
     find_rotary_embedding,
     position_free_keys,

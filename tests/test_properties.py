@@ -9,10 +9,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from peft_kvcache import KVMap, KVMapConfig
-from peft_kvcache.apply import map_cache
-from peft_kvcache.capture import run_with_cache
-from peft_kvcache.models import KVLayout
-from peft_kvcache.positions import (
+from peft_kvcache.maps.apply import map_cache
+from peft_kvcache.modeling.capture import run_with_cache
+from peft_kvcache.modeling.layout import KVLayout
+from peft_kvcache.modeling.positions import (
     RotarySpec,
     apply_rotary,
     position_free_keys,

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from peft_kvcache.provenance import code_state, lookup, provenance
+from peft_kvcache.lab.provenance import code_state, lookup, provenance
 
 
 def _git(root, *args: str) -> str:
@@ -38,7 +38,7 @@ def test_the_command_of_a_module_run_is_recorded_as_typed(tmp_path):
     """``python -m pkg.mod --flag`` is recorded as such, not as the module's file path (which may not run alone)."""
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
-    (tmp_path / "pkg" / "mod.py").write_text("from peft_kvcache.provenance import command_line\nprint(command_line())\n")
+    (tmp_path / "pkg" / "mod.py").write_text("from peft_kvcache.lab.provenance import command_line\nprint(command_line())\n")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-m", "pkg.mod", "--flag", "a b"], cwd=tmp_path, capture_output=True,
                           text=True, check=True, env=env)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from peft_kvcache import KVMap
-from peft_kvcache.provenance import lookup
+from peft_kvcache.lab.provenance import lookup
 
 ROOT = Path(__file__).resolve().parents[1]
 CARDS = sorted(p for p in (ROOT / "hub_cards").iterdir() if p.is_dir())

@@ -11,18 +11,12 @@ import torch
 from conftest import random_ids, tiny_model
 
 from peft_kvcache import KVMap, MappedCache
-from peft_kvcache._compat import with_cache
-from peft_kvcache.capture import run_with_cache
-from peft_kvcache.config import GateRecord
+from peft_kvcache.calibration.gate import measure_quality, predicted_retention
 from peft_kvcache.errors import QualityError
-from peft_kvcache.quality import (
-    ContextCheck,
-    check_context,
-    measure_quality,
-    meets_quality,
-    predicted_retention,
-    prefill_context,
-)
+from peft_kvcache.maps.config import GateRecord
+from peft_kvcache.modeling._compat import with_cache
+from peft_kvcache.modeling.capture import run_with_cache
+from peft_kvcache.runtime.check import ContextCheck, check_context, meets_quality, prefill_context
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +132,7 @@ def test_context_check_passes_a_good_map_and_flags_a_corrupted_one(model, identi
     good = check_context(mapped, model, context, check)
     assert good.action == "mapped" and not good.flagged and good.cache.get_seq_length() == context.shape[1]
     bad = MappedCache.from_source(model, corrupted(identity_map), model, input_ids=context)
-    with caplog.at_level(logging.WARNING, logger="peft_kvcache.quality"):
+    with caplog.at_level(logging.WARNING, logger="peft_kvcache.runtime.check"):
         fallback = check_context(bad, model, context, check)
     assert fallback.action == "prefill" and fallback.flagged
     assert any("fallback" in r.getMessage() for r in caplog.records)

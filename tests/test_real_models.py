@@ -7,16 +7,17 @@ import pytest
 import torch
 
 from peft_kvcache import AdapterMaps, MappedCache
-from peft_kvcache.capture import run_with_cache
-from peft_kvcache.corpus import stdlib_texts
-from peft_kvcache.evaluate import cached_logits, full_logits, token_kl, token_sequences
-from peft_kvcache.fixtures import fetch_gguf, fixture_available, load_model
-from peft_kvcache.models import adapter_active, fingerprint, load_adapters
+from peft_kvcache.calibration.retention import cached_logits, full_logits, token_kl, token_sequences
+from peft_kvcache.lab.corpus import stdlib_texts
+from peft_kvcache.lab.fixtures import fetch_gguf, fixture_available, load_model
+from peft_kvcache.modeling.adapters import adapter_active, load_adapters
+from peft_kvcache.modeling.capture import run_with_cache
+from peft_kvcache.modeling.identity import fingerprint
 
 SMOLLM = "gguf:smollm2-135m-instruct"
 pytestmark = [
     pytest.mark.real_model,
-    pytest.mark.skipif(not fixture_available(SMOLLM), reason="run `python -m peft_kvcache.fixtures` first"),
+    pytest.mark.skipif(not fixture_available(SMOLLM), reason="run `python -m peft_kvcache.lab.fixtures` first"),
 ]
 
 

@@ -8,12 +8,12 @@ from conftest import random_ids, tiny_model
 from transformers.cache_utils import DynamicCache
 
 from peft_kvcache import MappedCache
-from peft_kvcache._compat import attention_implementation, fill_cache, with_cache
-from peft_kvcache.capture import run_with_cache
-from peft_kvcache.config import Refresh
+from peft_kvcache.calibration.retention import evaluate_retention
 from peft_kvcache.errors import CacheMismatchError
-from peft_kvcache.evaluate import evaluate_retention
-from peft_kvcache.refresh import attention_scores, refresh_positions, select_spans
+from peft_kvcache.maps.config import Refresh
+from peft_kvcache.modeling._compat import attention_implementation, fill_cache, with_cache
+from peft_kvcache.modeling.capture import run_with_cache
+from peft_kvcache.runtime.refresh import attention_scores, refresh_positions, select_spans
 
 
 def _plain(cache) -> DynamicCache:
@@ -55,7 +55,7 @@ def test_refresh_changes_only_the_chosen_positions(sibling_pair, sibling_map):
 
 @pytest.mark.parametrize("failing_pass", [0, 1])  # the probe's scoring pass, then the recompute pass
 def test_a_refresh_that_fails_midway_leaves_the_cache_as_it_was(sibling_pair, sibling_map, failing_pass):
-    from peft_kvcache.refresh import refresh_cache
+    from peft_kvcache.runtime.refresh import refresh_cache
 
     source, target = sibling_pair
     ids = random_ids(1, 30, seed=7)[0][None]
@@ -153,7 +153,7 @@ def test_refresh_errors_are_clear(sibling_pair, sibling_map):
 def test_a_budget_past_the_context_is_clamped_with_a_warning(sibling_pair, sibling_map, caplog):
     source, target = sibling_pair
     ids = random_ids(1, 20, seed=11)[0][None]
-    with caplog.at_level("WARNING", logger="peft_kvcache.refresh"):
+    with caplog.at_level("WARNING", logger="peft_kvcache.runtime.refresh"):
         cache = MappedCache.from_source(source, sibling_map, target, input_ids=ids, refresh_tokens=Refresh(500, 4))
     assert "clamped to 15" in caplog.text
     assert cache.refresh.budget == 15 and cache.refresh.positions.tolist() == list(range(1, 16))
@@ -172,13 +172,13 @@ def test_evaluate_scores_refresh_beside_its_equal_compute_control(sibling_pair, 
 
 
 def test_the_refresh_recomputes_the_positions_the_probe_attends_to(sibling_pair, sibling_map):
-    from peft_kvcache.refresh import refresh_cache
+    from peft_kvcache.runtime.refresh import refresh_cache
 
     source, target = sibling_pair
     ids = random_ids(1, 40, seed=13)[0][None]
     mapped = MappedCache.from_source(source, sibling_map, target, input_ids=ids, refresh_tokens=0)
     probe = _plain(mapped)
-    from peft_kvcache._compat import truncate
+    from peft_kvcache.modeling._compat import truncate
 
     truncate(probe, 40 - 4)
     expected = select_spans(attention_scores(target, probe, ids[:, 36:]), 6, 3, first=1)

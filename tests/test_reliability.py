@@ -19,10 +19,10 @@ from test_artifacts import make_map
 
 import peft_kvcache
 from peft_kvcache import ArtifactError, CalibrationError, KVMap, NumericalError
-from peft_kvcache import calibrate as calibrate_module
-from peft_kvcache.apply import map_cache
-from peft_kvcache.fit import SufficientStatistics, _Centered, fit_layers
-from peft_kvcache.models import KVLayout
+from peft_kvcache.calibration import loop as calibrate_module
+from peft_kvcache.calibration.fit import SufficientStatistics, _Centered, fit_layers
+from peft_kvcache.maps.apply import map_cache
+from peft_kvcache.modeling.layout import KVLayout
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -71,7 +71,8 @@ KILL_SCRIPT = textwrap.dedent("""
     sys.path[:0] = [{tests!r}, {root!r}]
     from conftest import random_ids
     from test_reliability import _pair, SEQUENCES, OPTIONS
-    from peft_kvcache import KVMap, calibrate as module
+    from peft_kvcache import KVMap
+    from peft_kvcache.calibration import loop as module
 
     real, calls = module.run_with_cache, [0]
     def run(*args, **kwargs):
@@ -198,7 +199,8 @@ def test_a_save_killed_at_any_step_leaves_the_old_map_or_the_new_one(tmp_path, c
     pid = os.fork()
     if pid == 0:  # child: save the new map, dying at `crash_at`
         try:
-            from peft_kvcache import _files, kvmap
+            from peft_kvcache import _files
+            from peft_kvcache.maps import kvmap
 
             die = lambda *args, **kwargs: os._exit(9)  # noqa: E731
             if crash_at == "weights":
@@ -238,7 +240,7 @@ def test_a_save_that_raises_midway_keeps_the_old_map(tmp_path, monkeypatch, fail
         raise OSError("disk full")
 
     if fail_at == "weights":
-        monkeypatch.setattr("peft_kvcache.kvmap.save_file", fail)
+        monkeypatch.setattr("peft_kvcache.maps.kvmap.save_file", fail)
     elif fail_at == "config":
         monkeypatch.setattr(Path, "write_text", fail)
     else:
@@ -374,7 +376,7 @@ def test_calibration_with_fewer_tokens_than_features_gives_a_finite_map():
 
 def _spy_on_tensor_reads(monkeypatch) -> list[str]:
     reads: list[str] = []
-    real_open = peft_kvcache.kvmap.safe_open
+    real_open = peft_kvcache.maps.kvmap.safe_open
 
     class Spy:
         def __init__(self, *args, **kwargs):
@@ -394,7 +396,7 @@ def _spy_on_tensor_reads(monkeypatch) -> list[str]:
         def __getattr__(self, name):
             return getattr(self.inner, name)
 
-    monkeypatch.setattr(peft_kvcache.kvmap, "safe_open", Spy)
+    monkeypatch.setattr(peft_kvcache.maps.kvmap, "safe_open", Spy)
     return reads
 
 
@@ -422,7 +424,7 @@ def test_a_header_claiming_a_huge_tensor_that_matches_the_config_is_refused_unre
     (folder / "config.json").write_text(json.dumps(data))
     config = peft_kvcache.KVMapConfig.from_dict(data)
     header = {name: {"dtype": "F32", "shape": list(shape), "data_offsets": [0, 4 * int(torch.tensor(shape).prod())]}
-              for name, shape in peft_kvcache.config.expected_shapes(config).items()}
+              for name, shape in peft_kvcache.maps.config.expected_shapes(config).items()}
     offset = 0
     for entry in header.values():  # contiguous offsets, as a real file would have, but no data behind them
         size = entry["data_offsets"][1]

@@ -24,10 +24,10 @@ openai = pytest.importorskip("openai", reason="the test extra: pip install -e '.
 from server_helpers import SINK, calibration_ids, client, tiny_peft, tiny_tokenizer  # noqa: E402
 
 from peft_kvcache import AdapterSession, SharedPeftModel  # noqa: E402
-from peft_kvcache.calibrate import calibrate_adapters  # noqa: E402
-from peft_kvcache.capture import CapturedKV  # noqa: E402
-from peft_kvcache.prefix_store import PrefixEngine, PrefixStore  # noqa: E402
-from peft_kvcache.server import create_app, running  # noqa: E402
+from peft_kvcache.calibration.loop import calibrate_adapters  # noqa: E402
+from peft_kvcache.modeling.capture import CapturedKV  # noqa: E402
+from peft_kvcache.serving.app import create_app, running  # noqa: E402
+from peft_kvcache.serving.prefix_store import PrefixEngine, PrefixStore  # noqa: E402
 
 NAME = "tiny-base"
 GREEDY = {"temperature": 0}
@@ -438,9 +438,9 @@ def test_serve_refuses_bad_options_before_loading_anything(tmp_path):
 
 
 def test_calibrating_missing_maps_keeps_every_direction_that_loaded(monkeypatch):
-    import peft_kvcache.calibrate as calibrate
+    import peft_kvcache.calibration.loop as calibrate
     from peft_kvcache import AdapterMaps
-    from peft_kvcache.serve import calibrate_missing
+    from peft_kvcache.serving.command import calibrate_missing
 
     published, fitted = object(), {"to": object(), "back": object()}
     monkeypatch.setattr(calibrate, "calibrate_adapters", lambda *a, **k: AdapterMaps(
@@ -455,7 +455,7 @@ def test_serve_command_starts_says_which_maps_and_answers(tmp_path):
     from peft import get_peft_model
     from test_peft import lora
 
-    from peft_kvcache.fixtures import load_model
+    from peft_kvcache.lab.fixtures import load_model
 
     folder = save_tiny_model(tmp_path / "tiny", layers=2, seed=0)
     base, _ = load_model(str(folder))

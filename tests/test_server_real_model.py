@@ -13,20 +13,20 @@ pytest.importorskip("fastapi", reason="the server's extra: pip install -e '.[ser
 pytest.importorskip("openai", reason="the test extra: pip install -e '.[test]'")
 
 from peft_kvcache import AdapterSession, SharedPeftModel  # noqa: E402
-from peft_kvcache.adapter_maps import AdapterMaps  # noqa: E402
 from peft_kvcache.errors import PeftKVCacheError  # noqa: E402
-from peft_kvcache.fixtures import fixture_available, load_model  # noqa: E402
-from peft_kvcache.models import load_adapters  # noqa: E402
-from peft_kvcache.prefix_store import PrefixEngine, PrefixStore  # noqa: E402
-from peft_kvcache.serve import calibrate_missing, load_maps  # noqa: E402
-from peft_kvcache.server import create_app, running  # noqa: E402
+from peft_kvcache.lab.fixtures import fixture_available, load_model  # noqa: E402
+from peft_kvcache.maps.adapter_maps import AdapterMaps  # noqa: E402
+from peft_kvcache.modeling.adapters import load_adapters  # noqa: E402
+from peft_kvcache.serving.app import create_app, running  # noqa: E402
+from peft_kvcache.serving.command import calibrate_missing, load_maps  # noqa: E402
+from peft_kvcache.serving.prefix_store import PrefixEngine, PrefixStore  # noqa: E402
 
 SMOLLM = "gguf:smollm2-135m-instruct"
 ROOT = Path(__file__).resolve().parents[1]
 ADAPTERS = ("shout", "docstring")
 pytestmark = [
     pytest.mark.real_model,
-    pytest.mark.skipif(not fixture_available(SMOLLM), reason="run `python -m peft_kvcache.fixtures` first"),
+    pytest.mark.skipif(not fixture_available(SMOLLM), reason="run `python -m peft_kvcache.lab.fixtures` first"),
 ]
 
 

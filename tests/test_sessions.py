@@ -11,9 +11,10 @@ from peft import LoraConfig, get_peft_model
 from test_peft import MODULES, peft_with_adapters
 
 from peft_kvcache import AdapterSession, SessionError, SharedPeftModel
-from peft_kvcache.cache import _SINKS
-from peft_kvcache.calibrate import calibrate_adapters
-from peft_kvcache.models import adapter_active, unwrap_peft
+from peft_kvcache.calibration.loop import calibrate_adapters
+from peft_kvcache.modeling._compat import unwrap_peft
+from peft_kvcache.modeling.adapters import adapter_active
+from peft_kvcache.runtime.cache import _SINKS
 
 GEN = dict(max_new_tokens=6, eos_token_id=None, pad_token_id=0)  # fixed reply length: no early stop
 
@@ -157,7 +158,7 @@ def test_generation_gets_the_prompt_and_its_mask_on_the_models_device():
     # generate derives positions from the mask, so a mask left on the CPU breaks a model on an accelerator
     from transformers.cache_utils import DynamicCache
 
-    from peft_kvcache.sessions import generate_on_cache
+    from peft_kvcache.runtime.sessions import generate_on_cache
 
     class OnMeta(torch.nn.Module):  # a model whose weights live off the CPU
         def __init__(self):

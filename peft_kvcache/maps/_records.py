@@ -8,7 +8,7 @@ import typing
 from dataclasses import MISSING, asdict, fields, is_dataclass
 from typing import Any, Union
 
-from .errors import ArtifactError
+from ..errors import ArtifactError
 
 
 def to_json(record) -> dict:

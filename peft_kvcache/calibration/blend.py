@@ -24,14 +24,14 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .adapter_maps import AdapterMaps
-from .cache import MappedCache
-from .capture import CapturedKV, run_with_cache
-from .config import KINDS, BlendRecord
-from .errors import CalibrationError
-from .evaluate import cached_logits, full_logits, token_kl
-from .kvmap import KVMap
-from .models import adapter_active
+from ..errors import CalibrationError
+from ..maps.adapter_maps import AdapterMaps
+from ..maps.config import KINDS, BlendRecord
+from ..maps.kvmap import KVMap
+from ..modeling.adapters import adapter_active
+from ..modeling.capture import CapturedKV, run_with_cache
+from ..runtime.cache import MappedCache
+from .retention import cached_logits, full_logits, token_kl
 
 DEFAULT_BLEND_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
 
+from ..errors import CacheMismatchError, UnsupportedPositionalSchemeError
 from ._compat import fill_cache, output_cache, with_cache
-from .errors import CacheMismatchError, UnsupportedPositionalSchemeError
-from .models import model_device
+from .layout import model_device
 from .positions import positions_from_mask
 
 

@@ -17,12 +17,12 @@ from huggingface_hub import ModelHubMixin, snapshot_download
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ._files import UMASK, recover_folder, replace_folder, staging_folder
+from .._files import UMASK, is_repo_id, recover_folder, replace_folder, staging_folder
+from ..errors import ArtifactError, FingerprintMismatchError
+from ..modeling.identity import cached_fingerprint, model_name
+from ..modeling.positions import RotarySpec, rotary_spec_of
 from .card import CHART_NAME, plot_layer_selection, render_card
 from .config import FORMAT_VERSION, KVMapConfig, expected_shapes, parameter_count
-from .errors import ArtifactError, FingerprintMismatchError
-from .models import cached_fingerprint, is_repo_id, model_name
-from .positions import RotarySpec, rotary_spec_of
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class KVMap(ModelHubMixin, library_name="peft-kvcache", tags=["kv-cache", "kv-ca
     """A fitted source -> target KV map: per target layer and kind (keys/values) a ``[D_in, kv_heads *
     head_dim]`` weight and a bias, applied to the position-free features of the chosen source layers.
 
-    ``KVMap.calibrate(source_model, target_model, data, ...)`` fits one (`peft_kvcache.calibrate.calibrate`; the
+    ``KVMap.calibrate(source_model, target_model, data, ...)`` fits one (`peft_kvcache.calibration.loop.calibrate`; the
     calibration module attaches it, the artifact does not know how it is fitted).
 
     Example:
@@ -142,7 +142,7 @@ class KVMap(ModelHubMixin, library_name="peft-kvcache", tags=["kv-cache", "kv-ca
         (save_directory / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
 
     def generate_model_card(self, *args, repo_id: str | None = None, chart: bool = False, **kwargs):
-        """The map's model card (`peft_kvcache.card.render_card`); its usage snippet loads ``repo_id``."""
+        """The map's model card (`peft_kvcache.maps.card.render_card`); its usage snippet loads ``repo_id``."""
         dtype = str(self.tensors["keys.0.weight"].dtype).removeprefix("torch.")
         return render_card(self.config, repo_id or "path/to/this/map", chart=chart, weights_dtype=dtype)
 

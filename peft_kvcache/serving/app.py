@@ -47,10 +47,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException
 
-from .errors import RequestError
-from .models import base_name
-from .openai_api import (DONE_EVENT, TextDeltas, chunk_event, completion_body, decode_json, error_body,
-                         parse_chat_request, render_prompt, usage)
+from ..errors import RequestError
+from ..modeling.identity import base_name
+from .openai_api import (
+    DONE_EVENT,
+    TextDeltas,
+    chunk_event,
+    completion_body,
+    decode_json,
+    error_body,
+    parse_chat_request,
+    render_prompt,
+    usage,
+)
 from .prefix_store import Generation, PrefixEngine
 
 logger = logging.getLogger(__name__)
@@ -226,7 +235,7 @@ def create_app(engine: PrefixEngine, tokenizer, model_name: str | None = None, m
 
     @app.get("/", response_class=HTMLResponse)
     async def page():
-        return (resources.files("peft_kvcache") / "static" / "chat.html").read_text(encoding="utf-8")
+        return (resources.files("peft_kvcache.serving") / "static" / "chat.html").read_text(encoding="utf-8")
 
     @app.get("/health")
     async def health():

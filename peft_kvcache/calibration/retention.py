@@ -6,7 +6,7 @@ token teacher-forced. Variants differ only in what the target knows of the conte
 - ``full``: the target's own prefill of the whole context;
 - ``mapped@W``: the source's cache mapped by the KV map, with the target computing the last W context
   tokens itself (W=1: only the last one, the plain switch) and the sink;
-- ``mapped@W+rK``: the mapped cache refreshed (`peft_kvcache.refresh`): the last W context tokens probe the
+- ``mapped@W+rK``: the mapped cache refreshed (`peft_kvcache.runtime.refresh`): the last W context tokens probe the
   mapped cache, the target recomputes the K context positions the last one attends to most, then the W tokens
   (target compute ``2W + K`` tokens: its control is ``window@(2W+K)``);
 - ``window@W``: control at equal target compute: the target keeps only the sink and the last W context
@@ -28,12 +28,12 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ._compat import truncate
-from .cache import MappedCache
-from .capture import forward, run_with_cache
-from .config import Figure, Refresh
-from .errors import EvaluationError
-from .quality import ContextCheck, check_context
+from ..errors import EvaluationError
+from ..maps.config import Figure, Refresh
+from ..modeling._compat import truncate
+from ..modeling.capture import forward, run_with_cache
+from ..runtime.cache import MappedCache
+from ..runtime.check import ContextCheck, check_context
 
 
 def token_sequences(texts: Sequence[str], tokenizer, length: int, keep: int | None = None) -> list[torch.Tensor]:
@@ -222,7 +222,7 @@ def evaluate_retention(
         sparse_control: with ``refresh``, also ``sparse@W+rK``: the positions the refresh chose (through the
             mapped cache), computed by the target beside only the sink and the last W tokens, no mapped context:
             what the map adds beyond choosing the positions.
-        check_tokens: W > 0 also runs the per-request check (`peft_kvcache.quality.check_context` with
+        check_tokens: W > 0 also runs the per-request check (`peft_kvcache.runtime.check.check_context` with
             ``ContextCheck(W)``) on every example and keeps its reports in ``report.context_checks`` (see
             ``check_catch_rate``),
             with ``check_margin`` nats of margin.
@@ -297,7 +297,7 @@ def record_figures(kv_map, report: RetentionReport, folder, data: dict) -> None:
     folder and copy its mapped rows' figures into ``kv_map.config.quality``, citing that file; the caller saves."""
     from pathlib import Path
 
-    from .provenance import write_results
+    from ..lab.provenance import write_results
 
     write_results(Path(folder) / "evaluation.json", {"retention": report.to_dict()}, data=data)
     kv_map.config.quality.figures = {

@@ -12,11 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import CalibrationError, NumericalError
-
-# Ridge strengths relative to the mean eigenvalue of the source Gram; the large end reaches the prior
-# (identity for same-shape pairs), the small end plain least squares.
-DEFAULT_LAMBDA_GRID = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0, 10.0, 100.0)
+from ..errors import CalibrationError, NumericalError
+from ..maps.config import DEFAULT_LAMBDA_GRID
 
 
 @dataclass

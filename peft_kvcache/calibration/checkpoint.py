@@ -22,8 +22,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ._files import atomic_write
-from .errors import CalibrationError
+from .._files import atomic_write
+from ..errors import CalibrationError
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ._files import atomic_write
+from .._files import atomic_write
 
 PACKAGES = ("torch", "transformers", "peft", "huggingface_hub", "accelerate", "safetensors", "peft-kvcache")
 

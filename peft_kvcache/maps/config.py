@@ -12,16 +12,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._version import __version__
+from ..errors import ArtifactError, CalibrationError
+from ..modeling.layout import KVLayout
+from ..modeling.positions import RotaryRecord
 from ._records import check_fields, from_json, to_json
-from ._version import __version__
-from .errors import ArtifactError, CalibrationError
-from .fit import DEFAULT_LAMBDA_GRID
-from .models import KVLayout
-from .positions import RotaryRecord
 
 FORMAT_VERSION = 2
 KINDS = ("keys", "values")
 PAIR_KINDS = ("same_shape", "cross_shape")
+# Ridge strengths tried per head, relative to the mean eigenvalue of the source Gram: the large end reaches the prior
+# (identity for same-shape pairs), the small end plain least squares. A calibration option, recorded with each map.
+DEFAULT_LAMBDA_GRID = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0, 10.0, 100.0)
 # Refuse configs describing absurd models before allocating anything for them.
 MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 1024, 1024, 4096
 
@@ -98,7 +100,7 @@ class DataRecord:
 
 @dataclass
 class ModelSpec:
-    """How to load one side of a pair: ``model`` is what `peft_kvcache.fixtures.load_model` takes (a Hub id,
+    """How to load one side of a pair: ``model`` is what `peft_kvcache.lab.fixtures.load_model` takes (a Hub id,
     a folder or a fixture name); ``adapter`` names a PEFT adapter loaded from ``adapter_path`` on top."""
 
     model: str
@@ -127,7 +129,7 @@ class CalibrationRecord:
 
 @dataclass(frozen=True)
 class Refresh:
-    """The refresh (`peft_kvcache.refresh`): the last ``probe_tokens`` context tokens run on the mapped cache,
+    """The refresh (`peft_kvcache.runtime.refresh`): the last ``probe_tokens`` context tokens run on the mapped cache,
     the ``tokens`` context positions the last of them attends to most (in spans of ``span``) are recomputed by
     the target, then the probe tokens on top. Target compute: ``2 * probe_tokens + tokens`` tokens.
 
@@ -153,7 +155,7 @@ class Refresh:
 
 @dataclass
 class GateRecord:
-    """The quality gate's measurement (`peft_kvcache.quality.measure_quality`)."""
+    """The quality gate's measurement (`peft_kvcache.calibration.gate.measure_quality`)."""
 
     predicted_retention: float
     attention_cosine_per_layer: list[float]
@@ -166,7 +168,7 @@ class GateRecord:
 @dataclass
 class Figure:
     """One measured figure and where it comes from: the results file that code wrote (a path relative to the
-    repository or to the map's folder) and the key of the value in it (`peft_kvcache.provenance.lookup`)."""
+    repository or to the map's folder) and the key of the value in it (`peft_kvcache.lab.provenance.lookup`)."""
 
     value: float
     results: str
@@ -188,7 +190,7 @@ class QualityRecord:
 
 @dataclass
 class BlendRecord:
-    """Scale of a same-shape map's correction of the source cache per kind (`peft_kvcache.blend`)."""
+    """Scale of a same-shape map's correction of the source cache per kind (`peft_kvcache.calibration.blend`)."""
 
     keys: float
     values: float
@@ -213,7 +215,7 @@ class NonlinearCandidate:
 
 @dataclass
 class NonlinearRecord:
-    """Residual MLP heads (`peft_kvcache.nonlinear`): the target layers that have one, per kind."""
+    """Residual MLP heads (`peft_kvcache.calibration.nonlinear`): the target layers that have one, per kind."""
 
     keys: list[int] = field(default_factory=list)
     values: list[int] = field(default_factory=list)
@@ -349,7 +351,7 @@ def expected_shapes(config: KVMapConfig) -> dict[str, tuple[int, ...]]:
         for t, sources in enumerate(layers):
             shapes[f"{kind}.{t}.weight"] = (len(sources) * src.layer_width, tgt.layer_width)
             shapes[f"{kind}.{t}.bias"] = (tgt.layer_width,)
-        for t in config.mlp_layers(kind):  # residual MLP heads (peft_kvcache.nonlinear)
+        for t in config.mlp_layers(kind):  # residual MLP heads (peft_kvcache.calibration.nonlinear)
             shapes.update({f"{kind}.{t}.mlp.w1": (tgt.layer_width, hidden), f"{kind}.{t}.mlp.b1": (hidden,),
                            f"{kind}.{t}.mlp.w2": (hidden, tgt.layer_width), f"{kind}.{t}.mlp.b2": (tgt.layer_width,)})
     return shapes

@@ -1,5 +1,5 @@
 """Model cards of map artifacts, rendered from a map's config alone (`KVMapConfig`) with huggingface_hub's
-ModelCard and the template in ``peft_kvcache/templates/``, plus the layer-selection chart. Config values are
+ModelCard and the template in ``peft_kvcache/maps/templates/``, plus the layer-selection chart. Config values are
 data: strings are quoted into the usage snippet, never pasted as code."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from .._files import is_repo_id
 from .config import KVMapConfig, ModelSpec, parameter_count
-from .models import is_repo_id
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def _hub_ids(*names: str) -> list[str]:
 
 
 def _hub_id_of(spec: ModelSpec | None, fallback: str) -> str:
-    from .fixtures import FIXTURES
+    from ..lab.fixtures import FIXTURES
 
     model = spec.model if spec is not None else fallback
     return FIXTURES[model].hub_id if model in FIXTURES else model.split("+")[0]
@@ -137,7 +137,7 @@ def usage_snippet(config: KVMapConfig, repo_hint: str) -> str:
     source, target = c.calibration.source, c.calibration.target
     adapter_side = target if target is not None and target.adapter else source
     lines = ["import torch", "from peft_kvcache import KVMap, MappedCache",
-             "from peft_kvcache.fixtures import load_model  # Hub ids, local folders and fixture names alike"]
+             "from peft_kvcache.lab.fixtures import load_model  # Hub ids, local folders and fixture names alike"]
     if adapter_side is not None and adapter_side.adapter:
         lines.insert(1, "from peft import PeftModel")
         to_adapter = target is not None and target.adapter is not None
@@ -208,7 +208,7 @@ def quality_text(config: KVMapConfig) -> str:
     q = config.quality
     parts = []
     if q.gate is not None:
-        parts.append(f"Quality gate (`peft_kvcache.quality`): predicted retention **{q.gate.predicted_retention:.3f}** "
+        parts.append(f"Quality gate (`peft_kvcache.calibration.gate`): predicted retention **{q.gate.predicted_retention:.3f}** "
                      f"over {q.gate.sequences} held-out sequences ({q.gate.query_tokens} query tokens each).")
     if q.figures:
         rows = ["| figure | value | from |", "|---|---|---|"] + [
@@ -253,7 +253,7 @@ def _blend_text(config: KVMapConfig) -> str:
     for name, s in blend.scores.items():
         keys, values = (part.split("=")[1] for part in name.split(","))
         rows.append(f"| {keys} | {values} | {s.get('nll', float('nan')):.4f} | {s.get('kl', float('nan')):.4f} |")
-    return (f"\nBlend toward the source cache (`peft_kvcache.blend`): the map's correction is scaled by "
+    return (f"\nBlend toward the source cache (`peft_kvcache.calibration.blend`): the map's correction is scaled by "
             f"**{blend.keys}** for keys and **{blend.values}** for values (folded into the weights), chosen by held-out "
             f"{blend.criterion} over {blend.examples} sequences ({blend.continuation} scored tokens each):\n\n"
             + "\n".join(rows) + "\n")
@@ -320,7 +320,7 @@ def model_license(spec: str) -> str | None:
     from huggingface_hub import try_to_load_from_cache
     from huggingface_hub.errors import HFValidationError
 
-    from .fixtures import FIXTURES
+    from ..lab.fixtures import FIXTURES
 
     if spec in FIXTURES:
         spec = FIXTURES[spec].hub_id

@@ -2,7 +2,7 @@
 adapters alike (`KVMap.calibrate` delegates here).
 
 The loop (`collect`) runs the models over the calibration chunks of each split and hands their caches to an
-accumulator; it checkpoints the accumulator's state (`peft_kvcache.checkpoint`) so an interrupted run resumes
+accumulator; it checkpoints the accumulator's state (`peft_kvcache.calibration.checkpoint`) so an interrupted run resumes
 to the same result, and under ``torchrun`` each process takes its shard of the chunks and the statistics are
 summed with one all-reduce. The held-out split is whole texts: no text contributes to both splits.
 """
@@ -19,26 +19,17 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from .adapter_maps import AdapterMaps
-from .capture import CapturedKV, batches, run_with_cache
+from ..errors import CalibrationError
+from ..maps.adapter_maps import AdapterMaps
+from ..maps.config import CalibrationConfig, CalibrationRecord, DataRecord, KVMapConfig, ModelSpec, TextRecord
+from ..maps.kvmap import KVMap
+from ..modeling.adapters import adapter_active, is_activated_lora, is_peft_model
+from ..modeling.capture import CapturedKV, batches, run_with_cache
+from ..modeling.identity import cached_fingerprint, check_pair, model_name
+from ..modeling.layout import KVLayout, check_token_ids, layer_features, vocab_size_of
+from ..modeling.positions import RotarySpec, position_free_keys, positions_from_mask, rotary_spec_of
 from .checkpoint import CalibrationCheckpoint, Progress, run_digest
-from .config import CalibrationConfig, CalibrationRecord, DataRecord, KVMapConfig, ModelSpec, TextRecord
-from .errors import CalibrationError
 from .fit import SufficientStatistics, all_reduce_statistics, fit_layers, fit_same_layers
-from .kvmap import KVMap
-from .models import (
-    KVLayout,
-    adapter_active,
-    cached_fingerprint,
-    check_pair,
-    check_token_ids,
-    is_activated_lora,
-    is_peft_model,
-    layer_features,
-    model_name,
-    vocab_size_of,
-)
-from .positions import RotarySpec, position_free_keys, positions_from_mask, rotary_spec_of
 
 logger = logging.getLogger(__name__)
 

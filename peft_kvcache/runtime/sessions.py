@@ -48,23 +48,15 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
-from ._compat import with_cache
-from .adapter_maps import AdapterMaps
-from .apply import map_cache
+from ..errors import SessionError
+from ..maps.adapter_maps import AdapterMaps
+from ..maps.apply import map_cache
+from ..maps.kvmap import KVMap
+from ..modeling._compat import with_cache
+from ..modeling.adapters import adapter_active, is_activated_lora, is_peft_model, model_lock
+from ..modeling.capture import cache_states, forward
+from ..modeling.layout import check_token_ids, layer_placements, model_device, vocab_size_of
 from .cache import MappedCache
-from .capture import cache_states, forward
-from .errors import SessionError
-from .kvmap import KVMap
-from .models import (
-    adapter_active,
-    check_token_ids,
-    is_activated_lora,
-    is_peft_model,
-    layer_placements,
-    model_device,
-    model_lock,
-    vocab_size_of,
-)
 
 logger = logging.getLogger(__name__)
 

@@ -9,14 +9,15 @@ import logging
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
-from ._compat import fill_cache, update_positions
-from .apply import map_cache
-from .capture import CapturedKV, cache_states, run_with_cache
-from .config import Refresh
-from .errors import CacheMismatchError
-from .kvmap import KVMap
-from .models import ModelMemo, check_token_ids, layer_placements, vocab_size_of, weights_key
-from .positions import positions_from_mask, rotary_spec_of
+from ..errors import CacheMismatchError
+from ..maps.apply import map_cache
+from ..maps.config import Refresh
+from ..maps.kvmap import KVMap
+from ..modeling._compat import fill_cache, update_positions
+from ..modeling.capture import CapturedKV, cache_states, run_with_cache
+from ..modeling.identity import ModelMemo, weights_key
+from ..modeling.layout import check_token_ids, layer_placements, vocab_size_of
+from ..modeling.positions import positions_from_mask, rotary_spec_of
 from .refresh import RefreshResult, refresh_cache
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class MappedCache(DynamicCache):
                 with a source model; with a source cache they let the target compute the sink itself.
             attention_mask: ``[batch, seq]`` mask for left-padded batches (positions come from it).
             position_offset: place the mapped context this many positions later (e.g. after a prefix).
-            refresh_tokens: the refresh (`peft_kvcache.refresh`): ``None`` applies the map's recommended one
+            refresh_tokens: the refresh (`peft_kvcache.runtime.refresh`): ``None`` applies the map's recommended one
                 (``kv_map.config.refresh``, if any), ``0`` none, ``K`` recomputes K context positions with the
                 recommended (or default) probe, a `Refresh` sets everything. It needs ``input_ids`` and one
                 unpadded conversation.

@@ -20,7 +20,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from transformers.generation.streamers import BaseStreamer
 
-from .errors import RequestError
+from ..errors import RequestError
 
 # Used when the tokenizer has no chat template of its own: role-tagged turns, each closed by the EOS token,
 # and the assistant's turn opened for the reply.

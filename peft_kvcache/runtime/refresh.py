@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
-from ._compat import attention_implementation, truncate
-from .capture import forward
-from .config import Refresh
-from .errors import CacheMismatchError
+from ..errors import CacheMismatchError
+from ..maps.config import Refresh
+from ..modeling._compat import attention_implementation, truncate
+from ..modeling.capture import forward
 
 logger = logging.getLogger(__name__)
 

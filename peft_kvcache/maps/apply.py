@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .errors import CacheMismatchError, NumericalError
-from .models import layer_features
-from .positions import RotarySpec, apply_rotary, remove_rotary, rotary_cos_sin
+from ..errors import CacheMismatchError, NumericalError
+from ..modeling.layout import layer_features
+from ..modeling.positions import RotarySpec, apply_rotary, remove_rotary, rotary_cos_sin
 
 
 class SourceFeatures:
@@ -44,7 +44,7 @@ class SourceFeatures:
 def mlp_residual(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
                  b2: torch.Tensor) -> torch.Tensor:
     """The residual a nonlinear head adds to the linear map's output ``x`` ``[n, E]``:
-    ``gelu(x @ w1 + b1) @ w2 + b2`` (see `peft_kvcache.nonlinear`).
+    ``gelu(x @ w1 + b1) @ w2 + b2`` (see `peft_kvcache.calibration.nonlinear`).
 
     Example:
         >>> E, H = 4, 8

@@ -24,14 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .apply import SourceFeatures, mlp_residual
-from .calibrate import CalibrationTexts, collect
-from .capture import run_with_cache
-from .config import KINDS, NonlinearCandidate, NonlinearRecord
-from .errors import CalibrationError
-from .kvmap import KVMap
-from .models import layer_features, vocab_size_of
-from .positions import position_free_keys, positions_from_mask, rotary_spec_of
+from ..errors import CalibrationError
+from ..maps.apply import SourceFeatures, mlp_residual
+from ..maps.config import KINDS, NonlinearCandidate, NonlinearRecord
+from ..maps.kvmap import KVMap
+from ..modeling.capture import run_with_cache
+from ..modeling.layout import layer_features, vocab_size_of
+from ..modeling.positions import position_free_keys, positions_from_mask, rotary_spec_of
+from .loop import CalibrationTexts, collect
 
 logger = logging.getLogger(__name__)
 

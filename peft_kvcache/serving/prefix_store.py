@@ -41,11 +41,18 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from .capture import CapturedKV, cache_states
-from .errors import ServerError
-from .models import adapter_active, is_activated_lora
-from .sessions import (FirstTokenTimer, KeepBase, SharedPeftModel, cache_from_base, catch_up_base,
-                       check_keep_base, generate_on_cache)
+from ..errors import ServerError
+from ..modeling.adapters import adapter_active, is_activated_lora
+from ..modeling.capture import CapturedKV, cache_states
+from ..runtime.sessions import (
+    FirstTokenTimer,
+    KeepBase,
+    SharedPeftModel,
+    cache_from_base,
+    catch_up_base,
+    check_keep_base,
+    generate_on_cache,
+)
 
 logger = logging.getLogger(__name__)
 

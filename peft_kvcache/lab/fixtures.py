@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from ._files import atomic_write, replace_folder, staging_folder
-from .errors import FixtureError
+from .._files import atomic_write, replace_folder, staging_folder
+from ..errors import FixtureError
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, **kwargs):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m peft_kvcache.fixtures NAME...``: fetch, verify and convert fixtures ahead of time."""
+    """``python -m peft_kvcache.lab.fixtures NAME...``: fetch, verify and convert fixtures ahead of time."""
     names = (argv if argv is not None else sys.argv[1:]) or ["gguf:smollm2-135m-instruct"]
     for name in names:
         if name not in FIXTURES:

@@ -18,7 +18,7 @@ import textwrap
 from functools import lru_cache
 from pathlib import Path
 
-from .errors import CLIUsageError
+from ..errors import CLIUsageError
 
 # One file in EVALUATION_SHARE goes to evaluation, by hash of its relative path.
 EVALUATION_SHARE = 4

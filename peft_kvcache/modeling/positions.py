@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import UnsupportedPositionalSchemeError
+from ..errors import UnsupportedPositionalSchemeError
 
 # Rope types whose inverse frequencies do not depend on the sequence length.
 STATIC_ROPE_TYPES = {"default", "linear", "yarn", "llama3", "proportional"}

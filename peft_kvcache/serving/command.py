@@ -1,6 +1,6 @@
 """``peft-kvcache serve``: its options, checked before any model loads, and what it loads: the base model, its
 adapters and their maps (published map folders or Hub repos; calibrated at startup only with
-``--calibrate-missing``), then the app of `peft_kvcache.server` under uvicorn.
+``--calibrate-missing``), then the app of `peft_kvcache.serving.app` under uvicorn.
 
 Example:
     $ peft-kvcache serve --model gguf:smollm2-135m-instruct --adapter shout=adapters/shout \\
@@ -16,12 +16,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .adapter_maps import AdapterMaps, default_prefix, folder_name
-from .errors import PeftKVCacheError, ServerError
-from .kvmap import KVMap, is_map_folder, resolve_map_folder
-from .models import adapter_active, base_name, cached_fingerprint, is_repo_id, load_adapters, parse_adapter_specs
+from .._files import is_repo_id
+from ..errors import PeftKVCacheError, ServerError
+from ..maps.adapter_maps import AdapterMaps, default_prefix, folder_name
+from ..maps.kvmap import KVMap, is_map_folder, resolve_map_folder
+from ..modeling.adapters import adapter_active, load_adapters, parse_adapter_specs
+from ..modeling.identity import base_name, cached_fingerprint
+from ..runtime.sessions import KEEP_BASE, SharedPeftModel
 from .prefix_store import REUSE_MODES, PrefixEngine, PrefixStore
-from .sessions import KEEP_BASE, SharedPeftModel
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +95,7 @@ class ServeOptions:
         if args.calibration_files < 2:
             raise ServerError(f"--calibration-files must be at least 2 (one is held out), got {args.calibration_files}")
         if args.calibrate_missing:
-            from .corpus import stdlib_files
+            from ..lab.corpus import stdlib_files
 
             available = len(stdlib_files("calibration"))
             if args.calibration_files > available:
@@ -168,8 +170,8 @@ def calibrate_missing(model, tokenizer, adapters: Sequence[str], maps: AdapterMa
                       tokens: int = 512) -> AdapterMaps:
     """Fit the maps of ``adapters`` on the first ``tokens`` tokens of ``files`` calibration-split stdlib files and
     add each direction ``maps`` lacks (a direction it holds keeps its map)."""
-    from .calibrate import calibrate_adapters
-    from .corpus import stdlib_texts
+    from ..calibration.loop import calibrate_adapters
+    from ..lab.corpus import stdlib_texts
 
     fitted = calibrate_adapters(model, stdlib_texts("calibration", files), tokenizer, adapters=list(adapters),
                                 progress=False, max_length=tokens, chunks_per_text=1,
@@ -184,7 +186,7 @@ def build(options: ServeOptions):
     """Load everything ``serve`` serves: ``(engine, tokenizer, model name, report lines)``."""
     import torch
 
-    from .fixtures import load_model
+    from ..lab.fixtures import load_model
 
     try:
         base, tokenizer = load_model(options.model, dtype=getattr(torch, options.dtype))
@@ -222,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     """``peft-kvcache serve``: check the options, load, say which maps are used, then serve until interrupted."""
     import uvicorn
 
-    from .server import create_app
+    from .app import create_app
 
     options = ServeOptions.from_args(args)
     engine, tokenizer, name, lines = build(options)

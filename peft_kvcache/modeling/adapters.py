@@ -1,0 +1,136 @@
+"""PEFT adapters of one model: which act on it now, running a block under one (or none), loading them, and the
+one lock every user of a model's adapter state holds."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from .._files import is_repo_id
+from ..errors import CLIUsageError, SessionError
+from ._compat import unwrap_peft
+
+
+def _tuner_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    if "peft" not in sys.modules:  # no PEFT layer can exist before peft is imported
+        return []
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+def active_adapters(model: torch.nn.Module) -> set[str]:
+    """Names of the PEFT adapters that currently act on the model's output: empty for a plain model and
+    under ``with peft_model.disable_adapter():``. Read from the adapter layers themselves, so the base model
+    a `PeftModel` was built on (it holds the same layers) reports the same adapters as the `PeftModel`."""
+    layers = _tuner_layers(model)
+    if not layers or any(layer.disable_adapters for layer in layers):
+        return set()
+    return set(layers[0].active_adapters)
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a `PeftModel` (it can switch and disable adapters)."""
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter") and hasattr(model, "set_adapter")
+
+
+@contextmanager
+def adapter_active(model: torch.nn.Module, adapter: str | None) -> Iterator[None]:
+    """Run the block with ``adapter`` active on a `PeftModel`, or with every adapter disabled (``None``:
+    the base model). The previously active adapter is restored afterwards, also when the block raises.
+
+    PEFT's active adapter is state of the whole model: callers sharing a model between threads hold its
+    `model_lock` around the block.
+
+    Example:
+        >>> with adapter_active(peft_model, "shout"):          # doctest: +SKIP
+        ...     logits = peft_model(input_ids).logits
+    """
+    if adapter is None:
+        with model.disable_adapter():
+            yield
+        return
+    if adapter not in model.peft_config:
+        raise SessionError(f"the model has no adapter {adapter!r}; it has {sorted(model.peft_config)}")
+    previous = model.active_adapter
+    model.set_adapter(adapter)
+    try:
+        yield
+    finally:
+        if previous != adapter:
+            model.set_adapter(previous)
+
+
+def load_adapters(base_model: torch.nn.Module, adapters: dict[str, str]) -> torch.nn.Module:
+    """A `PeftModel` over ``base_model`` with every adapter of ``adapters`` (name -> folder or Hub id) loaded under
+    its name; the first one is active.
+
+    Example:
+        >>> model = load_adapters(base, {"shout": "adapters/shout", "docstring": "adapters/docstring"})  # doctest: +SKIP
+    """
+    from peft import PeftModel
+
+    model = None
+    for name, path in adapters.items():
+        if model is None:
+            model = PeftModel.from_pretrained(base_model, str(path), adapter_name=name)
+        else:
+            model.load_adapter(str(path), adapter_name=name)
+    if model is None:
+        raise SessionError("load_adapters needs at least one adapter")
+    return model.eval()
+
+
+def parse_adapter_specs(specs: Sequence[str]) -> dict[str, str]:
+    """``{name: folder or Hub id}`` from ``--adapter NAME=PATH`` arguments, checked before any model loads (a
+    `CLIUsageError` for a malformed, repeated or unusable one; names hold no ':', which clients use as base:adapter).
+    """
+    adapters: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise CLIUsageError(f"--adapter {spec!r}: expected NAME=PATH (a folder saved by PEFT or a Hub repo id)")
+        if name in adapters:
+            raise CLIUsageError(f"--adapter {name!r} is given twice")
+        if ":" in name:
+            raise CLIUsageError(f"--adapter {name!r}: a name holds no ':' (clients may write base:adapter)")
+        local = Path(path).expanduser()
+        if local.exists() and not (local / "adapter_config.json").is_file():
+            raise CLIUsageError(f"--adapter {spec!r}: {path} holds no adapter_config.json (not a PEFT adapter)")
+        if not local.exists() and not is_repo_id(path):
+            raise CLIUsageError(f"--adapter {spec!r}: {path} is neither a folder nor a Hub repo id")
+        adapters[name] = str(local) if local.exists() else path
+    return adapters
+
+
+def is_activated_lora(model: torch.nn.Module, adapter: str) -> bool:
+    """Whether ``adapter`` is an Activated LoRA (it reuses the base cache exactly before its invocation)."""
+    return bool(getattr(model.peft_config[adapter], "alora_invocation_tokens", None))
+
+
+_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model: torch.nn.Module) -> threading.RLock:
+    """The one lock of a model object (and of the transformers model under a `PeftModel`, which holds the same
+    weights and adapter state): every wrapper and session that switches adapters or runs the model holds it.
+
+    Example:
+        >>> with model_lock(peft_model), adapter_active(peft_model, "shout"):   # doctest: +SKIP
+        ...     out = peft_model.generate(ids)
+    """
+    owner = unwrap_peft(model)
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(owner)
+        if lock is None:
+            lock = _LOCKS[owner] = threading.RLock()
+        return lock
+
+

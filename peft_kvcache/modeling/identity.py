@@ -1,0 +1,137 @@
+"""What a model is: its name (with its active adapters), a fingerprint of its weights, and memos of values
+computed from them."""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import IncompatibleModelsError
+from ._compat import unwrap_peft, weights_version
+from .adapters import active_adapters
+from .layout import vocab_size_of
+
+
+def base_name(model: torch.nn.Module) -> str:
+    """Hub id or path of the (base) model, else its architecture."""
+    config = unwrap_peft(model).config
+    return getattr(config, "name_or_path", "") or getattr(config, "model_type", type(model).__name__)
+
+
+def model_name(model: torch.nn.Module) -> str:
+    """Best human-readable id of what the model runs now: its Hub id or path, with ``+adapter`` for each
+    active PEFT adapter (``HuggingFaceTB/SmolLM2-135M-Instruct+shout``)."""
+    adapters = sorted(active_adapters(model))
+    return "+".join([base_name(model), *adapters])
+
+
+# A fixed number of evenly spaced weights per tensor: enough to tell models apart, cheap for any size.
+_SAMPLES_PER_TENSOR = 64
+
+
+def _canonical_name(name: str) -> str:
+    """Parameter name independent of PEFT wrapping (``base_model.model.`` prefix, ``.base_layer``)."""
+    name = name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".")
+
+
+def fingerprint(model: torch.nn.Module) -> str:
+    """A sha256 that identifies a model's weights, not the way they were loaded.
+
+    Samples a fixed set of elements from every weight and hashes them rounded to bfloat16, so float32 or
+    bfloat16 loads, GGUF-dequantized or safetensors copies and any device give the same digest. The active
+    PEFT adapters' weights are included (each adapter is its own model); inactive adapters are not.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> cfg = LlamaConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
+        ...                   intermediate_size=32, vocab_size=16)
+        >>> torch.manual_seed(0); a = LlamaForCausalLM(cfg); torch.manual_seed(1); b = LlamaForCausalLM(cfg)
+        >>> fingerprint(a) == fingerprint(a.to(torch.bfloat16)), fingerprint(a) == fingerprint(b)
+        (True, False)
+    """
+    active = active_adapters(model)
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters(), key=lambda item: _canonical_name(item[0])):
+        if param.device.type == "meta" or not param.is_floating_point():
+            continue
+        if ".lora_" in name or "lora_embedding" in name:
+            adapter = _adapter_of(name)
+            if adapter not in active:
+                continue
+            name = name.replace(f".{adapter}.", ".adapter.")
+        flat = param.detach().reshape(-1)
+        count = min(_SAMPLES_PER_TENSOR, flat.numel())
+        index = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)
+        sample = flat[index].to(torch.bfloat16).cpu().view(torch.int16)
+        digest.update(_canonical_name(name).encode())
+        digest.update(str(tuple(param.shape)).encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _adapter_of(param_name: str) -> str:
+    # e.g. "...q_proj.lora_A.my_adapter.weight" -> "my_adapter"
+    parts = param_name.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("lora_") and i + 1 < len(parts):
+            return parts[i + 1]
+    return ""
+
+
+def weights_key(model: torch.nn.Module) -> tuple:
+    """What a memo of anything computed from the model's weights is keyed on: the active adapters and the
+    weights' version (`_compat.weights_version`), so loading other weights invalidates it."""
+    return tuple(sorted(active_adapters(model))), weights_version(model)
+
+
+class ModelMemo:
+    """Values computed from a model, kept outside the user's object: per transformers model (weakly, so the memo
+    goes with the model), the ``size`` most recent keys, oldest dropped first."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._memos: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def get(self, model: torch.nn.Module, key, compute: Callable[[], Any]):
+        """The value memoized for ``(model, key)``, computed by ``compute()`` the first time."""
+        memo = self._memos.setdefault(unwrap_peft(model), {})
+        if key not in memo:
+            if len(memo) >= self.size:
+                memo.pop(next(iter(memo)))
+            memo[key] = compute()
+        return memo[key]
+
+    def clear(self) -> None:
+        """Forget every value (e.g. to time or count a cold pass)."""
+        self._memos.clear()
+
+
+_FINGERPRINTS = ModelMemo(8)
+
+
+def cached_fingerprint(model: torch.nn.Module) -> str:
+    """`fingerprint`, memoized per model object outside it (hashing is cheap but not free on the hot path of
+    every switch) and recomputed when its weights or active adapters change."""
+    return _FINGERPRINTS.get(model, weights_key(model), lambda: fingerprint(model))
+
+
+def check_pair(source_model: torch.nn.Module, target_model: torch.nn.Module, tokenizer=None) -> None:
+    """Refuse a source/target pair that cannot share token ids (different vocabularies or tokenizer)."""
+    source_vocab, target_vocab = vocab_size_of(source_model), vocab_size_of(target_model)
+    if source_vocab != target_vocab:
+        raise IncompatibleModelsError(
+            f"source {model_name(source_model)!r} has a vocabulary of {source_vocab} tokens and target "
+            f"{model_name(target_model)!r} has {target_vocab}: a KV map needs models that share one tokenizer"
+        )
+    if tokenizer is not None and len(tokenizer) > source_vocab:
+        raise IncompatibleModelsError(
+            f"the tokenizer has {len(tokenizer)} tokens but {model_name(source_model)!r} embeds only "
+            f"{source_vocab}: it is not these models' tokenizer"
+        )
+
+

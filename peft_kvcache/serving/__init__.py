@@ -1,0 +1,7 @@
+"""The OpenAI-compatible chat server: the wire format (`openai_api`), the prefix store shared by every
+conversation and the engine that serves one request from it (`prefix_store`), the FastAPI app (`app`) and the
+``peft-kvcache serve`` command (`command`). Needs the ``serve`` extra (``pip install "peft-kvcache[serve]"``).
+
+Imports `runtime`, `maps`, `modeling`, `lab` (fixture models for ``--model``) and the foundation; the command may
+import `calibration` (``--calibrate-missing``).
+"""
