@@ -218,3 +218,75 @@ def test_a_calibrated_sibling_map_predicts_the_targets_own_cache(sibling_pair, s
 
     mapped, bias = errors(sibling_map), errors(bias_only)
     assert max(mapped) < 0.97 and all(m < b for m, b in zip(mapped, bias)), (mapped, bias)
+
+
+# ----- the cache's own operations -----
+
+
+def _kv(length: int, layers: int = 2, value: float = 1.0):
+    return [(torch.full((1, 2, length, 4), value), torch.full((1, 2, length, 4), -value)) for _ in range(layers)]
+
+
+@torch.no_grad()
+def test_truncating_moves_the_next_positions_back_and_the_check_follows(identity):
+    model, kv_map = identity
+    prompt = torch.randint(0, 128, (1, 20))
+    cache = MappedCache.from_source(model, kv_map, model, input_ids=prompt[:, :-1])
+    assert cache.next_positions.tolist() == [19]
+    cache.truncate(12)
+    assert cache.get_seq_length() == 12 and cache.next_positions.tolist() == [12]
+    with pytest.raises(CacheMismatchError, match="positions up to"):  # continuing at the old end is refused
+        model(prompt[:, 19:], position_ids=torch.tensor([[19]]), **with_cache(model, cache))
+    cache = MappedCache.from_source(model, kv_map, model, input_ids=prompt[:, :-1])
+    cache.truncate(12)
+    full = model(prompt).logits[:, -1]
+    logits = model(prompt[:, 12:], position_ids=torch.arange(12, 20)[None], **with_cache(model, cache)).logits[:, -1]
+    assert _relative_error(logits, full) < 1e-3 and cache.next_positions.tolist() == [20]
+
+
+@torch.no_grad()
+def test_a_copy_shares_the_tensors_but_extending_it_leaves_the_original_alone(identity):
+    model, kv_map = identity
+    prompt = torch.randint(0, 128, (1, 16))
+    cache = MappedCache.from_source(model, kv_map, model, input_ids=prompt[:, :-1])
+    twin = cache.copy()
+    assert twin.layers[0].keys.data_ptr() == cache.layers[0].keys.data_ptr() and twin.kv_map is kv_map
+    model(prompt[:, 15:], position_ids=torch.tensor([[15]]), **with_cache(model, twin))
+    assert twin.get_seq_length() == 16 and cache.get_seq_length() == 15
+    assert twin.next_positions.tolist() == [16] and cache.next_positions.tolist() == [15]
+    with pytest.raises(CacheMismatchError):  # the original still checks its own first extension
+        model(prompt[:, 15:], position_ids=torch.tensor([[3]]), **with_cache(model, cache))
+
+
+def test_restore_puts_back_layers_tensors_and_positions_exactly():
+    cache = MappedCache(_kv(5), next_positions=torch.tensor([5]))
+    snapshot = cache.snapshot()
+    before = [(layer.keys, layer.values) for layer in cache.layers]
+    cache.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), 0, position_ids=torch.tensor([[5, 6, 7]]))
+    cache.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), 2)  # a layer the failed pass added
+    assert len(cache.layers) == 3 and cache.get_seq_length() == 8
+    cache.restore(snapshot)
+    assert len(cache.layers) == 2 and cache.next_positions.tolist() == [5]
+    assert all(layer.keys is k and layer.values is v for layer, (k, v) in zip(cache.layers, before))
+    with pytest.raises(CacheMismatchError):  # the continuation check is armed again
+        cache.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), 0, position_ids=torch.tensor([[9]]))
+
+
+def test_restored_on_error_rolls_back_only_when_the_block_raises():
+    cache = MappedCache(_kv(4))
+    with pytest.raises(KeyboardInterrupt), cache.restored_on_error():
+        cache.update(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4), 0)
+        raise KeyboardInterrupt
+    assert cache.get_seq_length() == 4
+    with cache.restored_on_error():
+        cache.update(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4), 0)
+    assert cache.get_seq_length() == 6
+
+
+def test_a_captured_cache_goes_in_as_it_is():
+    from peft_kvcache.modeling.capture import CapturedKV
+
+    pairs = _kv(3)
+    cache = MappedCache(CapturedKV([k for k, _ in pairs], [v for _, v in pairs]))
+    assert cache.layers[1].values.data_ptr() == pairs[1][1].data_ptr() and cache.next_positions is None
+    assert torch.equal(cache.captured().keys[0], pairs[0][0])

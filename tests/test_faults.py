@@ -271,11 +271,11 @@ def test_one_model_serves_as_source_with_its_adapter_disabled_and_errors_say_wha
     with model.disable_adapter():
         source_cache = run_with_cache(model, ids)
         assert "+" not in model_name(base)
-    cache = MappedCache.from_source(source_cache.to_cache(), kv_map, model, input_ids=ids)
+    cache = MappedCache.from_source(source_cache, kv_map, model, input_ids=ids)
     assert cache.get_seq_length() == 14
     strong_cache = run_with_cache(model, ids)  # the adapter's own cache, to be mapped back to the base...
     with adapter_active(model, None), pytest.raises(FingerprintMismatchError, match="swap source and target"):
-        MappedCache.from_source(strong_cache.to_cache(), kv_map, model, input_ids=ids)  # ...with base -> strong
+        MappedCache.from_source(strong_cache, kv_map, model, input_ids=ids)  # ...with base -> strong
 
 
 # ----- 8. fixtures -----

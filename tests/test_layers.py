@@ -44,6 +44,9 @@ def imports_of(module: str, root: Path = PACKAGE, top_level_only: bool = False) 
     is_package = path.name == "__init__.py"
     base = [] if module == "__init__" else module.split(".") if is_package else module.split(".")[:-1]
     tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):  # imports under `if TYPE_CHECKING:` serve annotations only and never run
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            node.body = []
     nodes = tree.body if top_level_only else list(ast.walk(tree))
     found = set()
     for node in nodes:

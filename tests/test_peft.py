@@ -7,7 +7,6 @@ import pytest
 import torch
 from conftest import random_ids, tiny_model
 from peft import LoraConfig, get_peft_model
-from transformers.cache_utils import DynamicCache
 
 from peft_kvcache import FingerprintMismatchError, MappedCache
 from peft_kvcache.calibration.loop import calibrate_adapters
@@ -76,10 +75,10 @@ def test_mapped_base_cache_beats_naive_reuse(peft_pair, adapter):
     with adapter_active(model, None):
         base = run_with_cache(model, ids[None, :context])
     with adapter_active(model, adapter):
-        mapped = MappedCache.from_source(DynamicCache(list(zip(base.keys, base.values))), maps.to_adapter[adapter],
+        mapped = MappedCache.from_source(MappedCache(base), maps.to_adapter[adapter],
                                          model, input_ids=ids[None, :context])
         kl_mapped = _continuation_kl(model, mapped, ids, context)
-        kl_naive = _continuation_kl(model, DynamicCache(list(zip(base.keys, base.values))), ids, context)
+        kl_naive = _continuation_kl(model, MappedCache(base), ids, context)
     assert kl_mapped < 0.7 * kl_naive, (kl_mapped, kl_naive)
 
 
@@ -89,10 +88,10 @@ def test_reverse_map_beats_naive_reuse(peft_pair):
     with adapter_active(model, "strong"):
         own = run_with_cache(model, ids[None, :32])
     with adapter_active(model, None):
-        mapped = MappedCache.from_source(DynamicCache(list(zip(own.keys, own.values))), maps.to_base["strong"],
+        mapped = MappedCache.from_source(MappedCache(own), maps.to_base["strong"],
                                          model, input_ids=ids[None, :32])
         kl_mapped = _continuation_kl(model, mapped, ids, 32)
-        kl_naive = _continuation_kl(model, DynamicCache(list(zip(own.keys, own.values))), ids, 32)
+        kl_naive = _continuation_kl(model, MappedCache(own), ids, 32)
     assert kl_mapped < 0.7 * kl_naive, (kl_mapped, kl_naive)
 
 
@@ -101,7 +100,7 @@ def test_fingerprint_validation_follows_the_active_adapter(peft_pair):
     ids = random_ids(1, 16, seed=5)[0][None]
     with adapter_active(model, None):
         base = run_with_cache(model, ids)
-    cache = lambda: DynamicCache(list(zip(base.keys, base.values)))  # noqa: E731
+    cache = lambda: MappedCache(base)  # noqa: E731
     with adapter_active(model, "mild"):
         MappedCache.from_source(cache(), maps.to_adapter["mild"], model, input_ids=ids)  # right adapter: fine
         with pytest.raises(FingerprintMismatchError, match="strong"):
@@ -173,7 +172,7 @@ def test_adapter_blends_are_scored_with_each_side_in_its_own_adapter_state(peft_
             with adapter_active(model, source):
                 captured = run_with_cache(model, prefix)
             with adapter_active(model, target):
-                cache = MappedCache.from_source(DynamicCache(list(zip(captured.keys, captured.values))), kv_map,
+                cache = MappedCache.from_source(MappedCache(captured), kv_map,
                                                 model, input_ids=prefix)
                 kls.append(_continuation_kl(model, cache, ids[:-1], context - 1))
         assert abs(sum(kls) / len(kls) - recorded) < 1e-4 * max(1.0, recorded)

@@ -5,20 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_ids, tiny_model
-from transformers.cache_utils import DynamicCache
 
 from peft_kvcache import MappedCache
 from peft_kvcache.calibration.retention import evaluate_retention
 from peft_kvcache.errors import CacheMismatchError
 from peft_kvcache.maps.config import Refresh
-from peft_kvcache.modeling._compat import attention_implementation, fill_cache, with_cache
+from peft_kvcache.modeling._compat import attention_implementation, with_cache
 from peft_kvcache.modeling.capture import run_with_cache
 from peft_kvcache.runtime.refresh import attention_scores, refresh_positions, select_spans
 
 
-def _plain(cache) -> DynamicCache:
-    """The mapped context as a plain cache (the refresh's own passes do not continue the context)."""
-    return fill_cache(DynamicCache(), [(layer.keys, layer.values) for layer in cache.layers])
+def _plain(cache: MappedCache) -> MappedCache:
+    """The mapped context without its next positions (the refresh's own passes do not continue the context)."""
+    return MappedCache(cache.captured())
 
 
 def _max_error(cache, own) -> float:
@@ -83,7 +82,7 @@ def test_attention_scores_match_the_models_own_attention_and_leave_cache_and_mod
     model = tiny_model("llama", seed=2)
     model.set_attn_implementation("sdpa")
     ids = random_ids(1, 24, seed=7)[0][None]
-    cache = run_with_cache(model, ids[:, :20]).to_cache()
+    cache = MappedCache(run_with_cache(model, ids[:, :20]))
     scores = attention_scores(model, cache, ids[:, 20:])
     assert cache.get_seq_length() == 20 and attention_implementation(model) == "sdpa"
     model.set_attn_implementation("eager")
@@ -178,9 +177,7 @@ def test_the_refresh_recomputes_the_positions_the_probe_attends_to(sibling_pair,
     ids = random_ids(1, 40, seed=13)[0][None]
     mapped = MappedCache.from_source(source, sibling_map, target, input_ids=ids, refresh_tokens=0)
     probe = _plain(mapped)
-    from peft_kvcache.modeling._compat import truncate
-
-    truncate(probe, 40 - 4)
+    probe.truncate(40 - 4)
     expected = select_spans(attention_scores(target, probe, ids[:, 36:]), 6, 3, first=1)
     result = refresh_cache(target, _plain(mapped), ids, Refresh(6, 4, 3), sink_tokens=1)
     assert result.positions.tolist() == expected.tolist()  # chosen by the probe's attention, not at random

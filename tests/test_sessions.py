@@ -10,7 +10,7 @@ from conftest import random_ids, tiny_model
 from peft import LoraConfig, get_peft_model
 from test_peft import MODULES, peft_with_adapters
 
-from peft_kvcache import AdapterSession, SessionError, SharedPeftModel
+from peft_kvcache import AdapterSession, MappedCache, SessionError, SharedPeftModel
 from peft_kvcache.calibration.loop import calibrate_adapters
 from peft_kvcache.modeling._compat import unwrap_peft
 from peft_kvcache.modeling.adapters import adapter_active
@@ -156,7 +156,6 @@ def test_default_policy_maps_back_and_serves_base_turns(real_shared):
 
 def test_generation_gets_the_prompt_and_its_mask_on_the_models_device():
     # generate derives positions from the mask, so a mask left on the CPU breaks a model on an accelerator
-    from transformers.cache_utils import DynamicCache
 
     from peft_kvcache.runtime.sessions import generate_on_cache
 
@@ -174,6 +173,6 @@ def test_generation_gets_the_prompt_and_its_mask_on_the_models_device():
             return torch.zeros(1, input_ids.shape[1] + 1, dtype=torch.long)
 
     model = OnMeta()
-    output = generate_on_cache(model, torch.ones(1, 4, dtype=torch.long), DynamicCache(), max_new_tokens=1)
+    output = generate_on_cache(model, torch.ones(1, 4, dtype=torch.long), MappedCache(), max_new_tokens=1)
     assert model.seen == {"ids": torch.device("meta"), "mask": torch.device("meta"), "cache": True}
     assert output.device == torch.device("cpu")

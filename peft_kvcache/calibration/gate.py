@@ -76,7 +76,7 @@ def attention_cosines(target_model, own: CapturedKV, mapped: CapturedKV, query_i
 
     handles = [layer.self_attn.register_forward_hook(hook_for(i), with_kwargs=True) for i, layer in enumerate(layers)]
     try:
-        forward(target_model, query_ids, own.to_cache(), position_ids=query_positions)
+        forward(target_model, query_ids, MappedCache(own), position_ids=query_positions)
     finally:
         for handle in handles:
             handle.remove()

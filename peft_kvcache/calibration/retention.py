@@ -30,7 +30,6 @@ from tqdm.auto import tqdm
 
 from ..errors import EvaluationError
 from ..maps.config import Figure, Refresh
-from ..modeling._compat import truncate
 from ..modeling.capture import forward, run_with_cache
 from ..runtime.cache import MappedCache
 from ..runtime.check import ContextCheck, check_context
@@ -263,19 +262,18 @@ def evaluate_retention(
         for w in windows:
             prefix = ids[None, : context_length - w]
             source_cache = context_cache.prefix(context_length - w)
-            mapped = MappedCache.from_source(source_cache.to_cache(), kv_map, target_model, input_ids=prefix,
+            mapped = MappedCache.from_source(source_cache, kv_map, target_model, input_ids=prefix,
                                              refresh_tokens=0, verify_models=False)
             scores[f"mapped@{w}"].add(cached_logits(target_model, mapped, ids, context_length, w), full, labels)
             if naive_reuse:
-                naive = source_cache.to_cache()
+                naive = MappedCache(source_cache)
                 scores[f"naive@{w}"].add(cached_logits(target_model, naive, ids, context_length, w), full, labels)
         for w, k in refreshed:
             context = ids[None, :context_length]
-            cache = MappedCache.from_source(context_cache.to_cache(), kv_map, target_model, input_ids=context,
+            cache = MappedCache.from_source(context_cache, kv_map, target_model, input_ids=context,
                                             verify_models=False, refresh_tokens=Refresh(k, w, refresh_span))
             # the last context token's logits predict the first label: drop it and let the target redo it
-            truncate(cache, context_length - 1)
-            cache.next_positions = cache.next_positions - 1
+            cache.truncate(context_length - 1)
             scores[f"mapped@{w}+r{k}"].add(cached_logits(target_model, cache, ids, context_length, 1), full, labels)
             if sparse_control:
                 scores[f"sparse@{w}+r{k}"].add(window_logits(target_model, ids, context_length, w, sink,
@@ -284,7 +282,7 @@ def evaluate_retention(
             scores[f"window@{w}"].add(window_logits(target_model, ids, context_length, w, sink), full, labels)
         if check_tokens:
             context = ids[None, :context_length]
-            mapped = MappedCache.from_source(context_cache.to_cache(), kv_map, target_model, input_ids=context,
+            mapped = MappedCache.from_source(context_cache, kv_map, target_model, input_ids=context,
                                              refresh_tokens=0, verify_models=False)
             result = check_context(mapped, target_model, context, ContextCheck(check_tokens, check_margin, "drop_middle"))
             checks.append({"flagged": result.flagged, "mapped_loss": result.mapped_loss,

@@ -5,6 +5,10 @@ prefill."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache
@@ -23,26 +27,100 @@ from .refresh import RefreshResult, refresh_cache
 logger = logging.getLogger(__name__)
 
 
-class MappedCache(DynamicCache):
-    """A `DynamicCache` whose context came from another model through a `KVMap`.
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """What `MappedCache.restore` puts back: each layer object with the tensors it held, the layer count and the
+    cache's position bookkeeping. Taking one copies no tensor: a cache is extended by rebinding each layer to a new
+    tensor, never by writing into the old one."""
 
-    generate() extends it like any DynamicCache. It remembers the positions its context ends at, and the
-    first forward pass that extends it must continue right there: a prompt that repeats the cached
-    context (a cache as long as the prompt) raises `CacheMismatchError` instead of silently giving wrong
-    output. ``refresh`` says what the refresh did (None when none ran).
+    layers: tuple[tuple[Any, torch.Tensor | None, torch.Tensor | None], ...]
+    shift: torch.Tensor | None
+    continuation_checked: bool
+
+
+class MappedCache(DynamicCache):
+    """A `DynamicCache` whose context came from another model through a `KVMap` (or, without a map, the KV of a
+    `CapturedKV` as it is: a model's own cache to continue, or another model's reused unmapped).
+
+    generate() extends it like any DynamicCache. It knows the positions its context ends at (``next_positions``,
+    kept right as it grows or is cut), and the first forward pass that extends it must continue right there: a
+    prompt that repeats the cached context (a cache as long as the prompt) raises `CacheMismatchError` instead of
+    silently giving wrong output. ``refresh`` says what the refresh did (None when none ran).
+
+    It owns the operations the library runs on a cache: `truncate`, `copy`, `snapshot` / `restore` (put it back
+    exactly as it was after a failure), and the refresh (`peft_kvcache.runtime.refresh`) runs on it.
 
     Example:
         >>> cache = MappedCache.from_source(source_model, kv_map, target_model, input_ids=prompt[:, :-1])  # doctest: +SKIP
         >>> out = target_model.generate(input_ids=prompt, cache=cache, max_new_tokens=32)                    # doctest: +SKIP
     """
 
-    def __init__(self, layers_kv=(), next_positions: torch.Tensor | None = None, kv_map: KVMap | None = None):
+    def __init__(self, layers_kv: CapturedKV | Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+                 next_positions: torch.Tensor | None = None, kv_map: KVMap | None = None):
         super().__init__()
-        fill_cache(self, layers_kv)
-        self.next_positions = next_positions
+        fill_cache(self, layers_kv.pairs() if isinstance(layers_kv, CapturedKV) else layers_kv)
         self.kv_map = kv_map
         self.refresh: RefreshResult | None = None
-        self._continuation_checked = next_positions is None
+        self._shift: torch.Tensor | None = None  # [batch] next position minus the cached length
+        self._continuation_checked = True
+        if next_positions is not None:
+            self.next_positions = next_positions
+
+    # ----- positions -----
+
+    @property
+    def next_positions(self) -> torch.Tensor | None:
+        """``[batch]`` position of the next token of each row (None: the cache does not track them)."""
+        return None if self._shift is None else self._shift + self.get_seq_length()
+
+    @next_positions.setter
+    def next_positions(self, positions: torch.Tensor | None) -> None:
+        """Say where the next tokens must start; the next extension is checked against it."""
+        if positions is None:
+            self._shift, self._continuation_checked = None, True
+            return
+        self._shift = torch.as_tensor(positions).reshape(-1).cpu() - self.get_seq_length()
+        self._continuation_checked = False
+
+    # ----- operations -----
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` positions of every layer; ``next_positions`` moves back with them."""
+        for layer in self.layers:
+            layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+
+    def copy(self) -> "MappedCache":
+        """A cache holding the same tensors and positions; extending either never changes the other."""
+        twin = MappedCache([(layer.keys, layer.values) for layer in self.layers], kv_map=self.kv_map)
+        twin._shift, twin._continuation_checked, twin.refresh = self._shift, self._continuation_checked, self.refresh
+        return twin
+
+    def snapshot(self) -> CacheSnapshot:
+        """The cache's state now, for `restore` (no tensor is copied)."""
+        return CacheSnapshot(tuple((layer, layer.keys, layer.values) for layer in self.layers), self._shift,
+                             self._continuation_checked)
+
+    def restore(self, snapshot: CacheSnapshot) -> None:
+        """Put the cache back exactly as it was at ``snapshot`` (layers a failed pass added are dropped)."""
+        del self.layers[len(snapshot.layers):]
+        for layer, keys, values in snapshot.layers:
+            layer.keys, layer.values = keys, values
+        self._shift, self._continuation_checked = snapshot.shift, snapshot.continuation_checked
+
+    @contextmanager
+    def restored_on_error(self) -> Iterator[None]:
+        """Run the block; if it raises (a forward that fails midway leaves some layers extended), `restore` the
+        cache as it was before it."""
+        snapshot = self.snapshot()
+        try:
+            yield
+        except BaseException:
+            self.restore(snapshot)
+            raise
+
+    def captured(self) -> CapturedKV:
+        """The cached keys and values, per layer (the tensors themselves)."""
+        return cache_states(self)
 
     @classmethod
     def from_source(
@@ -121,14 +199,10 @@ class MappedCache(DynamicCache):
                     "mapped instead of computed by the target, which costs quality; pass input_ids", sink_tokens)
             else:
                 _with_target_sink(mapped, target_model, input_ids, attention_mask, sink_tokens, position_offset)
-        next_positions = target_positions[:, -1] + 1 if length else torch.full((batch,), position_offset)
-        result = None
-        if policy is not None:
-            plain = fill_cache(DynamicCache(), mapped)
-            result = refresh_cache(target_model, plain, input_ids, policy, sink_tokens, position_offset)
-            mapped = [(layer.keys, layer.values) for layer in plain.layers]
-        cache = cls(mapped, next_positions=next_positions, kv_map=kv_map)
-        cache.refresh = result
+        cache = cls(mapped, kv_map=kv_map)
+        if policy is not None:  # before the positions are set: the refresh writes inside the context
+            cache.refresh = refresh_cache(target_model, cache, input_ids, policy, sink_tokens, position_offset)
+        cache.next_positions = target_positions[:, -1] + 1 if length else torch.full((batch,), position_offset)
         return cache
 
     def get_mask_sizes(self, query_length, *args, **kwargs):
@@ -155,7 +229,7 @@ class MappedCache(DynamicCache):
                            "transformers version does not pass position_ids to the cache")
             return
         first = position_ids[..., 0].reshape(-1).cpu()
-        expected = self.next_positions.reshape(-1)
+        expected = self.next_positions  # layer 0 is not extended yet
         if first.numel() == 1 and expected.numel() > 1:
             first = first.expand_as(expected)
         if first.numel() == expected.numel() and not torch.equal(first, expected):

@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import DynamicCache
 
 from ..errors import CacheMismatchError, QualityError
-from ..modeling._compat import output_cache, truncate
+from ..modeling._compat import output_cache
 from ..modeling.capture import cache_states, forward, run_with_cache
 from ..modeling.positions import positions_from_mask
 from .cache import MappedCache
@@ -52,7 +51,7 @@ def prefill_context(target_model, input_ids: torch.Tensor, attention_mask: torch
         attention_mask = torch.ones_like(input_ids)
     positions = positions_from_mask(attention_mask.cpu()) + position_offset
     own = run_with_cache(target_model, input_ids, attention_mask, position_ids=positions)
-    return MappedCache(list(zip(own.keys, own.values)), next_positions=positions[:, -1] + 1)
+    return MappedCache(own, next_positions=positions[:, -1] + 1)
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,7 @@ class CheckResult:
     """What the check found and the cache to continue with (``action``: ``"mapped"``, ``"prefill"`` or
     ``"drop_middle"``; with ``"drop_middle"`` continue with explicit ``position_ids`` from ``next_positions``)."""
 
-    cache: DynamicCache
+    cache: MappedCache
     action: str
     flagged: bool
     mapped_loss: list[float]
@@ -107,8 +106,8 @@ def check_context(cache: MappedCache, target_model, input_ids: torch.Tensor,
                                  f"with {sink} sink token(s), got {policy.tokens}")
     start, labels = length - policy.tokens, input_ids[:, length - policy.tokens + 1:]
     positions = torch.arange(length)[None].expand(input_ids.shape[0], -1)
-    recomputed = cache_states(cache).to_cache()
-    truncate(recomputed, start)
+    recomputed = cache.copy()
+    recomputed.truncate(start)
     out = forward(target_model, input_ids[:, start:], recomputed, position_ids=positions[:, start:], logits_to_keep=0)
     mapped_loss = _token_nll(out.logits[:, :-1], labels)
     keep = torch.cat([torch.arange(min(sink, start)), torch.arange(start, length)])
@@ -118,8 +117,8 @@ def check_context(cache: MappedCache, target_model, input_ids: torch.Tensor,
     report = dict(flagged=flagged, mapped_loss=mapped_loss.tolist(), window_loss=window_loss.tolist())
     next_positions = torch.full((input_ids.shape[0],), length)
     if not flagged:
-        mapped = MappedCache(cache_states(recomputed).pairs(), next_positions, cache.kv_map)
-        return CheckResult(mapped, "mapped", **report)
+        recomputed.next_positions = next_positions  # generate() must continue right after the context
+        return CheckResult(recomputed, "mapped", **report)
     logger.warning("the mapped context raised the loss of its last %d tokens from %s (window only) to %s nats: "
                    "taking the %r fallback", policy.tokens, [round(v, 3) for v in report["window_loss"]],
                    [round(v, 3) for v in report["mapped_loss"]], policy.on_bad)
@@ -129,7 +128,7 @@ def check_context(cache: MappedCache, target_model, input_ids: torch.Tensor,
                            f"{report['window_loss']} without it (margin {policy.margin})")
     if policy.on_bad == "prefill":
         return CheckResult(prefill_context(target_model, input_ids), "prefill", **report)
-    window = cache_states(output_cache(out_w)).to_cache()
+    window = MappedCache(cache_states(output_cache(out_w)), next_positions, cache.kv_map)
     return CheckResult(window, "drop_middle", kept_positions=keep, next_positions=next_positions, **report)
 
 

@@ -12,22 +12,26 @@ Cost: ``2 * probe + budget`` target tokens over the context (vs the whole contex
 passes over the target's weights (the probe, then refresh + probe again). With every context position
 refreshed the result is exactly the target's own prefill (a test checks this). The probe pass runs with
 eager attention (transformers returns attention weights only from it).
+
+Every function here runs on a `MappedCache` (``cache``): it cuts the cache with its ``truncate`` and puts it back
+with ``restored_on_error`` when a pass fails midway.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers.cache_utils import Cache
 
 from ..errors import CacheMismatchError
 from ..maps.config import Refresh
-from ..modeling._compat import attention_implementation, truncate
+from ..modeling._compat import attention_implementation
 from ..modeling.capture import forward
+
+if TYPE_CHECKING:  # for annotations only: the cache module runs the refresh
+    from .cache import MappedCache
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +46,7 @@ class RefreshResult:
 
 
 @torch.no_grad()
-def attention_scores(target_model, cache: Cache, probe_ids: torch.Tensor, position_offset: int = 0,
+def attention_scores(target_model, cache: "MappedCache", probe_ids: torch.Tensor, position_offset: int = 0,
                      every_probe_token: bool = False) -> torch.Tensor:
     """``[context]``: how strongly the last of the ``probe_ids`` ``[1, W]`` tokens, run on top of ``cache``
     (batch 1, left as it was), attends to each cached position: per layer the maximum attention weight
@@ -57,7 +61,7 @@ def attention_scores(target_model, cache: Cache, probe_ids: torch.Tensor, positi
         out = forward(target_model, probe_ids, cache, position_ids=positions[None], output_attentions=True)
     finally:
         target_model.set_attn_implementation(previous)
-        truncate(cache, length)
+        cache.truncate(length)
     rows = slice(None) if every_probe_token else -1
     per_layer = [a[0, :, rows, :length].float().amax(dim=0).cpu() for a in out.attentions]
     return torch.stack(per_layer).mean(0)
@@ -85,7 +89,7 @@ def select_spans(scores: torch.Tensor, budget: int, span: int = 8, first: int = 
 
 
 @torch.no_grad()
-def refresh_positions(target_model, cache: Cache, context_ids: torch.Tensor, positions: torch.Tensor,
+def refresh_positions(target_model, cache: "MappedCache", context_ids: torch.Tensor, positions: torch.Tensor,
                       position_offset: int = 0, append_ids: torch.Tensor | None = None) -> None:
     """Recompute the cache entries at ``positions`` (sorted, within the ``[1, n]`` ``context_ids`` the cache
     holds) with the target, in place: each refreshed token attends to the cached entries before it that
@@ -113,7 +117,7 @@ def refresh_positions(target_model, cache: Cache, context_ids: torch.Tensor, pos
     new = queries[None] <= queries[:, None]  # refreshed/appended entries up to each query (causal)
     allowed = torch.cat([old, new], dim=1)
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-    with _restored_on_error(cache):
+    with cache.restored_on_error():
         forward(target_model, tokens, cache, position_ids=(queries + position_offset)[None],
                 attention_mask=mask[None, None])
     split = length + positions.numel()
@@ -126,7 +130,7 @@ def refresh_positions(target_model, cache: Cache, context_ids: torch.Tensor, pos
 
 
 @torch.no_grad()
-def refresh_cache(target_model, cache: Cache, input_ids: torch.Tensor, policy: Refresh, sink_tokens: int = 1,
+def refresh_cache(target_model, cache: "MappedCache", input_ids: torch.Tensor, policy: Refresh, sink_tokens: int = 1,
                   position_offset: int = 0) -> RefreshResult:
     """The whole refresh on a cache holding ``input_ids`` ``[1, n]`` (batch 1, unpadded): the last
     ``policy.probe_tokens`` are the probe; the ``policy.tokens`` context positions (spans, past the sink) its last
@@ -156,26 +160,13 @@ def refresh_cache(target_model, cache: Cache, input_ids: torch.Tensor, policy: R
                        "%d-token probe: clamped to %d (the target computes the whole context, as a prefill would)",
                        budget, available, probe, available)
         budget = available
-    with _restored_on_error(cache):
-        truncate(cache, start)
+    with cache.restored_on_error():
+        cache.truncate(start)
         scores = attention_scores(target_model, cache, input_ids[:, start:], position_offset)
         positions = select_spans(scores, budget, policy.span, first=sink_tokens)
         refresh_positions(target_model, cache, input_ids[:, :start], positions, position_offset,
                           append_ids=input_ids[:, start:])
     return RefreshResult(positions, probe, budget)
-
-
-@contextmanager
-def _restored_on_error(cache: Cache) -> Iterator[None]:
-    """Put every layer's tensors back when the block raises (a forward that fails midway leaves some layers
-    extended). The cache's updates replace tensors rather than writing into them, so references suffice."""
-    saved = [(layer.keys, layer.values) for layer in cache.layers]
-    try:
-        yield
-    except BaseException:
-        for layer, (keys, values) in zip(cache.layers, saved):
-            layer.keys, layer.values = keys, values
-        raise
 
 
 __all__ = ["RefreshResult", "attention_scores", "refresh_cache", "refresh_positions", "select_spans"]

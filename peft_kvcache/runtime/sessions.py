@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import torch
-from transformers.cache_utils import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from ..errors import SessionError
@@ -160,8 +159,8 @@ class AdapterSession:
         self.keep_base = keep_base
         self.generation_kwargs = {"do_sample": False, "max_new_tokens": 32, **generation_kwargs}
         self.ids = torch.zeros((1, 0), dtype=torch.long)
-        self._base_cache = DynamicCache()
-        self._last: tuple[str, DynamicCache] | None = None  # (adapter, its cache) of the last adapter turn
+        self._base_cache = MappedCache()
+        self._last: tuple[str, MappedCache] | None = None  # (adapter, its cache) of the last adapter turn
         self._lock = threading.RLock()
 
     # ----- public API -----
@@ -222,20 +221,16 @@ class AdapterSession:
 
     @contextmanager
     def _transaction(self) -> Iterator[None]:
-        """Put the session back exactly as it was if the block raises: caches are extended by rebinding each
-        layer's tensors (never by writing into them), so keeping the old references is enough."""
-        ids, last = self.ids, self._last
-        caches = [self._base_cache] + ([self._last[1]] if self._last is not None else [])
-        saved = [(cache, len(cache.layers), [(layer, layer.keys, layer.values) for layer in cache.layers])
-                 for cache in caches]
-        base = self._base_cache
+        """Put the session back exactly as it was if the block raises (ids, which caches it holds, and each
+        cache's content: `MappedCache.restore`)."""
+        ids, last, base = self.ids, self._last, self._base_cache
+        caches = [base] + ([last[1]] if last is not None else [])
+        snapshots = [(cache, cache.snapshot()) for cache in caches]
         try:
             yield
         except BaseException:
-            for cache, count, layers in saved:
-                del cache.layers[count:]
-                for layer, keys, values in layers:
-                    layer.keys, layer.values = keys, values
+            for cache, snapshot in snapshots:
+                cache.restore(snapshot)
             self.ids, self._last, self._base_cache = ids, last, base
             raise
 
@@ -261,7 +256,7 @@ class AdapterSession:
         logger.debug("turn adapter=%s source=%s tokens=%s", adapter, source, tokens)
         return TurnResult(adapter, generated, timer.seconds, prepare_seconds, keep_seconds, source, tokens, cached)
 
-    def _after(self, adapter: str | None, cache: DynamicCache) -> int | None:
+    def _after(self, adapter: str | None, cache: MappedCache) -> int | None:
         """Keep the caches of the turn just taken; returns the model tokens the base catch-up cost (adapters)."""
         if adapter is None:
             self._base_cache, self._last = cache, None  # the model extended the base cache in place
@@ -269,7 +264,7 @@ class AdapterSession:
         self._last = (adapter, cache)
         return self._catch_up_base(adapter, cache)
 
-    def _cache_for(self, adapter: str | None, prompt: torch.Tensor) -> tuple[DynamicCache, str, int]:
+    def _cache_for(self, adapter: str | None, prompt: torch.Tensor) -> tuple[MappedCache, str, int]:
         """The cache the turn starts from, what it came from, and the tokens a model ran over to build it."""
         if adapter is None:
             return self._base_cache, "base", 0
@@ -277,10 +272,10 @@ class AdapterSession:
             return self._last[1], "same_adapter", 0
         length = self._base_cache.get_seq_length()
         if length == 0:
-            return DynamicCache(), "empty", 0
+            return MappedCache(), "empty", 0
         return cache_from_base(self.shared, adapter, self._base_cache, prompt[:, :length])
 
-    def _catch_up_base(self, adapter: str, adapter_cache: DynamicCache) -> int:
+    def _catch_up_base(self, adapter: str, adapter_cache: MappedCache) -> int:
         """Bring the base cache up to ``ids[:, :-1]`` after ``adapter``'s turn; returns model tokens used."""
         return catch_up_base(self.shared, adapter, self._base_cache, adapter_cache, self.ids, self.keep_base)
 
@@ -288,7 +283,7 @@ class AdapterSession:
 # ----- the two steps every adapter switch takes, shared by sessions and the server's prefix store -----
 
 
-def generate_on_cache(model: torch.nn.Module, prompt: torch.Tensor, cache: DynamicCache, **generate_kwargs
+def generate_on_cache(model: torch.nn.Module, prompt: torch.Tensor, cache: MappedCache, **generate_kwargs
                       ) -> torch.Tensor:
     """``model.generate`` over ``prompt`` (``[1, n]``, any device) continuing ``cache``; the output ids on the CPU.
     The prompt and its mask go to the model's device together (generate derives positions from the mask)."""
@@ -303,8 +298,8 @@ def check_keep_base(keep_base: str, error: type[Exception] = SessionError) -> No
         raise error(f"keep_base must be one of {KEEP_BASE}, got {keep_base!r}")
 
 
-def cache_from_base(shared: SharedPeftModel, adapter: str, base_cache: DynamicCache,
-                    context_ids: torch.Tensor) -> tuple[DynamicCache, str, int]:
+def cache_from_base(shared: SharedPeftModel, adapter: str, base_cache: MappedCache,
+                    context_ids: torch.Tensor) -> tuple[MappedCache, str, int]:
     """``adapter``'s cache of ``context_ids`` ``[1, k]`` built from the base model's cache of them (it must
     cover exactly those ``k`` tokens): reused as is for an Activated LoRA (its prefix KV *is* the base's),
     else mapped with the base -> adapter map, the adapter computing the sink itself. Returns the cache, its
@@ -317,14 +312,14 @@ def cache_from_base(shared: SharedPeftModel, adapter: str, base_cache: DynamicCa
     """
     model = shared.model
     if is_activated_lora(model, adapter):
-        return cache_states(base_cache).to_cache(), "activated_lora", 0
+        return base_cache.copy(), "activated_lora", 0
     kv_map = shared.map_to(adapter)
     with adapter_active(model, adapter):
         mapped = MappedCache.from_source(base_cache, kv_map, model, input_ids=context_ids)
     return mapped, "mapped", min(kv_map.config.sink_tokens, context_ids.shape[1])
 
 
-def catch_up_base(shared: SharedPeftModel, adapter: str, base_cache: DynamicCache, adapter_cache: DynamicCache,
+def catch_up_base(shared: SharedPeftModel, adapter: str, base_cache: MappedCache, adapter_cache: MappedCache,
                   ids: torch.Tensor, keep_base: KeepBase = "reverse_map") -> int:
     """Extend ``base_cache`` (a prefix of ``ids`` ``[1, n]``) up to what ``adapter_cache`` covers (at most
     ``ids[:, :-1]``), in place: by the adapter -> base map from the adapter's KV of the new tokens

@@ -13,7 +13,7 @@ token prefix of the prompt the store holds and
 After the reply it stores the variant's cache of the whole conversation and, after an adapter's reply, the base
 model's cache of it too (`sessions.catch_up_base`: reverse map or a base pass over the new tokens), so the next
 switch maps from it. Entries are read through fresh caches built from slices of their tensors: generate()
-extends a `DynamicCache` by rebinding each layer to a new tensor, so an entry is never written. Entries enter
+extends a cache by rebinding each layer to a new tensor, so an entry is never written. Entries enter
 the store only when a request completes, so one that fails or is cancelled leaves the store as it was.
 
 Memory is bounded (bytes of the entries' tensors) with least-recently-used eviction; an entry is keyed by
@@ -37,13 +37,13 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import torch
-from transformers.cache_utils import DynamicCache
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from ..errors import ServerError
 from ..modeling.adapters import adapter_active, is_activated_lora
 from ..modeling.capture import CapturedKV, cache_states
+from ..runtime.cache import MappedCache
 from ..runtime.sessions import (
     FirstTokenTimer,
     KeepBase,
@@ -277,25 +277,25 @@ class PrefixEngine:
         logger.debug("request variant=%s source=%s cached=%d tokens=%s", variant, source, cached, result.model_tokens)
         return result
 
-    def _cache_for(self, variant: str | None, prompt: torch.Tensor) -> tuple[DynamicCache, str, int, int]:
+    def _cache_for(self, variant: str | None, prompt: torch.Tensor) -> tuple[MappedCache, str, int, int]:
         """The cache the request starts from: ``(cache, source, cached tokens, model tokens spent on it)``."""
         limit = prompt.shape[1] - 1  # generate() must compute at least the last prompt token
         if self.reuse == "none" or limit <= 0:
-            return DynamicCache(), "prefilled", 0, 0
+            return MappedCache(), "prefilled", 0, 0
         own, length = self.store.longest(variant, prompt[0], limit)
         if self.reuse == "map" and variant is not None and self.mappable(variant):
             base, base_length = self.store.longest(None, prompt[0], limit)
             if base_length > length:  # a longer history in the base model's cache: map it
                 self.store.touch(base)
-                cache, source, prepared = cache_from_base(self.shared, variant, base.kv.prefix(base_length).to_cache(),
+                cache, source, prepared = cache_from_base(self.shared, variant, MappedCache(base.kv.prefix(base_length)),
                                                           prompt[:, :base_length])
                 return cache, source, base_length, prepared
         if own is None:
-            return DynamicCache(), "prefilled", 0, 0
+            return MappedCache(), "prefilled", 0, 0
         self.store.touch(own)
-        return own.kv.prefix(length).to_cache(), "reused", length, 0
+        return MappedCache(own.kv.prefix(length)), "reused", length, 0
 
-    def _keep(self, variant: str | None, output: torch.Tensor, cache: DynamicCache) -> int:
+    def _keep(self, variant: str | None, output: torch.Tensor, cache: MappedCache) -> int:
         """Store the reply's cache (and the base's, after an adapter's reply); returns the model tokens spent."""
         if self.reuse == "none":
             return 0
@@ -304,7 +304,7 @@ class PrefixEngine:
         if self.reuse != "map" or variant is None:
             return 0
         base, length = self.store.longest(None, output[0], covered)
-        base_cache = DynamicCache() if base is None else base.kv.prefix(length).to_cache()
+        base_cache = MappedCache() if base is None else MappedCache(base.kv.prefix(length))
         spent = catch_up_base(self.shared, variant, base_cache, cache, output, self.keep_base)
         kept = base_cache.get_seq_length()
         if kept > length:
