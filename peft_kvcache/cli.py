@@ -15,8 +15,8 @@ import json
 import logging
 import sys
 import typing
-from collections.abc import Sequence
-from dataclasses import fields
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ._version import __version__
@@ -26,6 +26,7 @@ from .serving import command as serve
 
 PROG = "peft-kvcache"
 BLEND_CONTINUATION = 64  # tokens scored per held-out text when choosing an adapter map's blend
+ADAPTER_DEFAULTS = {"same_layer": True}  # calibrate-adapters' CalibrationConfig defaults (each layer from itself)
 DESCRIPTION = """\
 Map a source LLM's KV cache into a target model's KV space, so that the target skips prefill after a
 model switch (sibling sizes of one family, or a base model and its PEFT adapter).
@@ -98,7 +99,7 @@ def cmd_calibrate_adapters(args: argparse.Namespace) -> int:
     from .maps.adapter_maps import default_prefix
     from .modeling.adapters import load_adapters, parse_adapter_specs
 
-    config = _config(args, same_layer=True)
+    config = _config(args, **ADAPTER_DEFAULTS)
     adapters = parse_adapter_specs(args.adapter)
     texts, description = _texts(args, "calibration")
     if args.blend_files and args.blend_files >= len(texts):
@@ -201,125 +202,195 @@ def _local_folder(spec: str) -> Path:
     return Path(spec).expanduser()
 
 
-# ----- the parser -----
+# ----- the commands: each declares its own arguments -----
 
 
-def _options(p: argparse.ArgumentParser, command: str) -> None:
-    """The options of one command (``calibrate``'s fit options are `CalibrationConfig`'s fields)."""
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its help texts, the arguments it declares (``add_arguments(parser)``) and what it runs
+    (``run(args)``, the exit status)."""
+
+    summary: str  # one line, in the list of commands
+    description: str
+    example: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _map_argument(p: argparse.ArgumentParser, hub: bool) -> None:
+    p.add_argument("map", metavar="MAP", help="local map folder" + (" or Hub repo id" if hub else ""))
+
+
+def _revision_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--revision", default=None, help="Hub revision of MAP (branch, tag or commit)")
+
+
+def _model_pair_options(p: argparse.ArgumentParser, required: bool, hint: str = "") -> None:
+    p.add_argument("--source", required=required, metavar="MODEL",
+                   help=f"source model: Hub id, folder or fixture name{hint}")
+    p.add_argument("--target", required=required, metavar="MODEL", help=f"target model, same forms{hint}")
+
+
+def _data_options(p: argparse.ArgumentParser, split: str) -> None:
+    """``--data`` and ``--num-files`` (read by `_texts`), then the models' ``--dtype`` and ``--no-progress``."""
     add = p.add_argument
-    if command in ("evaluate", "inspect", "card", "push"):
-        add("map", metavar="MAP", help="local map folder" + ("" if command in ("card", "push") else " or Hub repo id"))
-    if command in ("evaluate", "inspect"):
-        add("--revision", default=None, help="Hub revision of MAP (branch, tag or commit)")
-    if command in ("calibrate", "evaluate"):
-        required, hint = command == "calibrate", "" if command == "calibrate" else " (default: the one recorded)"
-        add("--source", required=required, metavar="MODEL", help=f"source model: Hub id, folder or fixture name{hint}")
-        add("--target", required=required, metavar="MODEL", help=f"target model, same forms{hint}")
-    if command == "calibrate-adapters":
-        add("--base", required=True, metavar="MODEL", help="the base model: Hub id, folder or fixture name")
-        add("--adapter", required=True, action="append", metavar="NAME=PATH",
-            help="a PEFT adapter folder and the name to give it (repeat for several adapters)")
-        add("--prefix", default=None, help="name prefix of the map folders (default: the base model's name)")
-        add("--no-reverse", action="store_true", help="only the base -> adapter maps")
-        add("--blend-files", type=int, default=0, metavar="N", help="hold out the last N texts of --data to choose "
-            "each map's blend toward its source cache (default: 0, no blend)")
-        add("--repo-namespace", default=None, metavar="NS", help="Hub namespace the cards' snippets load from")
-    if command in ("calibrate", "calibrate-adapters", "evaluate"):
-        split = "evaluation" if command == "evaluate" else "calibration"
-        add("--data", default="stdlib", metavar="DATA", help="a text file, a folder of text files, or 'stdlib' (the "
-            f"Python standard library corpus, {split} split; default: %(default)s)")
-        add("--num-files", type=int, default=None, metavar="N", help="use the first N files of --data (default: 32 "
-            "calibration / 20 evaluation files for stdlib, all for a folder)")
-        add("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="dtype the models are "
-            "loaded in (default: %(default)s)")
-        add("--no-progress", action="store_true", help="no progress bars")
-    if command in ("calibrate", "calibrate-adapters"):
-        add("--output", required=True, metavar="DIR", help="folder to write the map (folders) to")
-        hints, defaults = typing.get_type_hints(CalibrationConfig), {"same_layer": command == "calibrate-adapters"}
-        for f in fields(CalibrationConfig):
-            flag, help_text = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} (default: {defaults.get(f.name, f.default)})"
-            if hints[f.name] is bool:
-                add(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-            else:
-                tuple_ = typing.get_origin(hints[f.name]) is tuple
-                add(flag, type=float if tuple_ else hints[f.name], nargs="+" if tuple_ else None, default=None,
-                    metavar=f.name.split("_")[-1].upper(), help=help_text)
-        add("--checkpoint-dir", default=None, metavar="DIR", help="checkpoint the statistics there and resume an "
-            "interrupted calibration from it")
-        add("--checkpoint-every", type=int, default=50, metavar="N", help="batches between checkpoints (default: 50)")
-    if command == "calibrate":
-        add("--license", default=None, help="license for the card (default: the models' common one)")
-    if command in ("calibrate", "evaluate", "card"):
-        add("--repo-id", default=None, help="Hub repo the card's usage snippet loads (default: the folder's name)")
-    if command == "evaluate":
-        add("--context-length", type=int, default=256, metavar="C", help="context tokens (default: %(default)s)")
-        add("--continuation-length", type=int, default=64, metavar="M", help="scored tokens (default: %(default)s)")
-        add("--windows", type=int, nargs="+", default=[1], metavar="W",
-            help="last W context tokens the target computes itself (default: 1)")
-        add("--max-examples", type=int, default=None, metavar="N", help="score at most N examples")
-        add("--write", action="store_true", help="record the figures in the map (local MAP only)")
-    if command in ("evaluate", "inspect"):
-        add("--json", action="store_true", help="print JSON instead of text")
-    if command == "card":
-        add("--license", default=None, help="set the license (recorded in config.json too)")
-    if command == "serve":
-        serve.add_arguments(p)
-    if command == "push":
-        add("repo_id", metavar="REPO_ID", help="Hub repo id, e.g. my-org/model-a-to-model-b-kvmap")
-        add("--private", action="store_true", help="create the repo as private")
-        add("--revision", default=None, help="branch to push to (created if needed)")
-        add("--token", default=None, help="Hub token (default: the stored login or HF_TOKEN)")
-        add("--commit-message", default="Upload KV map", help="commit message (default: %(default)s)")
+    add("--data", default="stdlib", metavar="DATA", help="a text file, a folder of text files, or 'stdlib' (the "
+        f"Python standard library corpus, {split} split; default: %(default)s)")
+    add("--num-files", type=int, default=None, metavar="N", help="use the first N files of --data (default: 32 "
+        "calibration / 20 evaluation files for stdlib, all for a folder)")
+    add("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="dtype the models are "
+        "loaded in (default: %(default)s)")
+    add("--no-progress", action="store_true", help="no progress bars")
 
 
-# name: (function, one-line help, description, example)
-COMMANDS = {
-    "calibrate": (cmd_calibrate, "fit a map from a source model to a target model",
-                  "Run both models over calibration text, fit per-head ridge maps from the source's KV cache to the "
-                  "target's, and save the map folder with its card. Under torchrun every process takes a shard.",
-                  "peft-kvcache calibrate --source gguf:qwen2.5-coder-0.5b-instruct "
-                  "--target gguf:qwen2.5-coder-1.5b-instruct --output maps/coder-up"),
-    "calibrate-adapters": (cmd_calibrate_adapters, "fit base <-> adapter maps for the PEFT adapters of one base",
-                           "Run the base once and every adapter over the calibration text and save "
-                           "<OUTPUT>/<prefix>-base-to-<adapter> and <OUTPUT>/<prefix>-<adapter>-to-base with their cards.",
-                           "peft-kvcache calibrate-adapters --base gguf:smollm2-135m-instruct "
-                           "--adapter shout=adapters/shout --output maps"),
-    "evaluate": (cmd_evaluate, "measure how much of the target's accuracy a map keeps",
-                 "Teacher-forced next-token accuracy over a continuation after a context from the target's own "
-                 "prefill, from the map, or none. --write records the figures (and evaluation.json with their "
-                 "provenance) only for text disjoint from the map's calibration text.",
-                 "peft-kvcache evaluate maps/coder-up --context-length 512 --num-files 10 --write"),
-    "card": (cmd_card, "regenerate the README.md model card of a map folder",
-             "Render README.md and the chart from the map's config.json.",
-             "peft-kvcache card maps/coder-up --repo-id my-org/coder-up-kvmap"),
-    "inspect": (cmd_inspect, "summarize a map: pair, layers, R², data, figures",
-                "Load and validate a map (folder or Hub repo) and say what it maps, how well and on what data.",
-                "peft-kvcache inspect my-org/coder-up-kvmap --json"),
-    "push": (cmd_push, "upload a map folder to a Hub repo",
-             "Validate a local map and upload it to a Hub model repo, creating the repo (and branch) if needed. "
-             "Authentication: `hf auth login`, HF_TOKEN or --token.",
-             "peft-kvcache push maps/coder-up my-org/coder-up-kvmap --private"),
-    "serve": (serve.run, "serve an OpenAI-compatible chat API over a base model and its adapters",
-              "Chat completions for the base model and each adapter, with one prefix cache shared across adapters: "
-              "a switch maps the base cache of the history instead of prefilling it (see peft_kvcache.serving.app).",
-              "peft-kvcache serve --model gguf:smollm2-135m-instruct --adapter shout=adapters/shout --maps hub_cards"),
+def _calibration_options(p: argparse.ArgumentParser, **defaults) -> None:
+    """``--output``, one flag per `CalibrationConfig` field (read by `_config` with the same ``defaults``) and the
+    checkpoint options."""
+    add = p.add_argument
+    add("--output", required=True, metavar="DIR", help="folder to write the map (folders) to")
+    hints = typing.get_type_hints(CalibrationConfig)
+    for f in fields(CalibrationConfig):
+        flag, help_text = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} (default: {defaults.get(f.name, f.default)})"
+        if hints[f.name] is bool:
+            add(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            tuple_ = typing.get_origin(hints[f.name]) is tuple
+            add(flag, type=float if tuple_ else hints[f.name], nargs="+" if tuple_ else None, default=None,
+                metavar=f.name.split("_")[-1].upper(), help=help_text)
+    add("--checkpoint-dir", default=None, metavar="DIR", help="checkpoint the statistics there and resume an "
+        "interrupted calibration from it")
+    add("--checkpoint-every", type=int, default=50, metavar="N", help="batches between checkpoints (default: 50)")
+
+
+def _repo_id_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--repo-id", default=None, help="Hub repo the card's usage snippet loads (default: the folder's name)")
+
+
+def _json_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def calibrate_arguments(p: argparse.ArgumentParser) -> None:
+    _model_pair_options(p, required=True)
+    _data_options(p, "calibration")
+    _calibration_options(p)
+    p.add_argument("--license", default=None, help="license for the card (default: the models' common one)")
+    _repo_id_option(p)
+
+
+def calibrate_adapters_arguments(p: argparse.ArgumentParser) -> None:
+    add = p.add_argument
+    add("--base", required=True, metavar="MODEL", help="the base model: Hub id, folder or fixture name")
+    add("--adapter", required=True, action="append", metavar="NAME=PATH",
+        help="a PEFT adapter folder and the name to give it (repeat for several adapters)")
+    add("--prefix", default=None, help="name prefix of the map folders (default: the base model's name)")
+    add("--no-reverse", action="store_true", help="only the base -> adapter maps")
+    add("--blend-files", type=int, default=0, metavar="N", help="hold out the last N texts of --data to choose "
+        "each map's blend toward its source cache (default: 0, no blend)")
+    add("--repo-namespace", default=None, metavar="NS", help="Hub namespace the cards' snippets load from")
+    _data_options(p, "calibration")
+    _calibration_options(p, **ADAPTER_DEFAULTS)
+
+
+def evaluate_arguments(p: argparse.ArgumentParser) -> None:
+    add = p.add_argument
+    _map_argument(p, hub=True)
+    _revision_option(p)
+    _model_pair_options(p, required=False, hint=" (default: the one recorded)")
+    _data_options(p, "evaluation")
+    _repo_id_option(p)
+    add("--context-length", type=int, default=256, metavar="C", help="context tokens (default: %(default)s)")
+    add("--continuation-length", type=int, default=64, metavar="M", help="scored tokens (default: %(default)s)")
+    add("--windows", type=int, nargs="+", default=[1], metavar="W",
+        help="last W context tokens the target computes itself (default: 1)")
+    add("--max-examples", type=int, default=None, metavar="N", help="score at most N examples")
+    add("--write", action="store_true", help="record the figures in the map (local MAP only)")
+    _json_option(p)
+
+
+def card_arguments(p: argparse.ArgumentParser) -> None:
+    _map_argument(p, hub=False)
+    _repo_id_option(p)
+    p.add_argument("--license", default=None, help="set the license (recorded in config.json too)")
+
+
+def inspect_arguments(p: argparse.ArgumentParser) -> None:
+    _map_argument(p, hub=True)
+    _revision_option(p)
+    _json_option(p)
+
+
+def push_arguments(p: argparse.ArgumentParser) -> None:
+    add = p.add_argument
+    _map_argument(p, hub=False)
+    add("repo_id", metavar="REPO_ID", help="Hub repo id, e.g. my-org/model-a-to-model-b-kvmap")
+    add("--private", action="store_true", help="create the repo as private")
+    add("--revision", default=None, help="branch to push to (created if needed)")
+    add("--token", default=None, help="Hub token (default: the stored login or HF_TOKEN)")
+    add("--commit-message", default="Upload KV map", help="commit message (default: %(default)s)")
+
+
+COMMANDS: dict[str, Command] = {
+    "calibrate": Command(
+        "fit a map from a source model to a target model",
+        "Run both models over calibration text, fit per-head ridge maps from the source's KV cache to the "
+        "target's, and save the map folder with its card. Under torchrun every process takes a shard.",
+        "peft-kvcache calibrate --source gguf:qwen2.5-coder-0.5b-instruct "
+        "--target gguf:qwen2.5-coder-1.5b-instruct --output maps/coder-up",
+        calibrate_arguments, cmd_calibrate),
+    "calibrate-adapters": Command(
+        "fit base <-> adapter maps for the PEFT adapters of one base",
+        "Run the base once and every adapter over the calibration text and save "
+        "<OUTPUT>/<prefix>-base-to-<adapter> and <OUTPUT>/<prefix>-<adapter>-to-base with their cards.",
+        "peft-kvcache calibrate-adapters --base gguf:smollm2-135m-instruct "
+        "--adapter shout=adapters/shout --output maps",
+        calibrate_adapters_arguments, cmd_calibrate_adapters),
+    "evaluate": Command(
+        "measure how much of the target's accuracy a map keeps",
+        "Teacher-forced next-token accuracy over a continuation after a context from the target's own "
+        "prefill, from the map, or none. --write records the figures (and evaluation.json with their "
+        "provenance) only for text disjoint from the map's calibration text.",
+        "peft-kvcache evaluate maps/coder-up --context-length 512 --num-files 10 --write",
+        evaluate_arguments, cmd_evaluate),
+    "card": Command(
+        "regenerate the README.md model card of a map folder",
+        "Render README.md and the chart from the map's config.json.",
+        "peft-kvcache card maps/coder-up --repo-id my-org/coder-up-kvmap",
+        card_arguments, cmd_card),
+    "inspect": Command(
+        "summarize a map: pair, layers, R², data, figures",
+        "Load and validate a map (folder or Hub repo) and say what it maps, how well and on what data.",
+        "peft-kvcache inspect my-org/coder-up-kvmap --json",
+        inspect_arguments, cmd_inspect),
+    "push": Command(
+        "upload a map folder to a Hub repo",
+        "Validate a local map and upload it to a Hub model repo, creating the repo (and branch) if needed. "
+        "Authentication: `hf auth login`, HF_TOKEN or --token.",
+        "peft-kvcache push maps/coder-up my-org/coder-up-kvmap --private",
+        push_arguments, cmd_push),
+    "serve": Command(
+        "serve an OpenAI-compatible chat API over a base model and its adapters",
+        "Chat completions for the base model and each adapter, with one prefix cache shared across adapters: "
+        "a switch maps the base cache of the history instead of prefilling it (see peft_kvcache.serving.app).",
+        "peft-kvcache serve --model gguf:smollm2-135m-instruct --adapter shout=adapters/shout --maps hub_cards",
+        serve.add_arguments, serve.run),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``peft-kvcache`` and its subcommands."""
     fmt = argparse.RawDescriptionHelpFormatter
-    examples = "\n".join(f"  {spec[3]}" for spec in COMMANDS.values())
+    examples = "\n".join(f"  {command.example}" for command in COMMANDS.values())
     parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, formatter_class=fmt, epilog=(
         f"examples:\n{examples}\n\nRun 'peft-kvcache COMMAND --help' for the options of a command."))
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does (INFO level)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-    for name, (func, summary, description, example) in COMMANDS.items():
-        sub = commands.add_parser(name, formatter_class=fmt, help=summary, description=description,
-                                  epilog=f"example:\n  {example}")
-        _options(sub, name)
-        sub.set_defaults(func=func)
+    for name, command in COMMANDS.items():
+        sub = commands.add_parser(name, formatter_class=fmt, help=command.summary, description=command.description,
+                                  epilog=f"example:\n  {command.example}")
+        command.add_arguments(sub)
+        sub.set_defaults(func=command.run)
     return parser
 
 
