@@ -1,4 +1,4 @@
-"""``peft-kvcache serve``: its options, checked before any model loads, and what it loads: the base model, its
+"""``peft-kvcache serve``: its options and the ``serve`` extra, checked before any model loads, and what it loads: the base model, its
 adapters and their maps (published map folders or Hub repos; calibrated at startup only with
 ``--calibrate-missing``), then the app of `peft_kvcache.serving.app` under uvicorn.
 
@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from .prefix_store import REUSE_MODES, PrefixEngine, PrefixStore
 
 logger = logging.getLogger(__name__)
 
+SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client")  # the modules of the ``serve`` extra the app imports
 CALIBRATION_FILES = 16  # stdlib files (first 512 tokens each) --calibrate-missing fits on: a fraction of the
 # published maps' 128, to keep startup short
 
@@ -64,6 +66,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "its name or path)")
     add("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="dtype the model is loaded in "
         "(default: %(default)s)")
+
+
+def missing_serve_modules() -> list[str]:
+    """The modules of the ``serve`` extra that cannot be imported here (found without importing them)."""
+    missing = []
+    for name in SERVE_EXTRA:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a finder that refuses it, or a module entry without a spec
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def check_serve_extra() -> None:
+    """Refuse to start (a `ServerError` naming the extra to install) where the ``serve`` extra is missing."""
+    missing = missing_serve_modules()
+    if missing:
+        raise ServerError(f"serve needs the serve extra, which is not installed ({', '.join(missing)} missing): "
+                          'pip install "peft-kvcache[serve]"')
 
 
 @dataclass
@@ -221,7 +244,9 @@ def build(options: ServeOptions):
 
 
 def run(args: argparse.Namespace) -> int:
-    """``peft-kvcache serve``: check the options, load, say which maps are used, then serve until interrupted."""
+    """``peft-kvcache serve``: check that the serve extra is installed and the options, load, say which maps are
+    used, then serve until interrupted."""
+    check_serve_extra()
     import uvicorn
 
     from .app import create_app
@@ -235,4 +260,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["ServeOptions", "add_arguments", "build", "calibrate_missing", "load_maps", "run"]
+__all__ = ["ServeOptions", "add_arguments", "build", "calibrate_missing", "check_serve_extra", "load_maps",
+           "missing_serve_modules", "run"]
