@@ -5,56 +5,39 @@ base model of a PEFT adapter into the target's KV space.
     kv_map = KVMap.calibrate(source_model, target_model, calibration_ids)
     cache = MappedCache.from_source(source_model, kv_map, target_model, input_ids=prompt[:, :-1])
     out = target_model.generate(input_ids=prompt, cache=cache, max_new_tokens=32)
+
+The package's parts (each subpackage's docstring says what it owns and what it may import): ``modeling`` (facts
+about a model and running it), ``maps`` (the artifact and the one apply function), ``runtime`` (what runs at a
+switch), ``calibration`` (fitting and measuring maps), ``serving`` (the OpenAI-compatible server), ``lab`` (real
+models, text and provenance for measurements). Errors not exported here are in `peft_kvcache.errors`.
 """
 
 from ._version import __version__  # noqa: F401
-from .calibration import loop as _calibrate  # noqa: F401  (attaches KVMap.calibrate)
 from .errors import (
     ArtifactError,
     CacheMismatchError,
-    CalibrationError,
-    CLIUsageError,
-    EvaluationError,
     FingerprintMismatchError,
-    FixtureError,
-    IncompatibleModelsError,
-    NumericalError,
     PeftKVCacheError,
     QualityError,
-    RequestError,
-    ServerError,
     SessionError,
-    UnsupportedPositionalSchemeError,
 )
 from .maps.adapter_maps import AdapterMaps
 from .maps.config import CalibrationConfig, KVMapConfig, Refresh
 from .maps.kvmap import KVMap
+from .modeling.adapters import adapter_active, load_adapters
+from .modeling.capture import CapturedKV, run_with_cache
 from .runtime.cache import MappedCache
+from .runtime.check import ContextCheck, check_context, meets_quality, prefill_context
 from .runtime.sessions import AdapterSession, SharedPeftModel, TurnResult
 
 __all__ = [
-    "AdapterMaps",
-    "AdapterSession",
-    "CalibrationConfig",
-    "KVMap",
-    "KVMapConfig",
-    "MappedCache",
-    "Refresh",
-    "SharedPeftModel",
-    "TurnResult",
-    "PeftKVCacheError",
-    "ArtifactError",
-    "CacheMismatchError",
-    "CalibrationError",
-    "CLIUsageError",
-    "EvaluationError",
-    "FingerprintMismatchError",
-    "FixtureError",
-    "IncompatibleModelsError",
-    "NumericalError",
-    "QualityError",
-    "RequestError",
-    "ServerError",
+    # the artifact and the cache
+    "KVMap", "KVMapConfig", "CalibrationConfig", "Refresh", "MappedCache", "CapturedKV", "run_with_cache",
+    # PEFT adapters
+    "AdapterMaps", "AdapterSession", "SharedPeftModel", "TurnResult", "adapter_active", "load_adapters",
+    # quality at a switch
+    "meets_quality", "ContextCheck", "check_context", "prefill_context",
+    # the errors users catch (the rest: peft_kvcache.errors)
+    "PeftKVCacheError", "ArtifactError", "CacheMismatchError", "FingerprintMismatchError", "QualityError",
     "SessionError",
-    "UnsupportedPositionalSchemeError",
 ]

@@ -4,8 +4,9 @@ import pytest
 import torch
 from conftest import random_ids, tiny_model
 
-from peft_kvcache import CalibrationError, KVMap, MappedCache
+from peft_kvcache import KVMap, MappedCache
 from peft_kvcache.calibration.blend import blend_toward_source, choose_blend, source_cache_of
+from peft_kvcache.errors import CalibrationError
 from peft_kvcache.modeling.capture import run_with_cache
 
 

@@ -6,15 +6,8 @@ import pytest
 import torch
 from conftest import random_ids, tiny_model
 
-from peft_kvcache import (
-    CacheMismatchError,
-    CalibrationError,
-    FingerprintMismatchError,
-    IncompatibleModelsError,
-    KVMap,
-    MappedCache,
-    UnsupportedPositionalSchemeError,
-)
+from peft_kvcache import CacheMismatchError, FingerprintMismatchError, KVMap, MappedCache
+from peft_kvcache.errors import CalibrationError, IncompatibleModelsError, UnsupportedPositionalSchemeError
 from peft_kvcache.modeling._compat import cache_argument, output_cache, with_cache
 
 

@@ -19,15 +19,14 @@ from peft_kvcache import (
     AdapterSession,
     ArtifactError,
     CacheMismatchError,
-    CalibrationError,
     FingerprintMismatchError,
-    FixtureError,
     KVMap,
     MappedCache,
     SessionError,
     SharedPeftModel,
 )
 from peft_kvcache.calibration.loop import calibrate_adapters
+from peft_kvcache.errors import CalibrationError, FixtureError
 from peft_kvcache.modeling._compat import with_cache
 from peft_kvcache.modeling.adapters import adapter_active
 from peft_kvcache.modeling.capture import run_with_cache

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from peft_kvcache import CalibrationError, NumericalError
 from peft_kvcache.calibration.fit import SufficientStatistics, _Centered, fit_layers, solve_ridge
+from peft_kvcache.errors import CalibrationError, NumericalError
 from peft_kvcache.modeling.layout import KVLayout
 
 

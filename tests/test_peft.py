@@ -122,7 +122,7 @@ def test_save_and_load_round_trip(peft_pair, tmp_path):
 
 
 def test_calibrate_adapters_refuses_a_plain_model():
-    from peft_kvcache import CalibrationError
+    from peft_kvcache.errors import CalibrationError
 
     with pytest.raises(CalibrationError, match="PeftModel"):
         calibrate_adapters(tiny_model("llama"), random_ids(4, 16))

@@ -3,7 +3,7 @@ import torch
 from conftest import tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM, BloomConfig, GPT2Config, MistralConfig
 
-from peft_kvcache import UnsupportedPositionalSchemeError
+from peft_kvcache.errors import UnsupportedPositionalSchemeError
 from peft_kvcache.modeling.capture import run_with_cache
 from peft_kvcache.modeling.positions import (
     apply_rotary,

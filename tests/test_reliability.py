@@ -18,9 +18,10 @@ from safetensors.torch import save_file
 from test_artifacts import make_map
 
 import peft_kvcache
-from peft_kvcache import ArtifactError, CalibrationError, KVMap, NumericalError
+from peft_kvcache import ArtifactError, KVMap
 from peft_kvcache.calibration import loop as calibrate_module
 from peft_kvcache.calibration.fit import SufficientStatistics, _Centered, fit_layers
+from peft_kvcache.errors import CalibrationError, NumericalError
 from peft_kvcache.maps.apply import map_cache
 from peft_kvcache.modeling.layout import KVLayout
 

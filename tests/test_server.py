@@ -57,9 +57,9 @@ def fresh(served):
 
 
 def _entries(server) -> list[tuple]:
-    """The store's (variant, ids) once the model worker is idle (a reply is sent before its caches are kept)."""
+    """The store's (adapter, ids) once the model worker is idle (a reply is sent before its caches are kept)."""
     server.worker.submit(lambda: None).result(timeout=60)
-    return [(e.variant, e.ids.tolist()) for e in server.engine.store.entries()]
+    return [(e.adapter, e.ids.tolist()) for e in server.engine.store.entries()]
 
 
 def _prompt_ids(tokenizer, messages) -> torch.Tensor:
@@ -84,7 +84,7 @@ def _ask(api, model: str, messages: list[dict], stream: bool, max_tokens: int = 
     return text, extra, cached
 
 
-SOURCES = {"empty": "prefilled", "mapped": f"mapped:{NAME}", "same_adapter": "reused", "base": "reused"}
+SOURCES = {"prefilled": "prefilled", "mapped": f"mapped:{NAME}", "reused": "reused"}
 # (model, user message, stream): base, an adapter, the same adapter, a switch, back to base, a switch by alias
 SCRIPT = [(NAME, "Hello there, how are you?", False), ("first", "Tell me more.", True), ("first", "Go on", False),
           ("second", "Now you.", True), (NAME, "And the base?", False), (f"{NAME}:first", "Last one.", True)]
@@ -115,7 +115,7 @@ def test_a_conversation_switching_adapters_matches_adapter_session(stack, fresh,
         adapter = None if model == NAME else model.split(":")[-1]
         turn = session.turn(prompt[held:], adapter=adapter)
         assert reply == tokenizer.decode(turn.new_ids[0], skip_special_tokens=True)
-        source = SOURCES[turn.cache_source] if turn.cached_tokens else "prefilled"
+        source = SOURCES[turn.context_source] if turn.cached_tokens else "prefilled"
         assert (extra["context_source"], cached, extra["cached_tokens"]) == (source, turn.cached_tokens,
                                                                              turn.cached_tokens)
         seen.append(extra["context_source"])
@@ -341,19 +341,19 @@ def _kv(length: int, value: float = 0.0) -> CapturedKV:
     return CapturedKV([torch.full((1, 2, length, 4), value)], [torch.full((1, 2, length, 4), value)])
 
 
-def test_store_longest_prefix_lru_eviction_and_variants():
+def test_store_longest_prefix_lru_eviction_and_adapters():
     store = PrefixStore(max_bytes=3 * _kv(10).keys[0].nbytes * 2)  # three 10-token entries
     ids = torch.arange(10)
     store.add("a", ids, _kv(10))
     store.add("b", ids, _kv(10))
     assert store.longest("a", torch.tensor([0, 1, 2, 9]), limit=9)[1] == 3
-    assert store.longest(None, ids, limit=9) == (None, 0)  # never served to another variant
+    assert store.longest(None, ids, limit=9) == (None, 0)  # never served to another adapter
     assert store.longest("a", ids, limit=4)[1] == 4
     store.add("a", torch.arange(12), _kv(12))  # extends ("a", 0..9): replaces it
-    assert [(e.variant, len(e.ids)) for e in store.entries()] == [("b", 10), ("a", 12)]
+    assert [(e.adapter, len(e.ids)) for e in store.entries()] == [("b", 10), ("a", 12)]
     store.touch(store.entries()[0])  # "b" used: "a" is now the least recent
     store.add("c", ids + 50, _kv(10))
-    assert [e.variant for e in store.entries()] == ["b", "c"] and store.evictions == 1
+    assert [e.adapter for e in store.entries()] == ["b", "c"] and store.evictions == 1
     assert store.nbytes == sum(e.nbytes for e in store.entries()) <= store.max_bytes
     assert store.add("d", torch.arange(40), _kv(40)) is False  # larger than the bound: refused
     with pytest.raises(Exception, match="came with a cache of"):
@@ -367,9 +367,9 @@ def test_generate_never_writes_into_a_stored_entry(stack):
     prompt = _prompt_ids(tokenizer, [{"role": "user", "content": "untouched please"}])
     engine.run("first", prompt, {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 1})
     saved = [(e, [k.clone() for k in e.kv.keys + e.kv.values]) for e in engine.store.entries()]
-    assert {e.variant for e, _ in saved} == {"first", None}
-    sources = [engine.run(variant, prompt, {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 1}).source
-               for variant in ("first", None, "second", "first")]
+    assert {e.adapter for e, _ in saved} == {"first", None}
+    sources = [engine.run(adapter, prompt, {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 1}).context_source
+               for adapter in ("first", None, "second", "first")]
     assert sources == ["reused", "reused", "mapped", "reused"]  # every request read a stored entry
     for entry, tensors in saved:  # replaced or not, no tensor handed out was written
         assert all(torch.equal(now, then) for now, then in zip(entry.kv.keys + entry.kv.values, tensors))
@@ -381,11 +381,11 @@ def test_a_streamer_that_raises_leaves_the_store_as_it_was(stack):
     greedy = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 1}
     history = _prompt_ids(tokenizer, [{"role": "user", "content": "one"}])
     first = engine.run(None, history, greedy)
-    prompt = torch.cat([history, first.new_ids, _prompt_ids(tokenizer, [{"role": "user", "content": "two"}])])
+    prompt = torch.cat([history, first.new_ids[0], _prompt_ids(tokenizer, [{"role": "user", "content": "two"}])])
     reference = PrefixEngine(shared, PrefixStore(2**26))
     reference.run(None, history, greedy)
     expected = reference.run("second", prompt, greedy)
-    snapshot = [(e.variant, e.ids.clone(), [k.clone() for k in e.kv.keys]) for e in engine.store.entries()]
+    snapshot = [(e.adapter, e.ids.clone(), [k.clone() for k in e.kv.keys]) for e in engine.store.entries()]
 
     class Failing:
         puts = 0
@@ -401,14 +401,14 @@ def test_a_streamer_that_raises_leaves_the_store_as_it_was(stack):
     with pytest.raises(KeyboardInterrupt):
         engine.run("second", prompt, greedy, streamer=Failing())
     after = engine.store.entries()
-    assert [(v, i.tolist()) for v, i, _ in snapshot] == [(e.variant, e.ids.tolist()) for e in after]
+    assert [(v, i.tolist()) for v, i, _ in snapshot] == [(e.adapter, e.ids.tolist()) for e in after]
     assert all(torch.equal(a, b) for (_, _, keys), e in zip(snapshot, after) for a, b in zip(keys, e.kv.keys))
     again = engine.run("second", prompt, greedy)
-    assert torch.equal(again.new_ids, expected.new_ids) and again.source == expected.source == "mapped"
+    assert torch.equal(again.new_ids, expected.new_ids) and again.context_source == expected.context_source == "mapped"
 
 
 def test_exact_and_no_reuse_modes(stack):
-    """The benchmark's baselines: "exact" reuses only the same variant's caches (a switch prefills), "none"
+    """The benchmark's baselines: "exact" reuses only the same adapter's caches (a switch prefills), "none"
     never reuses; both give the same greedy replies as full prefill for the same prompt."""
     shared, tokenizer = stack
     greedy = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 1}
@@ -416,11 +416,11 @@ def test_exact_and_no_reuse_modes(stack):
     exact, none = PrefixEngine(shared, PrefixStore(2**26), "exact"), PrefixEngine(shared, PrefixStore(2**26), "none")
     for engine in (exact, none):
         base = engine.run(None, prompt, greedy)
-        follow = torch.cat([prompt, base.new_ids, _prompt_ids(tokenizer, [{"role": "user", "content": "next"}])])
+        follow = torch.cat([prompt, base.new_ids[0], _prompt_ids(tokenizer, [{"role": "user", "content": "next"}])])
         switched, same = engine.run("first", follow, greedy), engine.run(None, follow, greedy)
-        assert switched.source == "prefilled" and switched.cached_tokens == 0
-        assert (same.source, same.cached_tokens > 0) == (("reused", True) if engine is exact else ("prefilled", False))
-    assert len(none.store) == 0 and {e.variant for e in exact.store.entries()} == {None, "first"}
+        assert switched.context_source == "prefilled" and switched.cached_tokens == 0
+        assert (same.context_source, same.cached_tokens > 0) == (("reused", True) if engine is exact else ("prefilled", False))
+    assert len(none.store) == 0 and {e.adapter for e in exact.store.entries()} == {None, "first"}
 
 
 # ----- the command line -----

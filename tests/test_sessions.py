@@ -61,9 +61,9 @@ def test_switching_matches_full_reprefill_when_maps_are_exact(zero_shared, keep_
         before = session.ids
         turn = session.turn(message[:, :length], adapter=adapter)
         expected = _full_reprefill(zero_shared.model, torch.cat([before, message[:, :length]], 1), adapter)
-        assert torch.equal(turn.new_ids, expected), (adapter, turn.cache_source)
-        sources.append(turn.cache_source)
-    assert sources == ["empty", "mapped", "base", "mapped", "same_adapter", "mapped"]
+        assert torch.equal(turn.new_ids, expected), (adapter, turn.context_source)
+        sources.append(turn.context_source)
+    assert sources == ["prefilled", "mapped", "reused", "mapped", "reused", "mapped"]
     assert session.base_cached_tokens == session.ids.shape[1] - 1
 
 
@@ -80,7 +80,7 @@ def test_a_switch_never_prefills_the_history(real_shared):
             turn = session.turn(random_ids(1, m, seed=2)[0], adapter=adapter)
             g = turn.new_ids.shape[1]
             # sink (mapped turns) + the new message and the last reply token + decode steps + base catch-up
-            sink = 1 if turn.cache_source == "mapped" else 0
+            sink = 1 if turn.context_source == "mapped" else 0
             catch_up = m + g if adapter is not None else 0
             assert sum(counted) == sink + (m + 1) + (g - 1) + catch_up, (adapter, counted)
             assert max(counted) <= m + g < 60
@@ -142,16 +142,15 @@ def test_feed_gives_the_full_prefill_logits_when_maps_are_exact(zero_shared):
     assert session.base_cached_tokens == session.ids.shape[1]
 
 
-def test_default_policy_maps_back_and_serves_base_turns(real_shared):
-    """Default keep_base="reverse_map": no model tokens for the catch-up after an adapter's turn, and the
-    base model's turn then runs on the mapped-back cache (only its new tokens are computed)."""
-    session = AdapterSession(real_shared, **GEN)
-    assert session.keep_base == "reverse_map"
+def test_the_reverse_map_policy_maps_back_and_serves_base_turns(real_shared):
+    """keep_base="reverse_map": no model tokens for the catch-up after an adapter's turn, and the base model's
+    turn then runs on the mapped-back cache (only its new tokens are computed)."""
+    session = AdapterSession(real_shared, keep_base="reverse_map", **GEN)
     session.turn(random_ids(1, 30, seed=1)[0], adapter=None)
     turn = session.turn(random_ids(1, 5, seed=2)[0], adapter="strong")
-    assert turn.model_tokens["keep_base"] == 0 and turn.cache_source == "mapped"
+    assert turn.model_tokens["keep_base"] == 0 and turn.context_source == "mapped"
     turn = session.turn(random_ids(1, 5, seed=3)[0], adapter=None)
-    assert turn.cache_source == "base" and turn.model_tokens["generate_prompt"] == 6
+    assert turn.context_source == "reused" and turn.model_tokens["generate_prompt"] == 6
 
 
 def test_generation_gets_the_prompt_and_its_mask_on_the_models_device():
@@ -176,3 +175,15 @@ def test_generation_gets_the_prompt_and_its_mask_on_the_models_device():
     output = generate_on_cache(model, torch.ones(1, 4, dtype=torch.long), MappedCache(), max_new_tokens=1)
     assert model.seen == {"ids": torch.device("meta"), "mask": torch.device("meta"), "cache": True}
     assert output.device == torch.device("cpu")
+
+
+def test_sessions_keep_an_exact_base_cache_by_default_as_the_server_does(real_shared):
+    """The default keep_base is "prefill" for sessions and the server alike: after an adapter's turn the base
+    model runs over the new tokens, and its next turn continues an exact base cache."""
+    from peft_kvcache.serving.prefix_store import PrefixEngine, PrefixStore
+
+    session = AdapterSession(real_shared, **GEN)
+    assert session.keep_base == PrefixEngine(real_shared, PrefixStore(2**20)).keep_base == "prefill"
+    session.turn(random_ids(1, 30, seed=1)[0], adapter=None)
+    turn = session.turn(random_ids(1, 5, seed=2)[0], adapter="strong")
+    assert turn.model_tokens["keep_base"] > 0 and session.base_cached_tokens == session.ids.shape[1] - 1

@@ -1,5 +1,5 @@
 """Calibration: capture -> statistics -> fit -> `KVMap`, one loop for sibling pairs and for a base model and its
-adapters alike (`KVMap.calibrate` delegates here).
+adapters alike (`KVMap.calibrate` and `AdapterMaps.calibrate` delegate here).
 
 The loop (`collect`) runs the models over the calibration chunks of each split and hands their caches to an
 accumulator; it checkpoints the accumulator's state (`peft_kvcache.calibration.checkpoint`) so an interrupted run resumes
@@ -416,10 +416,6 @@ def calibrate_adapters(model: torch.nn.Module, calibration_data, tokenizer=None,
     logger.info("calibrated %d adapter maps in %.1fs", len(maps.all()), seconds)
     return maps
 
-
-# The artifact does not know how it is fitted; calibration gives it the public `KVMap.calibrate(...)` spelling
-# (the package imports this module, so the attribute is there whenever peft_kvcache is).
-KVMap.calibrate = staticmethod(calibrate)
 
 __all__ = ["BASE", "CalibrationTexts", "ModelSide", "StatisticsRun", "build_map", "calibrate", "calibrate_adapters",
            "collect", "heldout_flags", "join_process_group", "resolve_config", "stacked_features"]

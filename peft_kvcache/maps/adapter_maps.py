@@ -34,6 +34,21 @@ class AdapterMaps:
     to_adapter: dict[str, KVMap] = field(default_factory=dict)
     to_base: dict[str, KVMap] = field(default_factory=dict)
 
+    @classmethod
+    def calibrate(cls, model, calibration_data, tokenizer=None, adapters: Sequence[str] | None = None, config=None,
+                  **options) -> "AdapterMaps":
+        """Fit base -> adapter (and adapter -> base) maps for the adapters of the `PeftModel` ``model`` in one pass
+        over ``calibration_data``; ``adapters`` default to every adapter but Activated LoRAs. See
+        `peft_kvcache.calibration.loop.calibrate_adapters` for every option.
+
+        Example:
+            >>> maps = AdapterMaps.calibrate(peft_model, texts, tokenizer)   # doctest: +SKIP
+            >>> maps.save_pretrained("maps", "smollm2-135m-instruct")        # doctest: +SKIP
+        """
+        from ..calibration.loop import calibrate_adapters  # fitting is calibration's, imported when asked
+
+        return calibrate_adapters(model, calibration_data, tokenizer, adapters, config, **options)
+
     def all(self) -> list[tuple[str, bool, KVMap]]:
         """``(adapter, reverse, map)`` for every map, base -> adapter first."""
         return [(a, False, m) for a, m in self.to_adapter.items()] + [(a, True, m) for a, m in self.to_base.items()]

@@ -1,7 +1,12 @@
 """`KVMap`: the fitted artifact. A folder that is exactly what goes to the Hub: ``config.json``,
-``model.safetensors`` (never pickle) and a ``README.md`` model card, saved and pushed through
-huggingface_hub's `ModelHubMixin` and resolved from the Hub with ``snapshot_download``. Imports no code
-that calibrates or runs models: calibration builds a `KVMap`, the mapping path reads one."""
+``model.safetensors`` (never pickle) and a ``README.md`` model card, saved atomically, pushed with one
+``upload_folder`` commit and resolved from the Hub with ``snapshot_download`` (huggingface_hub owns the Hub; this
+module only says what goes in the folder). It does not subclass huggingface_hub's ``ModelHubMixin``: the mixin's
+``from_pretrained`` parses config.json itself before any hook runs and its ``save_pretrained`` deletes config.json
+in the live folder before writing, which would break the validation and the atomic save below.
+
+Imports no code that calibrates or runs models: calibration builds a `KVMap` (`KVMap.calibrate` imports it when
+called), the mapping path reads one."""
 
 from __future__ import annotations
 
@@ -9,11 +14,11 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
-from huggingface_hub import ModelHubMixin, snapshot_download
+from huggingface_hub import snapshot_download
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
@@ -34,12 +39,12 @@ _MAX_CONFIG_BYTES = 64 * 2**20
 _FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
 
-class KVMap(ModelHubMixin, library_name="peft-kvcache", tags=["kv-cache", "kv-cache-mapping"]):
+class KVMap:
     """A fitted source -> target KV map: per target layer and kind (keys/values) a ``[D_in, kv_heads *
     head_dim]`` weight and a bias, applied to the position-free features of the chosen source layers.
 
-    ``KVMap.calibrate(source_model, target_model, data, ...)`` fits one (`peft_kvcache.calibration.loop.calibrate`; the
-    calibration module attaches it, the artifact does not know how it is fitted).
+    `KVMap.calibrate` fits one; `from_pretrained` / `save_pretrained` / `push_to_hub` move it between folders and
+    the Hub.
 
     Example:
         >>> kv_map = KVMap.from_pretrained("hub_cards/qwen2.5-coder-0.5b-to-1.5b-top2")   # doctest: +SKIP
@@ -51,6 +56,21 @@ class KVMap(ModelHubMixin, library_name="peft-kvcache", tags=["kv-cache", "kv-ca
         self.tensors = tensors
         self._placed: dict[tuple, tuple[torch.Tensor, ...]] = {}
         self._validate_tensors()
+
+    @classmethod
+    def calibrate(cls, source_model: torch.nn.Module, target_model: torch.nn.Module, calibration_data,
+                  tokenizer=None, config=None, **options) -> "KVMap":
+        """Fit a map from ``source_model`` to ``target_model`` on ``calibration_data`` (texts with ``tokenizer``, 1-D
+        token id tensors, or a mapping name -> either); ``config`` is a `CalibrationConfig` and keyword ``options``
+        override its fields (``top_k=2``) or set the loop's own (``checkpoint_dir``, ``progress``, ...). See
+        `peft_kvcache.calibration.loop.calibrate` for every option.
+
+        Example:
+            >>> kv_map = KVMap.calibrate(small_model, large_model, texts, tokenizer, top_k=2)   # doctest: +SKIP
+        """
+        from ..calibration.loop import calibrate  # the artifact does not know how it is fitted until asked
+
+        return calibrate(source_model, target_model, calibration_data, tokenizer, config, **options)
 
     # ----- what the mapping path reads -----
 
@@ -133,33 +153,20 @@ class KVMap(ModelHubMixin, library_name="peft-kvcache", tags=["kv-cache", "kv-ca
                     f"the {role} model {model_name(model)!r} uses other RoPE frequencies ({spec.describe()}) "
                     f"than this map was fitted with ({stored.describe()})")
 
-    # ----- save / load (huggingface_hub's ModelHubMixin hooks) -----
-
-    def _save_pretrained(self, save_directory: Path) -> None:
-        """Write ``model.safetensors`` and ``config.json`` (the mixin adds the card)."""
-        save_file({k: v.contiguous() for k, v in self.tensors.items()}, save_directory / WEIGHTS_NAME,
-                  metadata={"format": "pt", "peft_kvcache_format": str(FORMAT_VERSION)})
-        (save_directory / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
-
-    def generate_model_card(self, *args, repo_id: str | None = None, chart: bool = False, **kwargs):
-        """The map's model card (`peft_kvcache.maps.card.render_card`); its usage snippet loads ``repo_id``."""
-        dtype = str(self.tensors["keys.0.weight"].dtype).removeprefix("torch.")
-        return render_card(self.config, repo_id or "path/to/this/map", chart=chart, weights_dtype=dtype)
+    # ----- save / load / push -----
 
     def save_pretrained(self, save_directory: str | os.PathLike, *, repo_id: str | None = None, chart: bool = True,
-                        overwrite: bool = False, config: Any = None, model_card_kwargs: dict | None = None,
-                        push_to_hub: bool = False, **push_to_hub_kwargs) -> Path:
+                        overwrite: bool = False, push_to_hub: bool = False, **push_to_hub_kwargs) -> Path:
         """Write ``config.json``, ``model.safetensors``, ``README.md`` (its usage snippet loads ``repo_id``, default:
         the folder's name) and, with ``chart``, the layer chart. Returns the folder (``push_to_hub=True`` also
-        uploads it to ``repo_id``).
+        uploads it to ``repo_id``, see `push_to_hub`).
 
         The folder is replaced atomically: the map is written into a staging folder beside it which then takes
         its place, so a reader finds the complete old map or the complete new one, never a mix (and, where the
         system can swap two folders in one step, as Linux can, never nothing); a save killed halfway is cleaned up
         (or undone) by the next save or load. A config that would not load again is refused before anything is
-        written. Files in the folder that are not
-        the map's are kept. A folder that exists and is not a KV map (a model's folder, say) is refused unless
-        ``overwrite=True``.
+        written. Files in the folder that are not the map's are kept. A folder that exists and is not a KV map (a
+        model's folder, say) is refused unless ``overwrite=True``.
 
         Example:
             >>> kv_map.save_pretrained("maps/qwen-0.5b-to-1.5b", repo_id="org/qwen-0.5b-to-1.5b-kvmap")  # doctest: +SKIP
@@ -169,19 +176,22 @@ class KVMap(ModelHubMixin, library_name="peft-kvcache", tags=["kv-cache", "kv-ca
             target = target.resolve()
         if target.exists() and not target.is_dir():
             raise ArtifactError(f"cannot save a map to {target}: it is a file, not a folder")
+        config_text = json.dumps(self.config.to_dict(), indent=2) + "\n"
         # a map built in Python (e.g. an edited config) must load again: the check `from_pretrained` will run
-        KVMapConfig.from_dict(json.loads(json.dumps(self.config.to_dict())), "the map's config (not saved)")
+        KVMapConfig.from_dict(json.loads(config_text), "the map's config (not saved)")
         recover_folder(target, _complete)
         if target.is_dir() and any(target.iterdir()) and not is_map_folder(target) and not overwrite:
             raise ArtifactError(f"{target} exists and is not a KV map folder (no peft-kvcache config.json): "
                                 "refusing to replace it; pass overwrite=True or choose another folder")
-        card_kwargs = {"repo_id": repo_id or (model_card_kwargs or {}).get("repo_id") or target.name,
-                       "chart": False}
         staging = staging_folder(target)
         try:
-            if chart:
-                card_kwargs["chart"] = plot_layer_selection(self.config, staging / CHART_NAME) is not None
-            super().save_pretrained(staging, model_card_kwargs=card_kwargs)
+            has_chart = chart and plot_layer_selection(self.config, staging / CHART_NAME) is not None
+            save_file({k: v.contiguous() for k, v in self.tensors.items()}, staging / WEIGHTS_NAME,
+                      metadata={"format": "pt", "peft_kvcache_format": str(FORMAT_VERSION)})
+            (staging / CONFIG_NAME).write_text(config_text)
+            dtype = str(self.tensors["keys.0.weight"].dtype).removeprefix("torch.")
+            render_card(self.config, repo_id or target.name, chart=has_chart, weights_dtype=dtype).save(
+                staging / CARD_NAME)
             for path in staging.iterdir():  # safetensors writes its file 0600: give every file the umask's mode
                 os.chmod(path, 0o666 & ~UMASK)
             if target.is_dir():
@@ -195,7 +205,8 @@ class KVMap(ModelHubMixin, library_name="peft-kvcache", tags=["kv-cache", "kv-ca
         return target
 
     def push_to_hub(self, repo_id: str, *, branch: str | None = None, token: str | None = None,
-                    **kwargs) -> str:
+                    private: bool | None = None, commit_message: str = "Upload KV map",
+                    create_pr: bool | None = None) -> str:
         """Create (if needed) the Hub repo ``repo_id`` and the ``branch``, and upload the map's folder with its card
         (whose usage snippet loads ``repo_id``) in one commit. Returns the commit URL.
 
@@ -204,12 +215,14 @@ class KVMap(ModelHubMixin, library_name="peft-kvcache", tags=["kv-cache", "kv-ca
         """
         from huggingface_hub import HfApi
 
+        api = HfApi(token=token)
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
         if branch is not None:
-            api = HfApi(token=token)
-            repo_id = api.create_repo(repo_id, private=kwargs.get("private"), exist_ok=True).repo_id
             api.create_branch(repo_id, branch=branch, exist_ok=True)
-        info = super().push_to_hub(repo_id, branch=branch, token=token, model_card_kwargs={"repo_id": repo_id},
-                                   **kwargs)
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = self.save_pretrained(Path(tmp) / repo_id.split("/")[-1], repo_id=repo_id)
+            info = api.upload_folder(repo_id=repo_id, repo_type="model", folder_path=folder,
+                                     commit_message=commit_message, revision=branch, create_pr=create_pr)
         logger.info("pushed map %s -> %s to %s", self.config.source_name, self.config.target_name, repo_id)
         return str(getattr(info, "commit_url", None) or info)
 
@@ -227,19 +240,8 @@ class KVMap(ModelHubMixin, library_name="peft-kvcache", tags=["kv-cache", "kv-ca
         Example:
             >>> kv_map = KVMap.from_pretrained("org/qwen-0.5b-to-1.5b-kvmap", revision="v1")  # doctest: +SKIP
         """
-        return cls._from_pretrained(model_id=str(pretrained_model_name_or_path), revision=revision,
-                                    cache_dir=cache_dir, force_download=force_download,
-                                    local_files_only=local_files_only, token=token)
-
-    @classmethod
-    def _from_pretrained(cls, *, model_id: str, revision: str | None, cache_dir, force_download: bool,
-                         local_files_only: bool, token, **kwargs) -> "KVMap":
-        folder = resolve_map_folder(model_id, revision=revision, cache_dir=cache_dir, force_download=force_download,
-                                    local_files_only=local_files_only, token=token)
-        return cls._load_folder(folder)
-
-    @classmethod
-    def _load_folder(cls, folder: Path) -> "KVMap":
+        folder = resolve_map_folder(pretrained_model_name_or_path, revision=revision, cache_dir=cache_dir,
+                                    force_download=force_download, local_files_only=local_files_only, token=token)
         config_path, weights_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
         for path in (config_path, weights_path):
             if not path.is_file():

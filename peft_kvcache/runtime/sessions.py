@@ -11,10 +11,12 @@ State kept per session, so that any adapter can take the next turn:
 After an adapter's turn the base cache must catch up with the new tokens (the user message and the reply).
 Two policies (``keep_base=``), compared by ``benchmarks/adapters.py``:
 
-- ``"reverse_map"`` (default): the adapter's KV of the new tokens is mapped back with the adapter -> base
-  map; no model runs over them. Base turns are then no longer exact.
-- ``"prefill"``: the base model runs over just the new tokens, attending to its own cache: an exact base
-  cache (base turns match a full prefill), at the price of a pass over the new tokens.
+- ``"prefill"`` (default, as in the server): the base model runs over just the new tokens, attending to its own
+  cache: an exact base cache (base turns match a full prefill, and every switch maps from an exact base cache), at
+  the price of a pass over the new tokens;
+- ``"reverse_map"``: the adapter's KV of the new tokens is mapped back with the adapter -> base map; no model
+  runs over them. Base turns are then no longer exact (the server's load benchmark measured base replies drifting
+  on mapped-back caches), so it is an explicit choice.
 
 A turn is a transaction: if it raises (out of memory, Ctrl-C, a streamer or a client that fails), the
 session's ids and caches are exactly as before it and the next turn equals that of a session that never
@@ -61,6 +63,10 @@ logger = logging.getLogger(__name__)
 
 KeepBase = Literal["prefill", "reverse_map"]
 KEEP_BASE: tuple[str, ...] = get_args(KeepBase)
+# Where the context of a turn came from: a cache the same model built ("reused"), another model's cache mapped by a
+# KVMap ("mapped"), the base model's cache reused as is by an Activated LoRA ("shared"), or nothing ("prefilled").
+ContextSource = Literal["reused", "mapped", "shared", "prefilled"]
+CONTEXT_SOURCES: tuple[str, ...] = get_args(ContextSource)
 
 
 class SharedPeftModel:
@@ -98,16 +104,19 @@ class SharedPeftModel:
 
 @dataclass
 class TurnResult:
-    """What one turn did: the generated ids and where the time went."""
+    """What one turn did (a session's turn or a server's request): who answered, the generated ids, where the
+    context came from and where the time went."""
 
-    adapter: str | None
+    adapter: str | None  # the adapter that answered (None: the base model)
     new_ids: torch.Tensor  # [1, generated]
-    first_token_seconds: float  # from the call to the first generated token (cache preparation included)
-    prepare_seconds: float  # mapping (or nothing, when the cache was reused)
-    keep_seconds: float  # bringing the base cache up to date after the turn
-    cache_source: str  # "base" | "mapped" | "same_adapter" | "activated_lora" | "empty"
+    prompt_tokens: int  # the whole prompt: history and new tokens
+    context_source: ContextSource
+    cached_tokens: int  # prompt tokens that were not prefilled (reused, mapped or shared)
+    first_token_seconds: float  # from the call (a server: the request's arrival) to the first generated token
+    prepare_seconds: float  # finding and mapping the cache (nothing when it was reused)
+    keep_seconds: float = 0.0  # bringing the base cache up to date after the turn
     model_tokens: dict[str, int] = field(default_factory=dict)  # tokens the model ran over, per phase
-    cached_tokens: int = 0  # prompt tokens that were not prefilled (reused or mapped)
+    cancelled: bool = False  # generation ended early because the caller said so (nothing was kept)
 
 
 class FirstTokenTimer(BaseStreamer):
@@ -143,9 +152,9 @@ class AdapterSession:
 
     Args:
         shared: the shared model and maps.
-        keep_base: how the base cache catches up after an adapter's turn: ``"reverse_map"`` (default; falls
-            back to prefill for adapters without a reverse map, for Activated LoRAs and for the sink) or
-            ``"prefill"`` (exact base cache).
+        keep_base: how the base cache catches up after an adapter's turn: ``"prefill"`` (default: an exact base
+            cache) or ``"reverse_map"`` (no model pass; falls back to prefill for adapters without a reverse map,
+            for Activated LoRAs and for the sink).
         generation_kwargs: defaults for ``generate`` (e.g. ``max_new_tokens``, ``eos_token_id``).
 
     Example:
@@ -153,7 +162,7 @@ class AdapterSession:
         >>> session.turn(user_ids, adapter="docstring").new_ids                            # doctest: +SKIP
     """
 
-    def __init__(self, shared: SharedPeftModel, keep_base: KeepBase = "reverse_map", **generation_kwargs):
+    def __init__(self, shared: SharedPeftModel, keep_base: KeepBase = "prefill", **generation_kwargs):
         check_keep_base(keep_base)
         self.shared = shared
         self.keep_base = keep_base
@@ -254,7 +263,8 @@ class AdapterSession:
             tokens["keep_base"] = kept
         keep_seconds = time.perf_counter() - keep_started
         logger.debug("turn adapter=%s source=%s tokens=%s", adapter, source, tokens)
-        return TurnResult(adapter, generated, timer.seconds, prepare_seconds, keep_seconds, source, tokens, cached)
+        return TurnResult(adapter, generated, prompt.shape[1], source if cached else "prefilled", cached, timer.seconds,
+                          prepare_seconds, keep_seconds, tokens)
 
     def _after(self, adapter: str | None, cache: MappedCache) -> int | None:
         """Keep the caches of the turn just taken; returns the model tokens the base catch-up cost (adapters)."""
@@ -264,15 +274,15 @@ class AdapterSession:
         self._last = (adapter, cache)
         return self._catch_up_base(adapter, cache)
 
-    def _cache_for(self, adapter: str | None, prompt: torch.Tensor) -> tuple[MappedCache, str, int]:
+    def _cache_for(self, adapter: str | None, prompt: torch.Tensor) -> tuple[MappedCache, ContextSource, int]:
         """The cache the turn starts from, what it came from, and the tokens a model ran over to build it."""
         if adapter is None:
-            return self._base_cache, "base", 0
+            return self._base_cache, "reused", 0
         if self._last is not None and self._last[0] == adapter:
-            return self._last[1], "same_adapter", 0
+            return self._last[1], "reused", 0
         length = self._base_cache.get_seq_length()
         if length == 0:
-            return MappedCache(), "empty", 0
+            return MappedCache(), "prefilled", 0
         return cache_from_base(self.shared, adapter, self._base_cache, prompt[:, :length])
 
     def _catch_up_base(self, adapter: str, adapter_cache: MappedCache) -> int:
@@ -299,11 +309,11 @@ def check_keep_base(keep_base: str, error: type[Exception] = SessionError) -> No
 
 
 def cache_from_base(shared: SharedPeftModel, adapter: str, base_cache: MappedCache,
-                    context_ids: torch.Tensor) -> tuple[MappedCache, str, int]:
+                    context_ids: torch.Tensor) -> tuple[MappedCache, ContextSource, int]:
     """``adapter``'s cache of ``context_ids`` ``[1, k]`` built from the base model's cache of them (it must
     cover exactly those ``k`` tokens): reused as is for an Activated LoRA (its prefix KV *is* the base's),
     else mapped with the base -> adapter map, the adapter computing the sink itself. Returns the cache, its
-    source (``"activated_lora"`` or ``"mapped"``) and the tokens a model ran over to build it. The caller
+    source (``"shared"`` or ``"mapped"``) and the tokens a model ran over to build it. The caller
     holds the model's lock; ``base_cache`` is read, never changed.
 
     Example:
@@ -312,7 +322,7 @@ def cache_from_base(shared: SharedPeftModel, adapter: str, base_cache: MappedCac
     """
     model = shared.model
     if is_activated_lora(model, adapter):
-        return base_cache.copy(), "activated_lora", 0
+        return base_cache.copy(), "shared", 0
     kv_map = shared.map_to(adapter)
     with adapter_active(model, adapter):
         mapped = MappedCache.from_source(base_cache, kv_map, model, input_ids=context_ids)
@@ -320,7 +330,7 @@ def cache_from_base(shared: SharedPeftModel, adapter: str, base_cache: MappedCac
 
 
 def catch_up_base(shared: SharedPeftModel, adapter: str, base_cache: MappedCache, adapter_cache: MappedCache,
-                  ids: torch.Tensor, keep_base: KeepBase = "reverse_map") -> int:
+                  ids: torch.Tensor, keep_base: KeepBase = "prefill") -> int:
     """Extend ``base_cache`` (a prefix of ``ids`` ``[1, n]``) up to what ``adapter_cache`` covers (at most
     ``ids[:, :-1]``), in place: by the adapter -> base map from the adapter's KV of the new tokens
     (``"reverse_map"``; no model runs) or by a base pass over them (``"prefill"``, and always for Activated
@@ -350,5 +360,5 @@ def catch_up_base(shared: SharedPeftModel, adapter: str, base_cache: MappedCache
     return 0
 
 
-__all__ = ["KEEP_BASE", "AdapterSession", "FirstTokenTimer", "KeepBase", "SharedPeftModel", "TurnResult",
+__all__ = ["CONTEXT_SOURCES", "KEEP_BASE", "AdapterSession", "ContextSource", "FirstTokenTimer", "KeepBase", "SharedPeftModel", "TurnResult",
            "cache_from_base", "catch_up_base", "check_keep_base", "generate_on_cache"]

@@ -10,7 +10,7 @@ Endpoints: ``GET /v1/models`` (the base model, then each adapter with the base a
 ``GET /metrics`` (Prometheus), ``GET /health`` and a chat page at ``/``.
 
 Each response says how its context was obtained: the field ``peft_kvcache`` of the body (and of the last
-stream chunk) holds ``context_source`` (``"reused"``: a cache of the same model variant; ``"mapped:<model>"``:
+stream chunk) holds ``context_source`` (``"reused"``: a cache of the same model; ``"mapped:<model>"``:
 ``<model>``'s cache mapped into the adapter; ``"shared:<model>"``: an Activated LoRA reusing ``<model>``'s
 cache as is; ``"prefilled"``: nothing cached), ``cached_tokens``, ``ttft_seconds`` (from the request's arrival
 to the first generated token, waiting for the model included) and ``queue_seconds``; the headers
@@ -49,6 +49,7 @@ from starlette.exceptions import HTTPException
 
 from ..errors import RequestError
 from ..modeling.identity import base_name
+from ..runtime.sessions import TurnResult
 from .openai_api import (
     DONE_EVENT,
     TextDeltas,
@@ -60,14 +61,13 @@ from .openai_api import (
     render_prompt,
     usage,
 )
-from .prefix_store import Generation, PrefixEngine
+from .prefix_store import PrefixEngine
 
 logger = logging.getLogger(__name__)
 
 HEADER_CONTEXT, HEADER_CACHED, HEADER_TTFT = ("X-PEFT-KVCache-Context", "X-PEFT-KVCache-Cached-Tokens",
                                               "X-PEFT-KVCache-TTFT")
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-SOURCE_KIND = {"reused": "reused", "mapped": "mapped", "activated_lora": "shared", "prefilled": "prefilled"}
 
 
 class Metrics:
@@ -97,18 +97,17 @@ class Metrics:
 
         registry.register(StoreCollector())
 
-    def record(self, model: str, result: Generation) -> None:
-        kind = SOURCE_KIND[result.source]
-        self.ttft.labels(kind).observe(result.first_token_seconds)
-        cached_kind = "mapped" if result.source == "mapped" else "reused"
+    def record(self, model: str, result: TurnResult) -> None:
+        self.ttft.labels(result.context_source).observe(result.first_token_seconds)
+        cached_kind = "mapped" if result.context_source == "mapped" else "reused"
         self.prompt_tokens.labels(cached_kind).inc(result.cached_tokens)
         self.prompt_tokens.labels("prefilled").inc(result.prompt_tokens - result.cached_tokens)
-        self.completion_tokens.labels(model).inc(result.new_ids.shape[0])
+        self.completion_tokens.labels(model).inc(result.new_ids.shape[1])
 
 
 class _Job:
     """One request's link between the event loop and the model worker: the worker pushes events
-    (``("first", seconds)``, ``("delta", text)``, ``("done", Generation)``, ``("error", exception)``)."""
+    (``("first", seconds)``, ``("delta", text)``, ``("done", TurnResult)``, ``("error", exception)``)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, tokenizer, stop: list[str], arrival: float):
         self.loop, self.events, self.arrival = loop, asyncio.Queue(), arrival
@@ -142,7 +141,7 @@ class ChatServer:
 
     # ----- request -> model work -----
 
-    def variant_of(self, model: str) -> str | None:
+    def adapter_of(self, model: str) -> str | None:
         """The adapter named by ``model`` (None: the base model); a `RequestError` (404) for an unknown one."""
         if model == self.model_name:
             return None
@@ -169,11 +168,11 @@ class ChatServer:
             return {**kwargs, "do_sample": False}
         return {**kwargs, "do_sample": True, "temperature": temperature, "top_p": request.top_p or 1.0, "top_k": 0}
 
-    def work(self, job: _Job, variant: str | None, prompt, kwargs: dict, seed: int | None) -> None:
+    def work(self, job: _Job, adapter: str | None, prompt, kwargs: dict, seed: int | None) -> None:
         """Run on the model worker: generate, report, and keep the caches (after "done" is pushed)."""
         done = False
 
-        def report(result: Generation) -> None:
+        def report(result: TurnResult) -> None:
             nonlocal done
             done = True
             job.push("done", result)
@@ -182,7 +181,7 @@ class ChatServer:
             job.started = time.perf_counter()
             if job.cancelled:  # its client left while it waited
                 return
-            self.engine.run(variant, prompt, kwargs, streamer=job.deltas, should_stop=lambda: job.deltas.stop_hit,
+            self.engine.run(adapter, prompt, kwargs, streamer=job.deltas, should_stop=lambda: job.deltas.stop_hit,
                             cancelled=lambda: job.cancelled, started=job.arrival, seed=seed,
                             on_prepared=lambda *prepared: setattr(job, "prepared", prepared), on_generated=report)
         except BaseException as err:  # noqa: BLE001 - reported to the request, never to the worker
@@ -196,7 +195,7 @@ class ChatServer:
         """The public name of a context source (see the module's docstring)."""
         if not cached_tokens:
             return "prefilled"
-        named = {"mapped": f"mapped:{self.model_name}", "activated_lora": f"shared:{self.model_name}"}
+        named = {"mapped": f"mapped:{self.model_name}", "shared": f"shared:{self.model_name}"}
         return named.get(source, source)
 
 
@@ -257,8 +256,8 @@ def create_app(engine: PrefixEngine, tokenizer, model_name: str | None = None, m
         label = "unknown"
         try:
             body = parse_chat_request(decode_json(await request.body()))
-            variant = server.variant_of(body.model)
-            label = variant or server.model_name
+            adapter = server.adapter_of(body.model)
+            label = adapter or server.model_name
             prompt = render_prompt(tokenizer, body.messages)
             kwargs = server.generation_kwargs(body, prompt.shape[0])
         except RequestError as err:
@@ -266,7 +265,7 @@ def create_app(engine: PrefixEngine, tokenizer, model_name: str | None = None, m
             raise
         job = _Job(asyncio.get_running_loop(), tokenizer, body.stop_strings(), arrival)
         server.jobs.add(job)
-        server.worker.submit(server.work, job, variant, prompt, kwargs, body.seed)
+        server.worker.submit(server.work, job, adapter, prompt, kwargs, body.seed)
         reply = _Reply(server, job, body, label)
         kind, payload = await job.events.get()
         while kind == "delta" or (kind == "first" and not body.stream):  # a stream starts at its first token
@@ -293,20 +292,20 @@ class _Reply:
         self.server, self.job, self.body, self.label = server, job, body, label
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-    def extra(self, result: Generation) -> dict:
-        return {"context_source": self.server.context_source(result.source, result.cached_tokens),
+    def extra(self, result: TurnResult) -> dict:
+        return {"context_source": self.server.context_source(result.context_source, result.cached_tokens),
                 "cached_tokens": result.cached_tokens, "ttft_seconds": round(result.first_token_seconds, 6),
                 "queue_seconds": round(self.job.started - self.job.arrival, 6),
                 "prepare_seconds": round(result.prepare_seconds, 6)}
 
-    def finish_reason(self, result: Generation) -> str:
-        ended_on_eos = result.new_ids.numel() > 0 and int(result.new_ids[-1]) in self.server.eos_ids
+    def finish_reason(self, result: TurnResult) -> str:
+        ended_on_eos = result.new_ids.numel() > 0 and int(result.new_ids[0, -1]) in self.server.eos_ids
         return "stop" if self.job.deltas.stop_hit or ended_on_eos else "length"
 
-    def usage(self, result: Generation) -> dict:
-        return usage(result.prompt_tokens, result.new_ids.shape[0], result.cached_tokens)
+    def usage(self, result: TurnResult) -> dict:
+        return usage(result.prompt_tokens, result.new_ids.shape[1], result.cached_tokens)
 
-    def completed(self, result: Generation) -> None:
+    def completed(self, result: TurnResult) -> None:
         self.server.metrics.requests.labels(self.label, 200).inc()
         self.server.metrics.record(self.label, result)
 
@@ -315,12 +314,12 @@ class _Reply:
         logger.error("a request for %s failed", self.label, exc_info=err)
         return error_body(f"generation failed: {type(err).__name__}: {err}", "server_error")
 
-    def completion(self, result: Generation) -> dict:
+    def completion(self, result: TurnResult) -> dict:
         self.completed(result)
         return completion_body(self.id, self.created, self.body.model, self.job.deltas.text, self.finish_reason(result),
                                self.usage(result), self.extra(result))
 
-    async def events(self, result: Generation | None):
+    async def events(self, result: TurnResult | None):
         """The stream's server-sent events; a client that leaves cancels the generation."""
         def event(delta, finish=None, **fields):
             return chunk_event(self.id, self.created, self.body.model, delta, finish, **fields)

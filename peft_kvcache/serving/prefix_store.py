@@ -1,28 +1,28 @@
 """A token-prefix KV store shared by every conversation of a server, and the engine that serves a request for
-one model variant (the base model or one of its PEFT adapters) from it.
+the base model or one of its PEFT adapters from it.
 
 The chat API is stateless: each request carries the whole conversation. `PrefixEngine.run` finds the longest
 token prefix of the prompt the store holds and
 
-- reuses it exactly when it was built for the requested variant (``"reused"``);
+- reuses it exactly when it was built for the requested adapter (``"reused"``);
 - else maps the base model's cache of the longest base prefix into the requested adapter
   (`sessions.cache_from_base`, ``"mapped"``; an Activated LoRA reuses the base prefix as is,
-  ``"activated_lora"``), when that prefix is longer;
+  ``"shared"``), when that prefix is longer;
 - and prefills only the rest (all of it: ``"prefilled"``).
 
-After the reply it stores the variant's cache of the whole conversation and, after an adapter's reply, the base
+After the reply it stores the adapter's cache of the whole conversation and, after an adapter's reply, the base
 model's cache of it too (`sessions.catch_up_base`: reverse map or a base pass over the new tokens), so the next
 switch maps from it. Entries are read through fresh caches built from slices of their tensors: generate()
 extends a cache by rebinding each layer to a new tensor, so an entry is never written. Entries enter
 the store only when a request completes, so one that fails or is cancelled leaves the store as it was.
 
 Memory is bounded (bytes of the entries' tensors) with least-recently-used eviction; an entry is keyed by
-its variant and is never served to another one.
+its adapter and is never served to another one.
 
 Example:
     >>> engine = PrefixEngine(SharedPeftModel(peft_model, maps), PrefixStore(2 * 2**30))   # doctest: +SKIP
     >>> result = engine.run("shout", prompt_ids, {"max_new_tokens": 32, "do_sample": False})  # doctest: +SKIP
-    >>> result.source, result.cached_tokens                                                # doctest: +SKIP
+    >>> result.context_source, result.cached_tokens                                        # doctest: +SKIP
     ('mapped', 412)
 """
 
@@ -33,7 +33,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
@@ -45,9 +45,11 @@ from ..modeling.adapters import adapter_active, is_activated_lora
 from ..modeling.capture import CapturedKV, cache_states
 from ..runtime.cache import MappedCache
 from ..runtime.sessions import (
+    ContextSource,
     FirstTokenTimer,
     KeepBase,
     SharedPeftModel,
+    TurnResult,
     cache_from_base,
     catch_up_base,
     check_keep_base,
@@ -64,16 +66,16 @@ REUSE_MODES: tuple[str, ...] = get_args(Reuse)
 
 @dataclass
 class Entry:
-    """One stored cache: ``variant``'s KV (``None``: the base model) of the tokens ``ids``."""
+    """One stored cache: ``adapter``'s KV (``None``: the base model) of the tokens ``ids``."""
 
-    variant: str | None
+    adapter: str | None
     ids: torch.Tensor  # [n] token ids
     kv: CapturedKV  # per layer [1, kv_heads, n, head_dim]
     nbytes: int
 
 
 class PrefixStore:
-    """Caches of token prefixes per model variant, bounded to ``max_bytes`` with LRU eviction; thread-safe.
+    """Caches of token prefixes per adapter (or the base model), bounded to ``max_bytes`` with LRU eviction; thread-safe.
 
     Example:
         >>> store = PrefixStore(max_bytes=2**20)
@@ -82,7 +84,7 @@ class PrefixStore:
         True
         >>> entry, k = store.longest("shout", torch.tensor([5, 6, 9, 9]), limit=3); k
         2
-        >>> store.longest(None, torch.tensor([5, 6, 9, 9]), limit=3)[1]   # never served to another variant
+        >>> store.longest(None, torch.tensor([5, 6, 9, 9]), limit=3)[1]   # never served to another adapter
         0
     """
 
@@ -103,13 +105,13 @@ class PrefixStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def longest(self, variant: str | None, ids: torch.Tensor, limit: int) -> tuple[Entry | None, int]:
-        """The entry of ``variant`` sharing the longest prefix with ``ids`` ``[n]`` and that prefix's length
+    def longest(self, adapter: str | None, ids: torch.Tensor, limit: int) -> tuple[Entry | None, int]:
+        """The entry of ``adapter`` sharing the longest prefix with ``ids`` ``[n]`` and that prefix's length
         (at most ``limit``); ``(None, 0)`` when none shares a token."""
         best, best_length = None, 0
         with self._lock:
             for entry in self._entries.values():
-                if entry.variant != variant:
+                if entry.adapter != adapter:
                     continue
                 m = min(entry.ids.shape[0], ids.shape[0], limit)
                 differ = (entry.ids[:m] != ids[:m]).nonzero()
@@ -121,13 +123,13 @@ class PrefixStore:
     def touch(self, entry: Entry) -> None:
         """Mark ``entry`` as just used (it is evicted last)."""
         with self._lock:
-            key = _key(entry.variant, entry.ids)
+            key = _key(entry.adapter, entry.ids)
             if key in self._entries:
                 self._entries.move_to_end(key)
 
-    def add(self, variant: str | None, ids: torch.Tensor, kv: CapturedKV) -> bool:
-        """Store ``variant``'s cache ``kv`` of ``ids`` ``[n]`` (``kv`` covers exactly those tokens), replacing the
-        entries of that variant it extends, then evict the least recently used entries beyond the bound.
+    def add(self, adapter: str | None, ids: torch.Tensor, kv: CapturedKV) -> bool:
+        """Store ``adapter``'s cache ``kv`` of ``ids`` ``[n]`` (``kv`` covers exactly those tokens), replacing the
+        entries of that adapter it extends, then evict the least recently used entries beyond the bound.
         Returns False when the entry alone exceeds the bound (it is not stored)."""
         if kv.length != ids.shape[0]:
             raise ServerError(f"a prefix entry of {ids.shape[0]} tokens came with a cache of {kv.length}")
@@ -139,16 +141,16 @@ class PrefixStore:
             return False
         ids = ids.detach().cpu().clone()
         with self._lock:
-            longer, length = self.longest(variant, ids, ids.shape[0])
+            longer, length = self.longest(adapter, ids, ids.shape[0])
             if longer is not None and length == ids.shape[0]:  # already held (as an entry or a prefix of one)
                 self.touch(longer)
                 return True
             for key, entry in list(self._entries.items()):
-                if entry.variant != variant or entry.ids.shape[0] > ids.shape[0]:
+                if entry.adapter != adapter or entry.ids.shape[0] > ids.shape[0]:
                     continue
                 if torch.equal(entry.ids, ids[: entry.ids.shape[0]]):  # a prefix of the new entry: redundant
                     self._remove(key)
-            self._entries[_key(variant, ids)] = Entry(variant, ids, kv, nbytes)
+            self._entries[_key(adapter, ids)] = Entry(adapter, ids, kv, nbytes)
             self._bytes += nbytes
             while self._bytes > self.max_bytes:
                 self._remove(next(iter(self._entries)))
@@ -170,8 +172,8 @@ class PrefixStore:
         self._bytes -= self._entries.pop(key).nbytes
 
 
-def _key(variant: str | None, ids: torch.Tensor) -> tuple:
-    return variant, ids.shape[0], ids.numpy().tobytes()
+def _key(adapter: str | None, ids: torch.Tensor) -> tuple:
+    return adapter, ids.shape[0], ids.numpy().tobytes()
 
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:
@@ -183,21 +185,6 @@ def _owned(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().clone()
 
 
-@dataclass
-class Generation:
-    """What `PrefixEngine.run` did for one request."""
-
-    variant: str | None
-    new_ids: torch.Tensor  # [generated] token ids
-    prompt_tokens: int
-    source: str  # "reused" | "mapped" | "activated_lora" | "prefilled"
-    cached_tokens: int  # prompt tokens not prefilled (reused or mapped)
-    first_token_seconds: float  # from ``started`` to the first generated token
-    prepare_seconds: float  # finding, slicing and mapping the cache
-    cancelled: bool = False  # generation ended early because ``cancelled`` said so (nothing was stored)
-    model_tokens: dict[str, int] = field(default_factory=dict)
-
-
 class _StopWhen(StoppingCriteria):
     def __init__(self, should_stop: Callable[[], bool]):
         self.should_stop = should_stop
@@ -207,12 +194,12 @@ class _StopWhen(StoppingCriteria):
 
 
 class PrefixEngine:
-    """Serves generation requests for any variant of a `SharedPeftModel` from a `PrefixStore` (see the module).
+    """Serves generation requests for any adapter of a `SharedPeftModel` from a `PrefixStore` (see the module).
 
     Args:
         shared: the PEFT model, its maps and its lock (every model use holds it).
         store: the prefix store (one per model).
-        reuse: ``"map"`` (default), ``"exact"`` (reuse only caches of the same variant) or ``"none"``.
+        reuse: ``"map"`` (default), ``"exact"`` (reuse only caches of the same adapter) or ``"none"``.
         keep_base: how the base cache catches up after an adapter's reply (`sessions.catch_up_base`): ``"prefill"``
             (default: a base pass over the new tokens, after the reply is delivered; base requests stay exact and
             every switch maps from an exact base cache) or ``"reverse_map"`` (no model pass; base requests then
@@ -220,7 +207,7 @@ class PrefixEngine:
 
     Example:
         >>> engine = PrefixEngine(shared, PrefixStore(2**30), reuse="map")               # doctest: +SKIP
-        >>> engine.run(None, prompt_ids, {"max_new_tokens": 16, "do_sample": False}).source  # doctest: +SKIP
+        >>> engine.run(None, prompt_ids, {"max_new_tokens": 16, "do_sample": False}).context_source  # doctest: +SKIP
         'prefilled'
     """
 
@@ -235,12 +222,12 @@ class PrefixEngine:
         """Whether a switch to ``adapter`` can start from the base model's cache (a map, or an Activated LoRA)."""
         return adapter in self.shared.maps.to_adapter or is_activated_lora(self.shared.model, adapter)
 
-    def run(self, variant: str | None, prompt_ids: torch.Tensor, generation_kwargs: dict, *,
+    def run(self, adapter: str | None, prompt_ids: torch.Tensor, generation_kwargs: dict, *,
             streamer: BaseStreamer | None = None, should_stop: Callable[[], bool] | None = None,
             cancelled: Callable[[], bool] | None = None, started: float | None = None, seed: int | None = None,
             on_prepared: Callable[[str, int], None] | None = None,
-            on_generated: Callable[[Generation], None] | None = None) -> Generation:
-        """Generate ``variant``'s reply to ``prompt_ids`` ``[n]`` from the longest cached prefix.
+            on_generated: Callable[[TurnResult], None] | None = None) -> TurnResult:
+        """Generate ``adapter``'s reply to ``prompt_ids`` ``[n]`` from the longest cached prefix.
 
         ``streamer`` receives the tokens as generate() makes them; ``should_stop`` is polled after each token
         (a stop string was generated); ``cancelled`` too, and a cancelled request stores nothing (its client went
@@ -250,44 +237,46 @@ class PrefixEngine:
         soon as the reply is complete, before the store is updated (the model's lock is still held, so the
         next request sees the updated store). If generation raises, the store is left as it was.
         """
-        self.shared.check_adapter(variant)
+        self.shared.check_adapter(adapter)
         started = time.perf_counter() if started is None else started
         prompt = prompt_ids.reshape(1, -1).cpu()
         criteria = StoppingCriteriaList([_StopWhen(f) for f in (should_stop, cancelled) if f is not None])
         model = self.shared.model
         with self.shared.lock, torch.no_grad():
             prepare_started = time.perf_counter()
-            cache, source, cached, prepared = self._cache_for(variant, prompt)
+            cache, source, cached, prepared = self._cache_for(adapter, prompt)
             prepare_seconds = time.perf_counter() - prepare_started
             if on_prepared is not None:
                 on_prepared(source, cached)
             timer = FirstTokenTimer(started, streamer)
             if seed is not None:
                 torch.manual_seed(seed)  # global RNG: safe, every model use holds the lock
-            with adapter_active(model, variant):
+            with adapter_active(model, adapter):
                 output = generate_on_cache(model, prompt, cache, streamer=timer, stopping_criteria=criteria,
                                            **generation_kwargs)
-            result = Generation(variant, output[0, prompt.shape[1]:], prompt.shape[1], source, cached, timer.seconds,
-                                prepare_seconds, cancelled is not None and bool(cancelled()),
-                                {"prepare": prepared, "prefill": prompt.shape[1] - cached})
+            result = TurnResult(adapter, output[:, prompt.shape[1]:], prompt.shape[1], source, cached, timer.seconds,
+                                prepare_seconds, model_tokens={"prepare": prepared, "prefill": prompt.shape[1] - cached},
+                                cancelled=cancelled is not None and bool(cancelled()))
             if on_generated is not None:
                 on_generated(result)
             if not result.cancelled:
-                result.model_tokens["keep_base"] = self._keep(variant, output, cache)
-        logger.debug("request variant=%s source=%s cached=%d tokens=%s", variant, source, cached, result.model_tokens)
+                keep_started = time.perf_counter()
+                result.model_tokens["keep_base"] = self._keep(adapter, output, cache)
+                result.keep_seconds = time.perf_counter() - keep_started
+        logger.debug("request adapter=%s source=%s cached=%d tokens=%s", adapter, source, cached, result.model_tokens)
         return result
 
-    def _cache_for(self, variant: str | None, prompt: torch.Tensor) -> tuple[MappedCache, str, int, int]:
+    def _cache_for(self, adapter: str | None, prompt: torch.Tensor) -> tuple[MappedCache, ContextSource, int, int]:
         """The cache the request starts from: ``(cache, source, cached tokens, model tokens spent on it)``."""
         limit = prompt.shape[1] - 1  # generate() must compute at least the last prompt token
         if self.reuse == "none" or limit <= 0:
             return MappedCache(), "prefilled", 0, 0
-        own, length = self.store.longest(variant, prompt[0], limit)
-        if self.reuse == "map" and variant is not None and self.mappable(variant):
+        own, length = self.store.longest(adapter, prompt[0], limit)
+        if self.reuse == "map" and adapter is not None and self.mappable(adapter):
             base, base_length = self.store.longest(None, prompt[0], limit)
             if base_length > length:  # a longer history in the base model's cache: map it
                 self.store.touch(base)
-                cache, source, prepared = cache_from_base(self.shared, variant, MappedCache(base.kv.prefix(base_length)),
+                cache, source, prepared = cache_from_base(self.shared, adapter, MappedCache(base.kv.prefix(base_length)),
                                                           prompt[:, :base_length])
                 return cache, source, base_length, prepared
         if own is None:
@@ -295,21 +284,21 @@ class PrefixEngine:
         self.store.touch(own)
         return MappedCache(own.kv.prefix(length)), "reused", length, 0
 
-    def _keep(self, variant: str | None, output: torch.Tensor, cache: MappedCache) -> int:
+    def _keep(self, adapter: str | None, output: torch.Tensor, cache: MappedCache) -> int:
         """Store the reply's cache (and the base's, after an adapter's reply); returns the model tokens spent."""
         if self.reuse == "none":
             return 0
         covered = cache.get_seq_length()  # the conversation but its last token
-        self.store.add(variant, output[0, :covered], cache_states(cache))
-        if self.reuse != "map" or variant is None:
+        self.store.add(adapter, output[0, :covered], cache_states(cache))
+        if self.reuse != "map" or adapter is None:
             return 0
         base, length = self.store.longest(None, output[0], covered)
         base_cache = MappedCache() if base is None else MappedCache(base.kv.prefix(length))
-        spent = catch_up_base(self.shared, variant, base_cache, cache, output, self.keep_base)
+        spent = catch_up_base(self.shared, adapter, base_cache, cache, output, self.keep_base)
         kept = base_cache.get_seq_length()
         if kept > length:
             self.store.add(None, output[0, :kept], cache_states(base_cache))
         return spent
 
 
-__all__ = ["Entry", "Generation", "PrefixEngine", "PrefixStore", "REUSE_MODES", "Reuse"]
+__all__ = ["Entry", "PrefixEngine", "PrefixStore", "REUSE_MODES", "Reuse"]
