@@ -118,3 +118,23 @@ def test_batched_calibration_ignores_the_padding():
     assert one.config.calibration.train_tokens == batched.config.calibration.train_tokens
     for name, tensor in one.tensors.items():
         torch.testing.assert_close(batched.tensors[name], tensor, rtol=1e-4, atol=1e-4)
+
+
+def test_target_layers_choosing_the_same_source_layers_share_one_eigendecomposition(monkeypatch):
+    """One eigendecomposition per distinct set of chosen source layers (plus one per scanned source layer), and
+    the shared fits equal the ones solved alone, bit for bit."""
+    torch.manual_seed(3)
+    src, tgt = KVLayout(3, 1, 4), KVLayout(5, 1, 4)
+    x = torch.randn(300, 12)
+    y = torch.cat([x[:, :4] @ torch.randn(4, 4) + 0.01 * torch.randn(300, 4) for _ in range(5)], dim=1)
+    train, heldout = _stats(x[:240], y[:240]), _stats(x[240:], y[240:])
+    calls = []
+    eigh = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda m: calls.append(m.shape) or eigh(m))
+    fits = fit_layers(train, heldout, "t", src, tgt, top_k=1)
+    chosen = {tuple(f.source_layers) for f in fits}
+    assert chosen == {(0,)} and len(calls) == src.num_layers + len(chosen)
+    stats = _Centered(train, heldout, "t")
+    for t, fit in enumerate(fits):
+        alone = solve_ridge(stats, torch.arange(0, 4), torch.arange(4 * t, 4 * t + 4), 4)
+        assert torch.equal(alone.weight, fit.fit.weight) and torch.equal(alone.bias, fit.fit.bias)

@@ -167,9 +167,25 @@ class _Centered:
                 raise NumericalError(f"the {label} calibration statistics are not finite")
 
 
+@dataclass
+class GramEigen:
+    """The eigendecomposition of the train Gram of some source feature ``rows`` and the held-out Gram in its
+    basis: all a ridge from those rows needs besides the target columns, shared by every fit that uses them."""
+
+    rows: torch.Tensor
+    eigvals: torch.Tensor  # [D] clamped at 0
+    eigvecs: torch.Tensor  # [D, D]: gram = Q diag(eig) Q^T
+    heldout: torch.Tensor  # [D, D]: Q^T XX_ho Q
+
+    @classmethod
+    def of(cls, stats: _Centered, rows: torch.Tensor) -> "GramEigen":
+        eigvals, eigvecs = torch.linalg.eigh(stats.sxx[rows][:, rows])
+        return cls(rows, eigvals.clamp_min(0), eigvecs, eigvecs.T @ stats.xx_ho[rows][:, rows] @ eigvecs)
+
+
 def solve_ridge(
     stats: _Centered,
-    rows: torch.Tensor,
+    rows: torch.Tensor | GramEigen,
     cols: torch.Tensor,
     head_size: int,
     prior: torch.Tensor | None = None,
@@ -179,17 +195,16 @@ def solve_ridge(
     columns ``cols``, with ``lam`` chosen per head (``head_size`` consecutive columns) on held-out error.
 
     One eigendecomposition of the source Gram serves every lambda: in its eigenbasis the solution is
-    ``(Q^T B + lam Q^T P) / (eig + lam)``.
+    ``(Q^T B + lam Q^T P) / (eig + lam)``; pass a `GramEigen` as ``rows`` to share it between fits.
     """
-    gram = stats.sxx[rows][:, rows]
-    eigvals, eigvecs = torch.linalg.eigh(gram)  # gram = Q diag(eig) Q^T
-    eigvals = eigvals.clamp_min(0)
+    eigen = rows if isinstance(rows, GramEigen) else GramEigen.of(stats, rows)
+    rows, eigvals, eigvecs = eigen.rows, eigen.eigvals, eigen.eigvecs
     scale = float(eigvals.mean()) if float(eigvals.mean()) > 0 else 1.0
     lambdas = torch.tensor(lambda_grid, dtype=torch.float64) * scale  # [G]
 
     b_eig = eigvecs.T @ stats.sxy[rows][:, cols]  # [D, E]
     p_eig = eigvecs.T @ prior if prior is not None else torch.zeros_like(b_eig)
-    h_eig = eigvecs.T @ stats.xx_ho[rows][:, rows] @ eigvecs  # [D, D]
+    h_eig = eigen.heldout  # [D, D]
     g_eig = eigvecs.T @ stats.xy_ho[rows][:, cols]  # [D, E]
 
     w_eig = (b_eig + lambdas[:, None, None] * p_eig) / (eigvals[None, :, None] + lambdas[:, None, None])  # [G,D,E]
@@ -254,11 +269,12 @@ def fit_layers(
         if progress is not None:
             progress()
 
-    fits = []
+    fits, eigens = [], {}  # target layers choosing the same source layers share one eigendecomposition
     for t in range(target_layout.num_layers):
         chosen = sorted(scores[:, t].topk(top_k).indices.tolist())
-        rows = torch.cat([_block(s, d_src) for s in chosen])
-        fit = solve_ridge(stats, rows, _block(t, d_tgt), head, prior_for(chosen, t), lambda_grid)
+        if tuple(chosen) not in eigens:
+            eigens[tuple(chosen)] = GramEigen.of(stats, torch.cat([_block(s, d_src) for s in chosen]))
+        fit = solve_ridge(stats, eigens[tuple(chosen)], _block(t, d_tgt), head, prior_for(chosen, t), lambda_grid)
         fits.append(LayerFit(source_layers=chosen, fit=fit, candidate_r2=scores[:, t].tolist()))
     return fits
 

@@ -147,6 +147,7 @@ class TextDeltas(BaseStreamer):
         self.tokenizer, self.stop, self.emit, self.on_first = tokenizer, list(stop), emit, on_first
         self.ids: list[int] = []
         self.text, self.sent, self.stop_hit, self._puts = "", 0, False, 0
+        self._window, self._read = 0, 0  # ids[_window:_read] give the decoder the context of the next ones
 
     def put(self, value) -> None:
         self._puts += 1
@@ -155,16 +156,30 @@ class TextDeltas(BaseStreamer):
         if self._puts == 2 and self.on_first is not None:
             self.on_first()
         self.ids.extend(torch.as_tensor(value).reshape(-1).tolist())
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        piece = self._decode_new()
+        if not piece:
+            return
+        searched = max(0, len(self.text) - max((len(s) for s in self.stop), default=1) + 1)
+        text = self.text + piece
+        cuts = [i for i in (text.find(s, searched) for s in self.stop) if i >= 0]
         if cuts:
             self.text, self.stop_hit = text[: min(cuts)], True
             self._flush(len(self.text))
             return
         self.text = text
-        safe = len(text.rstrip("\ufffd"))  # U+FFFD: the bytes of a character not all generated yet
-        hold = max((k for s in self.stop for k in range(1, len(s)) if text[:safe].endswith(s[:k])), default=0)
-        self._flush(safe - hold)
+        hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        self._flush(len(text) - hold)
+
+    def _decode_new(self) -> str:
+        """The text the ids since the last call add, decoded with a few ids of context before them (a whole-reply
+        decode at every token would be quadratic); empty while the ids end inside a UTF-8 character."""
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        window = decode(self.ids[self._window:])
+        if window.endswith("\ufffd"):  # U+FFFD: the bytes of a character not all generated yet
+            return ""
+        piece = window[len(decode(self.ids[self._window:self._read])):]
+        self._window, self._read = self._read, len(self.ids)
+        return piece
 
     def end(self) -> None:
         self._flush(len(self.text))
