@@ -29,7 +29,7 @@ from peft_kvcache import AdapterMaps, AdapterSession, MappedCache, SharedPeftMod
 from peft_kvcache.calibration.retention import RetentionReport, VariantScores, evaluate_retention, token_kl
 from peft_kvcache.lab.corpus import DOCSTRING_INSTRUCTION as INSTRUCTION
 from peft_kvcache.lab.corpus import docstring_chat as encode
-from peft_kvcache.lab.corpus import functions_with_docstrings, stdlib_texts
+from peft_kvcache.lab.corpus import functions_with_docstrings, stdlib_texts, token_ids
 from peft_kvcache.lab.fixtures import load_model
 from peft_kvcache.maps.apply import map_cache
 from peft_kvcache.maps.config import Refresh
@@ -37,7 +37,7 @@ from peft_kvcache.modeling.adapters import adapter_active, is_activated_lora, lo
 from peft_kvcache.modeling.capture import forward, run_with_cache
 from peft_kvcache.modeling.layout import layer_placements
 
-from .common import ADAPTERS, ROOT, SMOLLM, save, timed
+from .common import ADAPTERS, ROOT, SMOLLM, save, start_run, timed
 from .tasks import continuation_examples
 
 PREFIX = "smollm2-135m-instruct"
@@ -115,8 +115,8 @@ def task_answers(model, tokenizer, adapters, maps, examples: int) -> dict:
             if adapter in maps.to_adapter:
                 with adapter_active(model, adapter):
                     variants["mapped base cache"] = (
-                        MappedCache.from_source(base_kv.to_cache(), maps.to_adapter[adapter], model,
-                                                input_ids=ids[None, :cut]), cut)
+                        MappedCache.from_source(base_kv, maps.to_adapter[adapter], model, input_ids=ids[None, :cut]),
+                        cut)
             variants["base cache reused as is"] = (base_kv.to_cache(), cut)
             scored = [(name, answer_nll(model, adapter, ids, labels, cache, cached))
                       for name, (cache, cached) in variants.items()]
@@ -198,8 +198,7 @@ def task_with_history(model, tokenizer, adapters, maps, examples: int, history_t
             cut = prompt_len - (4 if alora else 1)  # an aLoRA computes its invocation tokens itself
             # where the last request starts: in a session the history is mapped and the adapter computes the
             # new turn itself (`AdapterSession.turn`)
-            history_ids = tokenizer(tokenizer.apply_chat_template(messages[:-1], tokenize=False),
-                                    add_special_tokens=False, return_tensors="pt").input_ids[0]
+            history_ids = token_ids(tokenizer, tokenizer.apply_chat_template(messages[:-1], tokenize=False))
             history = len(history_ids)
             assert torch.equal(ids[:history], history_ids), "the history must tokenize as a prefix of the chat"
             labels = ids[prompt_len:]  # the answer; logits at prompt_len - 1 ... predict it
@@ -214,15 +213,15 @@ def task_with_history(model, tokenizer, adapters, maps, examples: int, history_t
             with adapter_active(model, adapter):
                 if not alora:
                     caches["mapped base cache"] = (MappedCache.from_source(
-                        base_kv.to_cache(), maps.to_adapter[adapter], model, input_ids=ids[None, :cut]), cut)
+                        base_kv, maps.to_adapter[adapter], model, input_ids=ids[None, :cut]), cut)
                     for k in refresh:
                         caches[f"mapped + refresh {k}"] = (MappedCache.from_source(
-                            base_kv.to_cache(), maps.to_adapter[adapter], model, input_ids=ids[None, :cut],
+                            base_kv, maps.to_adapter[adapter], model, input_ids=ids[None, :cut],
                             refresh_tokens=Refresh(k, 1)), cut)
                     if session:
                         caches["session: mapped history"] = (MappedCache.from_source(
-                            base_kv.prefix(history).to_cache(), maps.to_adapter[adapter], model,
-                            input_ids=ids[None, :history]), history)
+                            base_kv.prefix(history), maps.to_adapter[adapter], model, input_ids=ids[None, :history]),
+                            history)
                 for name, (cache, start) in caches.items():
                     logits[name] = forward(model, ids[None, start:-1], cache, logits_to_keep=0,
                                            position_ids=torch.arange(start, len(ids) - 1)[None]
@@ -270,8 +269,7 @@ def chat_script(tokenizer, turns: int):
             user = user.split("<|im_end|>\n", 1)[1]  # the system prompt only once, at the start
         adapter = order[i % len(order)]
         reply = (doc.upper() if adapter == "shout" else doc) + "<|im_end|>\n"
-        script.append((tokenizer(user, add_special_tokens=False, return_tensors="pt").input_ids,
-                       tokenizer(reply, add_special_tokens=False, return_tensors="pt").input_ids, adapter))
+        script.append((token_ids(tokenizer, user)[None], token_ids(tokenizer, reply)[None], adapter))
     return script
 
 
@@ -330,8 +328,7 @@ def catch_up_cost(model, maps, tokenizer, history: int = 1024, new: int = 96, re
 def long_ids(tokenizer, length: int) -> torch.Tensor:
     """``length`` tokens of held-out stdlib text (files concatenated)."""
     texts = stdlib_texts("evaluation", 40)
-    ids = torch.cat([tokenizer(t, add_special_tokens=False, return_tensors="pt").input_ids[0] for t in texts.values()])
-    return ids[:length]
+    return torch.cat([token_ids(tokenizer, t) for t in texts.values()])[:length]
 
 
 def markdown(results: dict, reverse: bool = False) -> str:
@@ -409,6 +406,7 @@ def markdown(results: dict, reverse: bool = False) -> str:
 
 
 def main() -> None:
+    start_run()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--maps", default=str(ROOT / "hub_cards"), help="folder holding the adapter map folders")
     parser.add_argument("--examples", type=int, default=48, help="held-out files for continuation")

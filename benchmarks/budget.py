@@ -25,7 +25,7 @@ from peft_kvcache.maps.config import Refresh
 from peft_kvcache.modeling.capture import run_with_cache
 
 from . import siblings, ttft
-from .common import RESULTS, save, table
+from .common import RESULTS, save, start_run, table
 
 PROBE, SPAN = 16, 8
 RECALL_GOAL = 0.95
@@ -155,6 +155,7 @@ def run(models, tokenizer, maps, plan: dict[int, tuple[list[int], int, int]], re
 
 
 def main() -> None:
+    start_run()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--maps", default=str(RESULTS.parents[1] / "hub_cards"))
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048])

@@ -16,7 +16,12 @@ SMALL, LARGE = "gguf:qwen2.5-coder-0.5b-instruct", "gguf:qwen2.5-coder-1.5b-inst
 SMOLLM = "gguf:smollm2-135m-instruct"
 ADAPTERS = ("docstring", "shout")
 ROOT = RESULTS.parents[1]
-code_state()  # results record the code this run started with, even if a commit lands while it runs
+
+
+def start_run() -> dict:
+    """Read the code this run starts with (commit, dirty; `code_state`): every results file the run writes records
+    it, even if a commit lands while the run goes on. Call it first in a benchmark's ``main`` (and publish's)."""
+    return code_state()
 
 
 def timed(fn: Callable[[], object], repeats: int = 5, warmup: int = 1, before: Callable[[], None] | None = None) -> dict:

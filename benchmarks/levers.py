@@ -23,12 +23,11 @@ from tqdm.auto import tqdm
 from peft_kvcache import KVMap, MappedCache
 from peft_kvcache.calibration.retention import RetentionReport, VariantScores, cached_logits, full_logits, window_logits
 from peft_kvcache.maps.config import Refresh
-from peft_kvcache.modeling._compat import truncate
-from peft_kvcache.modeling.capture import cache_states, run_with_cache
+from peft_kvcache.modeling.capture import run_with_cache
 from peft_kvcache.runtime.refresh import attention_scores, refresh_positions, select_spans
 
 from . import siblings
-from .common import save, table
+from .common import save, start_run, table
 
 RECENT = 32  # the "always refresh the recent tokens" lever
 
@@ -50,11 +49,9 @@ def _positions(scores: torch.Tensor, policy: Refresh, how: str, sink: int) -> to
 @torch.no_grad()
 def refreshed(target, kv_map: KVMap, source_kv, ids: torch.Tensor, policy: Refresh, how: str):
     """The mapped cache of ``ids`` ``[1, n]`` with the refresh, positions chosen by the lever ``how``."""
-    mapped = MappedCache.from_source(source_kv.to_cache(), kv_map, target, input_ids=ids, refresh_tokens=0,
-                                     verify_models=False)
-    cache = cache_states(mapped).to_cache()
+    cache = MappedCache.from_source(source_kv, kv_map, target, input_ids=ids, refresh_tokens=0, verify_models=False)
     start, sink = ids.shape[1] - policy.probe_tokens, kv_map.config.sink_tokens
-    truncate(cache, start)
+    cache.truncate(start)
     scores = attention_scores(target, cache, ids[:, start:], every_probe_token=True)
     refresh_positions(target, cache, ids[:, :start], _positions(scores, policy, how, sink), append_ids=ids[:, start:])
     return cache
@@ -72,11 +69,11 @@ def score_variants(source, target, variants: dict[str, tuple[KVMap, Refresh | No
         source_kv = run_with_cache(source, ids[None, :context])
         for name, (kv_map, policy, how) in variants.items():
             if policy is None:  # the plain switch: the target computes the last context token
-                cache = MappedCache.from_source(source_kv.prefix(context - 1).to_cache(), kv_map, target,
+                cache = MappedCache.from_source(source_kv.prefix(context - 1), kv_map, target,
                                                 input_ids=ids[None, : context - 1], refresh_tokens=0, verify_models=False)
             else:
                 cache = refreshed(target, kv_map, source_kv, ids[None, :context], policy, how)
-                truncate(cache, context - 1)  # the last context token's logits predict the first label
+                cache.truncate(context - 1)  # the last context token's logits predict the first label
             scores[name].add(cached_logits(target, cache, ids, context, 1), full, labels)
     return RetentionReport(scores, context, continuation)
 
@@ -119,6 +116,7 @@ def run(models, tokenizer, maps: dict[str, dict[str, KVMap]], policy: dict[str, 
 
 
 def main() -> None:
+    start_run()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--maps", required=True, help="folder with <label>/<pair map> folders (top1, top2, ...)")
     parser.add_argument("--labels", nargs="+", default=["top1", "top2", "top4"])

@@ -18,7 +18,7 @@ from peft_kvcache.calibration.nonlinear import fit_nonlinear_heads
 from peft_kvcache.lab.corpus import stdlib_texts
 from peft_kvcache.maps.config import Refresh, to_json
 
-from .common import save, table
+from .common import save, start_run, table
 from .levers import score_variants
 
 NONLINEAR = dict(r2_threshold=0.9, min_gain=0.01, hidden=64, steps=400, max_rows=4096)
@@ -60,6 +60,7 @@ def markdown(results: list[dict]) -> str:
 
 
 def main() -> None:
+    start_run()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--maps", default=str(Path(__file__).resolve().parents[1] / "hub_cards"))
     parser.add_argument("--files", type=int, default=24)

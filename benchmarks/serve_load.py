@@ -47,7 +47,7 @@ from peft_kvcache.serving.command import calibrate_missing, load_maps
 from peft_kvcache.serving.prefix_store import PrefixEngine, PrefixStore
 
 from .adapters import PREFIX
-from .common import RESULTS, ROOT, SMOLLM
+from .common import RESULTS, ROOT, SMOLLM, start_run
 
 ADAPTERS = ("shout", "docstring")
 MODES = {"a": ("map", "prefill"), "a'": ("map", "reverse_map"), "b": ("exact", "prefill"), "c": ("none", "prefill")}
@@ -292,6 +292,7 @@ def markdown(args, stats: dict, ratios: dict, qualities: dict, maps_note: str) -
 
 
 def main(argv=None) -> int:
+    start_run()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4)

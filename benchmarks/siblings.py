@@ -32,7 +32,7 @@ from peft_kvcache.lab.fixtures import load_model
 from peft_kvcache.maps.config import CalibrationConfig, CalibrationRecord, ModelSpec, Refresh
 from peft_kvcache.modeling.capture import run_with_cache
 
-from .common import LARGE, SMALL, interval, save, table
+from .common import LARGE, SMALL, interval, save, start_run, table
 from .tasks import ANSWER_TOKENS, DEPTHS, continuation_examples, recall_examples
 
 logger = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ def score_maps(source, target, maps: dict[str, KVMap], sequences, context: int, 
         scores["no_context"].add(window_logits(target, ids, context, 1, 0), full, labels)
         source_kv = run_with_cache(source, ids[None, : context - 1])
         for label, kv_map in maps.items():
-            cache = MappedCache.from_source(source_kv.to_cache(), kv_map, target, input_ids=ids[None, : context - 1],
+            cache = MappedCache.from_source(source_kv, kv_map, target, input_ids=ids[None, : context - 1],
                                             refresh_tokens=0)
             scores[label].add(cached_logits(target, cache, ids, context, 1), full, labels)
     return RetentionReport(scores, context, continuation)
@@ -178,6 +178,7 @@ def markdown(results: dict) -> str:
 
 
 def main() -> None:
+    start_run()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--maps", required=True, help="folder holding the two map folders (pair_name)")
     parser.add_argument("--context", type=int, default=1024)

@@ -7,6 +7,8 @@ import random
 
 import torch
 
+from peft_kvcache.lab.corpus import token_ids
+
 # The context a recall value is hidden in: where in it (share of the context before the value).
 DEPTHS = {"top": 0.02, "middle": 0.5, "end": 0.85}
 ANSWER_TOKENS = 5
@@ -17,7 +19,7 @@ def continuation_examples(tokenizer, texts: dict[str, str], context: int, contin
     """The first ``context + continuation`` tokens of the first ``count`` texts that are that long, and their names."""
     examples, names = [], []
     for name, text in texts.items():
-        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+        ids = token_ids(tokenizer, text)
         if ids.numel() >= context + continuation:
             examples.append(ids[: context + continuation])
             names.append(name)

@@ -26,9 +26,9 @@ from peft_kvcache import KVMap, MappedCache
 from peft_kvcache.calibration.loop import ModelSide
 from peft_kvcache.maps.config import KVMapConfig
 from peft_kvcache.modeling.capture import forward, run_with_cache
-from peft_kvcache.runtime.cache import _SINKS
+from peft_kvcache.runtime.cache import _SINKS  # TODO(issue 22): public hook (clear the target-sink memo)
 
-from .common import RESULTS, interval, save, table, timed
+from .common import RESULTS, interval, save, start_run, table, timed
 
 # Real configs of sizes timed with random weights (timing does not need trained weights).
 RANDOM_CONFIGS = {
@@ -94,15 +94,14 @@ def measure(source_run, target, kv_map, ids: torch.Tensor, repeats: int = 5, rec
 
     def switch(refresh):
         def run():
-            cache = MappedCache.from_source(source_kv.to_cache(), kv_map, target, input_ids=context,
-                                            refresh_tokens=refresh)
+            cache = MappedCache.from_source(source_kv, kv_map, target, input_ids=context, refresh_tokens=refresh)
             forward(target, last, cache, position_ids=step, logits_to_keep=1)
         return run
 
-    clear = _SINKS.clear
+    clear = _SINKS.clear  # TODO(issue 22): public hook, e.g. peft_kvcache.runtime.cache.clear_target_sinks
     row = {"context": length, "full": full or timed(lambda: forward(target, ids, None, logits_to_keep=1), repeats),
            "cold": timed(switch(0), repeats, before=clear), "warm": timed(switch(0), repeats),
-           "map_only": timed(lambda: MappedCache.from_source(source_kv.to_cache(), kv_map, target, input_ids=context,
+           "map_only": timed(lambda: MappedCache.from_source(source_kv, kv_map, target, input_ids=context,
                                                              refresh_tokens=0), repeats)}
     if recipe and kv_map.config.refresh is not None:
         row["recipe"] = timed(switch(None), repeats, before=clear)
@@ -170,6 +169,7 @@ def run(name: str, source_run, target, kv_map, lengths, repeats: int, device: to
 
 
 def main() -> None:
+    start_run()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", choices=["up", "down"], default="up", help="the Qwen2.5-Coder sibling direction")
     parser.add_argument("--map", default=None, help="map folder (default: hub_cards/<the pair's map>)")

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from peft_kvcache import AdapterMaps, AdapterSession, SharedPeftModel
-from peft_kvcache.lab.corpus import DOCSTRING_INSTRUCTION, functions_with_docstrings, stdlib_texts
+from peft_kvcache.lab.corpus import DOCSTRING_INSTRUCTION, functions_with_docstrings, stdlib_texts, token_ids
 from peft_kvcache.lab.fixtures import load_model
 from peft_kvcache.modeling.adapters import adapter_active, load_adapters
 from peft_kvcache.modeling.capture import run_with_cache
@@ -53,7 +53,7 @@ def user_ids(tokenizer, message: str, history: torch.Tensor) -> torch.Tensor:
     if history.numel():
         text = text.split("<|im_end|>\n", 1)[1]  # drop the system prompt
         text = ("\n" if int(history[0, -1]) == tokenizer.convert_tokens_to_ids("<|im_end|>") else "<|im_end|>\n") + text
-    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    return token_ids(tokenizer, text)[None]
 
 
 @torch.no_grad()

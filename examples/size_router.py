@@ -60,7 +60,7 @@ def main() -> None:
         line = f"turn {turn} -> {active:5s} ({ids.shape[1]} tokens)"
         if previous is not None and previous != active:
             # the previous model holds this history; here it is rebuilt for the demo (not timed)
-            source_cache = run_with_cache(models[previous], ids[:, :-1]).to_cache()
+            source_cache = run_with_cache(models[previous], ids[:, :-1])
             started = time.perf_counter()
             cache = MappedCache.from_source(source_cache, maps[(previous, active)], model, input_ids=ids[:, :-1])
             token, _ = first_token(model, ids, cache)

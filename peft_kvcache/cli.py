@@ -95,7 +95,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_calibrate_adapters(args: argparse.Namespace) -> int:
     from .calibration.blend import choose_adapter_blends
     from .calibration.loop import calibrate_adapters
-    from .calibration.retention import token_sequences
+    from .lab.corpus import token_sequences
     from .maps.adapter_maps import default_prefix
     from .modeling.adapters import load_adapters, parse_adapter_specs
 
@@ -130,7 +130,8 @@ def cmd_calibrate_adapters(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from .calibration.retention import evaluate_retention, record_figures, token_sequences
+    from .calibration.retention import evaluate_retention, record_figures
+    from .lab.corpus import token_sequences
     from .maps.kvmap import KVMap, resolve_map_folder
 
     if args.write and not Path(args.map).expanduser().is_dir():

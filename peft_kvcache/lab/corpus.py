@@ -15,10 +15,15 @@ import inspect
 import platform
 import sysconfig
 import textwrap
+from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import CLIUsageError
+
+if TYPE_CHECKING:  # for annotations only: the tokenizer makes the tensors
+    import torch
 
 # One file in EVALUATION_SHARE goes to evaluation, by hash of its relative path.
 EVALUATION_SHARE = 4
@@ -115,6 +120,28 @@ def read_texts(data: str, split: str, num_files: int | None, default_files: int 
         texts = {p.relative_to(path).as_posix(): p.read_text(encoding="utf-8", errors="replace") for p in files}
         return texts, f"{len(files)} distinct files ({'/'.join(DATA_SUFFIXES)}) from the folder {path.name}"
     raise CLIUsageError(f"--data {data!r} is neither a file, a folder, nor 'stdlib'")
+
+
+def token_ids(tokenizer, text: str, length: int | None = None) -> torch.Tensor:
+    """The first ``length`` token ids of ``text`` (all of them without ``length``), ``[tokens]``, without the
+    special tokens a tokenizer may add in front (a BOS): the text is cut where a model reading it would be.
+
+    Example:
+        >>> token_ids(tokenizer, "def f(x):\\n    return x", 4).shape   # doctest: +SKIP
+        torch.Size([4])
+    """
+    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0, :length]
+
+
+def token_sequences(texts: Iterable[str], tokenizer, length: int, keep: int | None = None) -> list[torch.Tensor]:
+    """The first ``keep`` (default ``length``) token ids of every text of ``texts`` that has at least ``length``,
+    in order (shorter texts are skipped)."""
+    sequences = []
+    for text in texts:
+        ids = token_ids(tokenizer, text)
+        if ids.numel() >= length:
+            sequences.append(ids[: keep or length])
+    return sequences
 
 
 # The task of the committed SmolLM2 adapters (scripts/train_adapters.py): a function without its docstring in,
