@@ -9,7 +9,9 @@ texts, never the goal table's), with paired 95% intervals: kept only where the i
 Every variant shares the target's full prefill and the source's cache of each example, so the comparison costs
 one pass of each variant.
 
-    python -m benchmarks.levers --maps runs/publish/siblings/levers --output sibling-levers
+    python -m benchmarks.levers --maps runs/publish/siblings/levers
+
+The maps of a label ``topK`` lie in ``<maps>/topK/<pair map named for K>`` (`lever_folder`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ from . import siblings
 from .common import save, start_run, table
 
 RECENT = 32  # the "always refresh the recent tokens" lever
+
+
+def lever_folder(root: Path, label: str, direction: str) -> Path:
+    """The map folder of the lever ``label`` (``top<K>``: K source layers per target layer) for ``direction``."""
+    return root / label / siblings.pair_name(direction, int(label.removeprefix("top")))
 
 
 def _positions(scores: torch.Tensor, policy: Refresh, how: str, sink: int) -> torch.Tensor:
@@ -118,12 +125,13 @@ def run(models, tokenizer, maps: dict[str, dict[str, KVMap]], policy: dict[str, 
 def main() -> None:
     start_run()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--maps", required=True, help="folder with <label>/<pair map> folders (top1, top2, ...)")
+    parser.add_argument("--maps", required=True, help="folder with <label>/<pair map> folders (top1, top2, ...; "
+                        "lever_folder)")
     parser.add_argument("--labels", nargs="+", default=["top1", "top2", "top4"])
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--context", type=int, default=1024)
     args, models, tokenizer = siblings.parse_and_load(parser)
-    maps = {d: {label: KVMap.from_pretrained(Path(args.maps) / label / siblings.pair_name(d)) for label in args.labels}
+    maps = {d: {label: KVMap.from_pretrained(lever_folder(Path(args.maps), label, d)) for label in args.labels}
             for d in siblings.DIRECTIONS}
     run(models, tokenizer, maps, {d: Refresh(args.budget) for d in siblings.DIRECTIONS}, args.context,
         args.continuation_files, args.recall_cases)
