@@ -41,6 +41,14 @@ from .common import ADAPTERS, ROOT, SMOLLM, save, start_run, timed
 from .tasks import continuation_examples
 
 PREFIX = "smollm2-135m-instruct"
+# the published maps' texts (scripts/publish.py): the first 512 tokens of CALIBRATION_FILES calibration-split files
+# and CHATS docstring chats for the fit, the next BLEND_FILES files to choose each map's blend
+CALIBRATION_FILES, CHATS, BLEND_FILES = 128, 8, 12
+
+
+def results_stem(reverse: bool) -> str:
+    """The results file (stem) of the base -> adapter maps' retention, or of the adapter -> base maps'."""
+    return "adapters-reverse" if reverse else "adapters"
 
 
 def load_smollm2(adapters: Sequence[str] = ADAPTERS):

@@ -1,7 +1,9 @@
-"""What every benchmark shares: the fixture models, one timer, one results writer, table formatting."""
+"""What every benchmark shares: the fixture models, the start of a run, one timer, one results writer and reader,
+table formatting."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -46,6 +48,11 @@ def save(stem: str, payload: dict, markdown: str, **provenance) -> Path:
     path = write_results(RESULTS / f"{stem}.json", payload, markdown, **provenance)
     print(markdown, flush=True)
     return path
+
+
+def read_results(stem: str) -> dict:
+    """The results file ``benchmarks/results/<stem>.json`` (payload and provenance)."""
+    return json.loads((RESULTS / f"{stem}.json").read_text())
 
 
 def interval(point: float, low: float, high: float, digits: int = 2) -> str:

@@ -3,12 +3,9 @@ benchmarks/results/, cited by file and key (`peft_kvcache.maps.config.Figure`)."
 
 from __future__ import annotations
 
-import json
-import math
-import statistics
-
-from benchmarks.adapters import PREFIX
-from benchmarks.common import ADAPTERS, RESULTS, ROOT, table
+from benchmarks.adapters import PREFIX, results_stem
+from benchmarks.common import ADAPTERS, ROOT, table
+from benchmarks.common import read_results as results
 from peft_kvcache import KVMap
 from peft_kvcache.lab.provenance import lookup
 from peft_kvcache.maps.adapter_maps import folder_name
@@ -19,11 +16,6 @@ README_BEGIN, README_END = "<!-- figures:begin (scripts/publish.py writes this t
 SERVE_BEGIN, SERVE_END = "<!-- serve-figures:begin (scripts/publish.py writes this table) -->", "<!-- serve-figures:end -->"
 SERVERS = {"a": "(a) this server", "a'": "(a') this server, base cache kept by reverse maps",
            "b": "(b) prefix reuse keyed by adapter (vLLM, SGLang today)", "c": "(c) no prefix reuse"}
-
-
-def adapter_results(reverse: bool) -> str:
-    """The results file (stem) of the base -> adapter maps' retention, or of the adapter -> base maps'."""
-    return "adapters-reverse" if reverse else "adapters"
 
 
 def figure(stem: str, key: str) -> Figure:
@@ -65,25 +57,14 @@ def adapter_figures(adapter: str, reverse: bool = False) -> dict[str, Figure]:
     for variant, label in (("mapped@1", "mapped"), ("naive@1", "naive_reuse")):
         for metric in ("normalized_retention", "kl"):
             figures[f"continuation.{label}.{metric}"] = figure(
-                adapter_results(reverse), f"retention/{adapter}/rows/variant={variant}/{metric}")
+                results_stem(reverse), f"retention/{adapter}/rows/variant={variant}/{metric}")
     if reverse:
         return figures
     for name, label in (("session: mapped history", "session_mapped"), ("session: base history reused as is",
                                                                          "session_naive_reuse")):
         figures[f"own_task_after_chat.{label}.loss_gain_share"] = figure(
-            adapter_results(False), f"task_history/{adapter}/gain_retention_in_loss/{name}")
+            results_stem(False), f"task_history/{adapter}/gain_retention_in_loss/{name}")
     return figures
-
-
-def results(stem: str) -> dict:
-    return json.loads((RESULTS / f"{stem}.json").read_text())
-
-
-def pearson_interval(x: list[float], y: list[float]) -> tuple[float, float, float]:
-    """Pearson r of ``x`` and ``y`` and its 95% interval (Fisher z)."""
-    r = statistics.correlation(x, y)
-    z, se = math.atanh(max(min(r, 0.999999), -0.999999)), 1 / math.sqrt(max(len(x) - 3, 1))
-    return r, math.tanh(z - 1.96 * se), math.tanh(z + 1.96 * se)
 
 
 def readme_table() -> str:
@@ -105,7 +86,7 @@ def readme_table() -> str:
             rows.append([name, f"{task} ({report['examples']})", fmt(by["mapped@1"]), fmt(by[variant]), fmt(by[control]),
                          f"{by['mapped@1']['kl']:.3f} / {by[variant]['kl']:.3f}", speed])
     for adapter, reverse in ((a, r) for a in ADAPTERS for r in (False, True)):
-        retention = results(adapter_results(reverse))["retention"][adapter]
+        retention = results(results_stem(reverse))["retention"][adapter]
         by = {r["variant"]: r for r in retention["rows"]}
         speed = "-" if reverse else " / ".join(  # the reverse switch is not timed on its own
             f"{r['speedup_cold']:.0f}x at {r['context']}" for r in results(f"ttft-{folder_name(PREFIX, adapter, False)}")["rows"])
