@@ -13,6 +13,7 @@ from peft_kvcache.modeling.positions import (
     remove_rotary,
     rotary_cos_sin,
     rotary_spec_of,
+    rotary_spec_of_config,
 )
 
 ROPE_VARIANTS = [
@@ -108,3 +109,14 @@ def test_length_dependent_rope_refuses_positions_past_its_original_context():
     rotary_cos_sin(spec, torch.arange(64)[None])
     with pytest.raises(UnsupportedPositionalSchemeError, match="dynamic"):
         rotary_cos_sin(spec, torch.arange(65)[None])
+
+
+@pytest.mark.parametrize("rope", ROPE_VARIANTS, ids=[r["rope_type"] for r in ROPE_VARIANTS])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_the_config_alone_gives_the_models_rotary_parameters(rope, kind):
+    model = tiny_model(kind, rope_parameters=dict(rope))
+    own, from_config = rotary_spec_of(model), rotary_spec_of_config(model.config)
+    assert torch.equal(own.inv_freq, from_config.inv_freq)
+    assert (own.attention_scaling, own.head_dim, own.rope_type, own.max_position) == (
+        from_config.attention_scaling, from_config.head_dim, from_config.rope_type, from_config.max_position)
+

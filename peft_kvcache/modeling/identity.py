@@ -4,8 +4,11 @@ computed from them."""
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,7 +58,7 @@ def fingerprint(model: torch.nn.Module) -> str:
         (True, False)
     """
     active = active_adapters(model)
-    digest = hashlib.sha256()
+    named = []
     for name, param in sorted(model.named_parameters(), key=lambda item: _canonical_name(item[0])):
         if param.device.type == "meta" or not param.is_floating_point():
             continue
@@ -64,12 +67,57 @@ def fingerprint(model: torch.nn.Module) -> str:
             if adapter not in active:
                 continue
             name = name.replace(f".{adapter}.", ".adapter.")
-        flat = param.detach().reshape(-1)
+        named.append((_canonical_name(name), param.detach()))
+    return _digest(named)
+
+
+def fingerprint_files(model_dir: str | os.PathLike, adapter_dir: str | os.PathLike | None = None) -> str:
+    """`fingerprint` of the model whose weights a folder holds (its ``*.safetensors``, as ``save_pretrained`` writes
+    them), with the PEFT adapter of ``adapter_dir`` active on top, read from the files without building the model:
+    what a serving engine that loads those files (vLLM, say) serves. Tied weights count once, as in the model.
+
+    Example:
+        >>> fingerprint_files("models/smollm2", "adapters/shout") == fingerprint(peft_model)   # doctest: +SKIP
+        True
+    """
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise IncompatibleModelsError(f"{model_dir} holds no *.safetensors weights to fingerprint")
+    named = {}
+    for path in files:
+        with safe_open(path, framework="pt") as handle:
+            for name in handle.keys():
+                if name == "lm_head.weight" and config.get("tie_word_embeddings", False):
+                    continue  # the model shares the embeddings' tensor: one parameter
+                named[_canonical_name(name)] = handle.get_tensor(name)
+    if adapter_dir is not None:
+        adapter_config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text(encoding="utf-8"))
+        if adapter_config.get("peft_type") != "LORA" or adapter_config.get("modules_to_save"):
+            raise IncompatibleModelsError(f"{adapter_dir}: only LoRA adapters without modules_to_save can be "
+                                          "fingerprinted from their files")
+        with safe_open(Path(adapter_dir) / "adapter_model.safetensors", framework="pt") as handle:
+            for name in handle.keys():  # "...q_proj.lora_A.weight": the adapter's name is not in the file
+                parts = name.split(".")
+                lora = next(i for i, part in enumerate(parts) if part.startswith("lora_"))
+                named[_canonical_name(".".join(parts[: lora + 1] + ["adapter"] + parts[lora + 1:]))] = (
+                    handle.get_tensor(name))
+    return _digest(sorted((n, t) for n, t in named.items() if t.is_floating_point()))
+
+
+def _digest(named: list[tuple[str, torch.Tensor]]) -> str:
+    """sha256 over (canonical name, shape, ``_SAMPLES_PER_TENSOR`` evenly spaced values rounded to bfloat16)."""
+    digest = hashlib.sha256()
+    for name, tensor in named:
+        flat = tensor.reshape(-1)
         count = min(_SAMPLES_PER_TENSOR, flat.numel())
         index = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)
         sample = flat[index].to(torch.bfloat16).cpu().view(torch.int16)
-        digest.update(_canonical_name(name).encode())
-        digest.update(str(tuple(param.shape)).encode())
+        digest.update(name.encode())
+        digest.update(str(tuple(tensor.shape)).encode())
         digest.update(sample.numpy().tobytes())
     return digest.hexdigest()
 

@@ -148,6 +148,32 @@ def rotary_spec_of(model: torch.nn.Module) -> RotarySpec:
     )
 
 
+def rotary_spec_of_config(config) -> RotarySpec:
+    """The rotary parameters a model built from ``config`` has, computed by transformers' own rope initialisation
+    for the config's rope type without building the model (for a model the library does not hold, such as a
+    serving engine's). Agrees with `rotary_spec_of` on the model itself.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> rotary_spec_of_config(LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1)).rotary_dim
+        16
+    """
+    check_positional_scheme(config)
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default":  # the one formula every RoPE model shares; transformers keeps it on each rotary class
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        inv_freq, scaling = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    max_position = int(config.max_position_embeddings) if rope_type in LENGTH_DEPENDENT_ROPE_TYPES else None
+    return RotarySpec(inv_freq=inv_freq.detach().float().cpu(), attention_scaling=float(scaling),
+                      head_dim=head_dim_of(config), rope_type=rope_type, max_position=max_position)
+
+
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Absolute position of every token from a (left-padded) mask: ``cumsum - 1``, padding at 0.
 
