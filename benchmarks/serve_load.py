@@ -103,19 +103,19 @@ class FirstStep(LogitsProcessor):
 
 
 class RecordingEngine(PrefixEngine):
-    """A `PrefixEngine` that records, per request, the variant, the prompt and the log-probabilities of the
-    first reply token (a logits processor on generate()'s first step; the output is unchanged)."""
+    """A `PrefixEngine` that records, per request, the adapter, the prompt, where its context came from and the
+    log-probabilities of the first reply token (a logits processor on generate()'s first step; the output is unchanged)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.first_logprobs: dict[tuple, torch.Tensor] = {}
         self.sources: dict[tuple, str] = {}
 
-    def run(self, variant, prompt_ids, generation_kwargs, **kwargs):
-        key = (variant, tuple(prompt_ids.tolist()))
+    def run(self, adapter, prompt_ids, generation_kwargs, **kwargs):
+        key = (adapter, tuple(prompt_ids.tolist()))
         processors = LogitsProcessorList([FirstStep(self.first_logprobs, key)])
-        result = super().run(variant, prompt_ids, {**generation_kwargs, "logits_processor": processors}, **kwargs)
-        self.sources.setdefault(key, result.source)
+        result = super().run(adapter, prompt_ids, {**generation_kwargs, "logits_processor": processors}, **kwargs)
+        self.sources.setdefault(key, result.context_source)
         return result
 
 
@@ -220,9 +220,9 @@ def summary(records: list[dict], wall: float) -> dict:
 
 
 @torch.no_grad()
-def prefill_logprobs(model, variant, prompt: tuple) -> torch.Tensor:
+def prefill_logprobs(model, adapter, prompt: tuple) -> torch.Tensor:
     """The first reply token's log-probabilities after a full prefill of ``prompt`` (what (c) computes)."""
-    with adapter_active(model, variant):
+    with adapter_active(model, adapter):
         logits = model(input_ids=torch.tensor([prompt]), logits_to_keep=1).logits[0, -1]
     return logits.float().log_softmax(-1)
 
@@ -236,14 +236,14 @@ def quality(model, tokenizer, mode: str, records: dict, engines: dict) -> dict:
         common = next((i for i, (u, v) in enumerate(zip(a, b)) if u != v), min(len(a), len(b)))
         shared.append(common / max(len(a), len(b), 1))
     kls, agree, by_source = [], [], {}
-    for (variant, prompt), logprobs in engines[mode].first_logprobs.items():
-        reference = engines["c"].first_logprobs.get((variant, prompt))
+    for (adapter, prompt), logprobs in engines[mode].first_logprobs.items():
+        reference = engines["c"].first_logprobs.get((adapter, prompt))
         if reference is None:
-            reference = prefill_logprobs(model, variant, prompt)
+            reference = prefill_logprobs(model, adapter, prompt)
         kls.append(max(0.0, float((reference.exp() * (reference - logprobs)).sum())))  # -1e-9 is rounding
         agree.append(int(reference.argmax()) == int(logprobs.argmax()))
-        kind = "base" if variant is None else "adapter"
-        by_source.setdefault(f"{kind}, {engines[mode].sources[(variant, prompt)]}", []).append(kls[-1])
+        kind = "base" if adapter is None else "adapter"
+        by_source.setdefault(f"{kind}, {engines[mode].sources[(adapter, prompt)]}", []).append(kls[-1])
     return {"reply_agreement": sum(same) / len(same), "replies_compared": len(same),
             "reply_common_prefix": statistics.fmean(shared),
             "first_token_kl_mean": statistics.fmean(kls), "first_token_kl_max": max(kls),

@@ -21,11 +21,9 @@ from pathlib import Path
 
 import torch
 
-from peft_kvcache import AdapterMaps, AdapterSession, SharedPeftModel
+from peft_kvcache import AdapterMaps, AdapterSession, SharedPeftModel, adapter_active, load_adapters, run_with_cache
 from peft_kvcache.lab.corpus import DOCSTRING_INSTRUCTION, functions_with_docstrings, stdlib_texts, token_ids
 from peft_kvcache.lab.fixtures import load_model
-from peft_kvcache.modeling.adapters import adapter_active, load_adapters
-from peft_kvcache.modeling.capture import run_with_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPARE = 8  # first greedy tokens compared with the adapter's own re-prefill
@@ -108,8 +106,8 @@ def main() -> None:
         prompt = torch.cat([session.ids, new], 1)
         history = session.ids
         turn = session.turn(new, adapter=adapter)
-        line = f"{i:>4} {adapter or 'base':>9} {history.shape[1]:>7} {turn.cache_source:>13} {turn.first_token_seconds:>7.3f}s"
-        if turn.cache_source == "mapped":  # a switch: compare with what a serving stack would do
+        line = f"{i:>4} {adapter or 'base':>9} {history.shape[1]:>7} {turn.context_source:>13} {turn.first_token_seconds:>7.3f}s"
+        if turn.context_source == "mapped":  # a switch: compare with what a serving stack would do
             own, full_seconds = reference(model, prompt, adapter, **generation)
             reused = naive(model, prompt[:, : turn.cached_tokens], prompt, adapter, **generation)
             speedups.append(full_seconds / turn.first_token_seconds)
