@@ -125,7 +125,7 @@ def task_answers(model, tokenizer, adapters, maps, examples: int) -> dict:
                     variants["mapped base cache"] = (
                         MappedCache.from_source(base_kv, maps.to_adapter[adapter], model, input_ids=ids[None, :cut]),
                         cut)
-            variants["base cache reused as is"] = (base_kv.to_cache(), cut)
+            variants["base cache reused as is"] = (MappedCache(base_kv), cut)
             scored = [(name, answer_nll(model, adapter, ids, labels, cache, cached))
                       for name, (cache, cached) in variants.items()]
             scored.append(("base model (no adapter)", answer_nll(model, None, ids, labels)))
@@ -215,9 +215,9 @@ def task_with_history(model, tokenizer, adapters, maps, examples: int, history_t
             with adapter_active(model, None):
                 base_kv = run_with_cache(model, ids[None, :cut])
                 logits = {"base model": model(input_ids=ids[None]).logits[0, prompt_len - 1:-1]}
-            caches = {"base cache reused as is": (base_kv.to_cache(), cut)}
+            caches = {"base cache reused as is": (MappedCache(base_kv), cut)}
             if session:
-                caches["session: base history reused as is"] = (base_kv.prefix(history).to_cache(), history)
+                caches["session: base history reused as is"] = (MappedCache(base_kv.prefix(history)), history)
             with adapter_active(model, adapter):
                 if not alora:
                     caches["mapped base cache"] = (MappedCache.from_source(
@@ -323,7 +323,7 @@ def catch_up_cost(model, maps, tokenizer, history: int = 1024, new: int = 96, re
 
     def prefill():
         with adapter_active(model, None):
-            forward(model, ids[None, history:], base_kv.to_cache(), position_ids=positions)
+            forward(model, ids[None, history:], MappedCache(base_kv), position_ids=positions)
 
     def reverse():
         map_cache(maps.to_base[adapter], [k[:, :, history:] for k in adapter_kv.keys],

@@ -26,7 +26,7 @@ from peft_kvcache import KVMap, MappedCache
 from peft_kvcache.calibration.loop import ModelSide
 from peft_kvcache.maps.config import KVMapConfig
 from peft_kvcache.modeling.capture import forward, run_with_cache
-from peft_kvcache.runtime.cache import _SINKS  # TODO(issue 22): public hook (clear the target-sink memo)
+from peft_kvcache.runtime.cache import clear_target_sinks
 
 from .common import RESULTS, interval, save, start_run, table, timed
 
@@ -98,7 +98,7 @@ def measure(source_run, target, kv_map, ids: torch.Tensor, repeats: int = 5, rec
             forward(target, last, cache, position_ids=step, logits_to_keep=1)
         return run
 
-    clear = _SINKS.clear  # TODO(issue 22): public hook, e.g. peft_kvcache.runtime.cache.clear_target_sinks
+    clear = clear_target_sinks
     row = {"context": length, "full": full or timed(lambda: forward(target, ids, None, logits_to_keep=1), repeats),
            "cold": timed(switch(0), repeats, before=clear), "warm": timed(switch(0), repeats),
            "map_only": timed(lambda: MappedCache.from_source(source_kv, kv_map, target, input_ids=context,

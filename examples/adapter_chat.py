@@ -21,7 +21,15 @@ from pathlib import Path
 
 import torch
 
-from peft_kvcache import AdapterMaps, AdapterSession, SharedPeftModel, adapter_active, load_adapters, run_with_cache
+from peft_kvcache import (
+    AdapterMaps,
+    AdapterSession,
+    MappedCache,
+    SharedPeftModel,
+    adapter_active,
+    load_adapters,
+    run_with_cache,
+)
 from peft_kvcache.lab.corpus import DOCSTRING_INSTRUCTION, functions_with_docstrings, stdlib_texts, token_ids
 from peft_kvcache.lab.fixtures import load_model
 
@@ -71,7 +79,7 @@ def reference(model, prompt: torch.Tensor, adapter: str, **generation) -> tuple[
 def naive(model, base_cache_ids: torch.Tensor, prompt: torch.Tensor, adapter: str, **generation) -> torch.Tensor:
     """What a prefix cache that ignores the adapter does: the base model's cache of the history, reused as is."""
     with adapter_active(model, None):
-        cache = run_with_cache(model, base_cache_ids).to_cache()
+        cache = MappedCache(run_with_cache(model, base_cache_ids))
     with adapter_active(model, adapter):
         out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), cache=cache, **generation)
     return out[:, prompt.shape[1]:]

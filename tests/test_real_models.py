@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from peft_kvcache import AdapterMaps, MappedCache
-from peft_kvcache.calibration.retention import cached_logits, full_logits, token_kl, token_sequences
-from peft_kvcache.lab.corpus import stdlib_texts
+from peft_kvcache.calibration.retention import cached_logits, full_logits, token_kl
+from peft_kvcache.lab.corpus import stdlib_texts, token_sequences
 from peft_kvcache.lab.fixtures import fetch_gguf, fixture_available, load_model
 from peft_kvcache.modeling.adapters import adapter_active, load_adapters
 from peft_kvcache.modeling.capture import run_with_cache

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from ..errors import CalibrationError
+from ..lab.corpus import token_ids
 from ..maps.adapter_maps import AdapterMaps
 from ..maps.config import CalibrationConfig, CalibrationRecord, DataRecord, KVMapConfig, ModelSpec, TextRecord
 from ..maps.kvmap import KVMap
@@ -119,7 +120,7 @@ def _token_ids(item, tokenizer, vocab_size: int | None) -> torch.Tensor:
     if isinstance(item, str):
         if tokenizer is None:
             raise CalibrationError("calibration texts need a tokenizer: pass tokenizer=...")
-        item = tokenizer(item, add_special_tokens=False)["input_ids"]
+        item = token_ids(tokenizer, item)
     if (item.numel() if isinstance(item, torch.Tensor) else len(item) if isinstance(item, (list, tuple)) else 1) == 0:
         return torch.empty(0, dtype=torch.long)  # too short to use: dropped with the other short texts
     return check_token_ids(item, vocab_size, "calibration token ids", dims=(1,), error=CalibrationError)

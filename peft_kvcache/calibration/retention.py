@@ -35,17 +35,6 @@ from ..runtime.cache import MappedCache
 from ..runtime.check import ContextCheck, check_context
 
 
-def token_sequences(texts: Sequence[str], tokenizer, length: int, keep: int | None = None) -> list[torch.Tensor]:
-    """The first ``keep`` (default ``length``) tokens of every text that has at least ``length`` (shorter texts
-    are skipped)."""
-    sequences = []
-    for text in texts:
-        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
-        if ids.numel() >= length:
-            sequences.append(ids[: keep or length])
-    return sequences
-
-
 @torch.no_grad()
 def _logits(model, ids: torch.Tensor, positions: torch.Tensor, cache=None, keep: int = 0) -> torch.Tensor:
     # a cache even when none is given: without one, transformers reads a jump in position_ids (the window

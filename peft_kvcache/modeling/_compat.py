@@ -89,13 +89,6 @@ def replay_attention(module: torch.nn.Module, args: tuple, kwargs: dict, keys: t
     return module(*args, **call, **{_cache_argument_of(type(module)): context})[0]
 
 
-def truncate(cache: Cache, length: int) -> None:
-    """Keep the first ``length`` positions of every layer (slicing: ``DynamicCache.crop``'s argument changed
-    meaning in transformers 5.24)."""
-    for layer in cache.layers:
-        layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
-
-
 def weights_version(model: torch.nn.Module) -> tuple:
     """Changes whenever a parameter of ``model`` is replaced or written in place (``load_state_dict``,
     ``copy_``, an optimizer step): each tensor's storage address and torch's in-place version counter."""

@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from ..errors import CacheMismatchError, UnsupportedPositionalSchemeError
-from ._compat import fill_cache, output_cache, with_cache
+from ._compat import output_cache, with_cache
 from .layout import model_device
 from .positions import positions_from_mask
 
@@ -25,12 +25,8 @@ class CapturedKV:
         """The first ``length`` positions: a causal model's cache of that prefix of its input."""
         return CapturedKV([k[:, :, :length] for k in self.keys], [v[:, :, :length] for v in self.values])
 
-    def to_cache(self) -> DynamicCache:
-        """A transformers `DynamicCache` holding these tensors (a model extends it in place)."""
-        return fill_cache(DynamicCache(), self.pairs())
-
     def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``[(keys, values), ...]`` per layer (what `MappedCache` and ``fill_cache`` take)."""
+        """``[(keys, values), ...]`` per layer."""
         return list(zip(self.keys, self.values))
 
     @property

@@ -303,3 +303,8 @@ def target_sink(target_model, ids: torch.Tensor, mask: torch.Tensor, position_of
     key = (weights_key(target_model), ids.numpy().tobytes(), tuple(ids.shape), mask.numpy().tobytes(), position_offset)
     positions = positions_from_mask(mask) + position_offset
     return _SINKS.get(target_model, key, lambda: run_with_cache(target_model, ids, mask, position_ids=positions))
+
+
+def clear_target_sinks() -> None:
+    """Forget every memoized target sink (to time or count a cold switch: the next one computes its sink again)."""
+    _SINKS.clear()
