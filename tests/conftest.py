@@ -5,12 +5,16 @@ from __future__ import annotations
 import sys
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 from transformers.utils import logging as hf_logging
+
+if TYPE_CHECKING:
+    from peft_kvcache import KVMap
 
 hf_logging.disable_progress_bar()
 # One thread: tiny models gain nothing from two, and two threads stall badly when the CPU is shared.
@@ -79,6 +83,52 @@ def sibling_map(sibling_pair):
 
     source, target = sibling_pair
     return KVMap.calibrate(source, target, random_ids(12, 48), progress=False)
+
+
+def calibration_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The calibration tests' pair: a Qwen2 source and a Llama target of another shape (3 layers, 3 KV heads)."""
+    return tiny_model("qwen2", seed=0), tiny_model("llama", seed=1, hidden_size=96, num_attention_heads=3,
+                                                    num_key_value_heads=3, num_hidden_layers=3)
+
+
+CALIBRATION_OPTIONS = dict(progress=False, batch_size=1)
+
+
+def rotary_summary(head_dim: int) -> dict:
+    return {"rope_type": "default", "head_dim": head_dim, "rotary_dim": head_dim, "attention_scaling": 1.0,
+            "max_position": None}
+
+
+def make_map(seed: int = 0) -> KVMap:
+    """A small map built by hand (no model needed): 2 source layers -> 3 target layers, 2 KV heads of 8."""
+    from peft_kvcache import KVMap, KVMapConfig
+    from peft_kvcache.maps.config import CalibrationRecord, DataRecord
+    from peft_kvcache.modeling.layout import KVLayout
+    from peft_kvcache.modeling.positions import RotaryRecord
+
+    source, target = KVLayout(2, 2, 8), KVLayout(3, 2, 8)
+    generator = torch.Generator().manual_seed(seed)
+    key_layers = [[0], [1], [0, 1]]
+    config = KVMapConfig(
+        source_name="org/source", target_name="org/target",
+        source_fingerprint="a" * 64, target_fingerprint="b" * 64,
+        source_layout=source, target_layout=target,
+        source_rotary=RotaryRecord(**rotary_summary(8)), target_rotary=RotaryRecord(**rotary_summary(8)),
+        vocab_size=128, pair_kind="cross_shape",
+        key_layers=key_layers, value_layers=[[1], [1], [0]],
+        key_r2=[[0.9, 0.8], [0.7, 0.6], [0.5, 0.4]], value_r2=[[0.95, 0.9], [0.8, 0.7], [0.6, 0.5]],
+        key_lambdas=[[1.0, 1.0]] * 3, value_lambdas=[[0.1, 0.1]] * 3,
+        key_candidate_r2=[[0.9, 0.5], [0.4, 0.7], [0.5, 0.5]], value_candidate_r2=[[0.2, 0.9], [0.3, 0.8], [0.6, 0.1]],
+        calibration=CalibrationRecord(data=DataRecord("hand-made"), train_tokens=1000, heldout_tokens=250),
+    )
+    tensors = {"source.inv_freq": 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8),
+               "target.inv_freq": 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8)}
+    width_in, width_out = source.layer_width, target.layer_width
+    for kind, groups in (("keys", key_layers), ("values", config.value_layers)):
+        for t, group in enumerate(groups):
+            tensors[f"{kind}.{t}.weight"] = torch.randn(len(group) * width_in, width_out, generator=generator)
+            tensors[f"{kind}.{t}.bias"] = torch.randn(width_out, generator=generator)
+    return KVMap(config, tensors)
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:

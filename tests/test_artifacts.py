@@ -1,5 +1,7 @@
-"""Loading validation: a truncated, tampered or mismatched artifact gives an `ArtifactError` that names the
-file and the problem, before anything is allocated or executed; nothing is ever unpickled."""
+"""The map artifact on disk (maps/kvmap.py save and load). Loading validation: a truncated, tampered or mismatched
+artifact gives an `ArtifactError` that names the file and the problem, before anything is allocated or executed;
+nothing is ever unpickled or run as remote code. Saving: atomic (a save killed or raising midway leaves the old map
+or the new one), with ordinary permissions, through symlinks, and never over a folder that is not a map."""
 
 from __future__ import annotations
 
@@ -11,46 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_map, rotary_summary, tiny_model
 from safetensors.torch import load_file, save_file
 
 import peft_kvcache
-from peft_kvcache import ArtifactError, KVMap, KVMapConfig
-from peft_kvcache.maps.config import CalibrationRecord, DataRecord
-from peft_kvcache.modeling.layout import KVLayout
-from peft_kvcache.modeling.positions import RotaryRecord
-
-SOURCE, TARGET = KVLayout(2, 2, 8), KVLayout(3, 2, 8)
-
-
-def _rotary(head_dim: int) -> dict:
-    return {"rope_type": "default", "head_dim": head_dim, "rotary_dim": head_dim, "attention_scaling": 1.0,
-            "max_position": None}
-
-
-def make_map(seed: int = 0) -> KVMap:
-    """A small map built by hand (no model needed): 2 source layers -> 3 target layers, 2 KV heads of 8."""
-    generator = torch.Generator().manual_seed(seed)
-    key_layers = [[0], [1], [0, 1]]
-    config = KVMapConfig(
-        source_name="org/source", target_name="org/target",
-        source_fingerprint="a" * 64, target_fingerprint="b" * 64,
-        source_layout=SOURCE, target_layout=TARGET,
-        source_rotary=RotaryRecord(**_rotary(8)), target_rotary=RotaryRecord(**_rotary(8)), vocab_size=128,
-        pair_kind="cross_shape",
-        key_layers=key_layers, value_layers=[[1], [1], [0]],
-        key_r2=[[0.9, 0.8], [0.7, 0.6], [0.5, 0.4]], value_r2=[[0.95, 0.9], [0.8, 0.7], [0.6, 0.5]],
-        key_lambdas=[[1.0, 1.0]] * 3, value_lambdas=[[0.1, 0.1]] * 3,
-        key_candidate_r2=[[0.9, 0.5], [0.4, 0.7], [0.5, 0.5]], value_candidate_r2=[[0.2, 0.9], [0.3, 0.8], [0.6, 0.1]],
-        calibration=CalibrationRecord(data=DataRecord("hand-made"), train_tokens=1000, heldout_tokens=250),
-    )
-    tensors = {"source.inv_freq": 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8),
-               "target.inv_freq": 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8)}
-    width_in, width_out = SOURCE.layer_width, TARGET.layer_width
-    for kind, groups in (("keys", key_layers), ("values", config.value_layers)):
-        for t, group in enumerate(groups):
-            tensors[f"{kind}.{t}.weight"] = torch.randn(len(group) * width_in, width_out, generator=generator)
-            tensors[f"{kind}.{t}.bias"] = torch.randn(width_out, generator=generator)
-    return KVMap(config, tensors)
+from peft_kvcache import ArtifactError, KVMap
 
 
 @pytest.fixture
@@ -198,18 +165,18 @@ def test_a_large_but_plausible_layout_fails_on_the_header_without_allocating(sav
     # 1024 layers x 1024 heads x 4096 would be a 4M x 4M float weight per layer (64 TB): the safetensors
     # header is compared first, so this must fail fast instead of trying to allocate.
     huge = {"num_layers": 2, "kv_heads": 1024, "head_dim": 4096}
-    _edit_config(saved, lambda d: d.update(source_layout=huge, source_rotary=_rotary(4096)))
+    _edit_config(saved, lambda d: d.update(source_layout=huge, source_rotary=rotary_summary(4096)))
     message = _load_error(saved)
     assert "model.safetensors" in message and "shape" in message
 
 
 @pytest.mark.parametrize("rotary", [
-    dict(_rotary(8), rotary_dim=7),
-    dict(_rotary(8), rotary_dim=16),
-    dict(_rotary(8), head_dim=16),
-    dict(_rotary(8), attention_scaling="1.0"),
-    dict(_rotary(8), attention_scaling=float("nan")),
-    dict(_rotary(8), attention_scaling=0),
+    dict(rotary_summary(8), rotary_dim=7),
+    dict(rotary_summary(8), rotary_dim=16),
+    dict(rotary_summary(8), head_dim=16),
+    dict(rotary_summary(8), attention_scaling="1.0"),
+    dict(rotary_summary(8), attention_scaling=float("nan")),
+    dict(rotary_summary(8), attention_scaling=0),
     "default",
 ])
 def test_malformed_rotary_summary(saved, rotary):
@@ -337,3 +304,207 @@ def test_a_map_whose_config_would_not_load_is_never_saved(tmp_path, saved, edit,
     with pytest.raises(ArtifactError, match=field):
         kv_map.save_pretrained(tmp_path / "new", chart=False)
     assert KVMap.from_pretrained(saved).config.pair_kind == "cross_shape" and not (tmp_path / "new").exists()
+
+
+# ----- saving into folders: model folders, permissions, missing local paths -----
+
+
+def test_saving_into_a_model_folder_is_refused_unless_told(tmp_path, sibling_map):
+    folder = tmp_path / "model"
+    tiny_model("qwen2").save_pretrained(folder)
+    before = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(ArtifactError, match="not a KV map"):
+        sibling_map.save_pretrained(folder)
+    assert sorted(p.name for p in folder.iterdir()) == before
+    sibling_map.save_pretrained(folder, overwrite=True)
+    assert KVMap.from_pretrained(folder).config.to_dict() == sibling_map.config.to_dict()
+
+
+def test_saved_maps_have_ordinary_permissions(tmp_path, sibling_map):
+    existing = tmp_path / "shared"
+    existing.mkdir(mode=0o755)
+    os.chmod(existing, 0o755)
+    sibling_map.save_pretrained(existing)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (existing.stat().st_mode & 0o777) == 0o777 & ~umask
+    assert ((existing / "model.safetensors").stat().st_mode & 0o777) == 0o666 & ~umask
+
+
+def test_a_missing_local_path_is_an_artifact_error_without_a_hub_lookup(monkeypatch, tmp_path):
+    monkeypatch.setattr("peft_kvcache.maps.kvmap.snapshot_download",
+                        lambda *a, **k: pytest.fail("looked up the Hub for a local path"))
+    for spec in ("./missing", str(tmp_path / "missing"), "a/b/c", "~/nowhere", "not a repo id!"):
+        with pytest.raises(ArtifactError, match="no map folder"):
+            KVMap.from_pretrained(spec)
+
+
+# ----- atomic saves: killed or raising midway, through symlinks -----
+
+
+def _old_and_new_maps() -> tuple[KVMap, KVMap]:
+    """Two maps with tensors of the same shapes but different layer selections: the old config with the new
+    weights (or the reverse) would load as a valid, silently wrong map."""
+    old, new = make_map(seed=0), make_map(seed=1)
+    new.config.key_layers = [[1], [0], [0, 1]]
+    new.config.value_layers = [[0], [0], [1]]
+    return old, new
+
+
+def _loads_as(folder: Path, expected: KVMap) -> bool:
+    loaded = KVMap.from_pretrained(folder)
+    same = loaded.config.to_dict() == expected.config.to_dict() and all(
+        torch.equal(loaded.tensors[k], v) for k, v in expected.tensors.items())
+    assert same, "the folder loads as a map that is neither the old nor the new one"
+    return same
+
+
+def _leftovers(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+
+
+@pytest.mark.parametrize("crash_at", ["weights", "swap", "between_renames", None])
+def test_a_save_killed_at_any_step_leaves_the_old_map_or_the_new_one(tmp_path, crash_at):
+    """A real hard crash (the process exits with no cleanup) while saving over an existing map. At every step
+    the path loads as the old map or the new one; where the system cannot swap folders atomically and the kill
+    falls between the two renames, the next load puts the old map back. Leftovers go with the next save."""
+    old, new = _old_and_new_maps()
+    folder = old.save_pretrained(tmp_path / "map", chart=False)
+    (folder / "notes.txt").write_text("keep me")
+    pid = os.fork()
+    if pid == 0:  # child: save the new map, dying at `crash_at`
+        try:
+            from peft_kvcache import _files
+            from peft_kvcache.maps import kvmap
+
+            die = lambda *args, **kwargs: os._exit(9)  # noqa: E731
+            if crash_at == "weights":
+                kvmap.save_file = die
+            elif crash_at == "swap":
+                _files.exchange = die
+            elif crash_at == "between_renames":
+                _files.exchange = lambda a, b: False  # a system without the atomic swap
+                real, calls = os.replace, [0]
+
+                def replace(*args, **kwargs):
+                    calls[0] += 1
+                    if calls[0] == 2:  # the old folder is aside, the new one not yet in
+                        os._exit(9)
+                    return real(*args, **kwargs)
+
+                os.replace = replace
+            new.save_pretrained(folder, chart=False)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == (0 if crash_at is None else 9)
+    if crash_at == "between_renames":
+        assert not folder.exists() and len(list(tmp_path.glob(".map.old-*"))) == 1
+    assert bool(_leftovers(tmp_path)) == (crash_at is not None)  # the dead process's staging (or backup) folder
+    expected = new if crash_at is None else old
+    assert _loads_as(folder, expected) and (folder / "notes.txt").read_text() == "keep me"
+    assert _leftovers(tmp_path) == []  # the next load cleaned up after the dead process
+
+
+@pytest.mark.parametrize("fail_at", ["weights", "config", "swap"])
+def test_a_save_that_raises_midway_keeps_the_old_map(tmp_path, monkeypatch, fail_at):
+    old, new = _old_and_new_maps()
+    folder = old.save_pretrained(tmp_path / "map", chart=False)
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    if fail_at == "weights":
+        monkeypatch.setattr("peft_kvcache.maps.kvmap.save_file", fail)
+    elif fail_at == "config":
+        monkeypatch.setattr(Path, "write_text", fail)
+    else:
+        monkeypatch.setattr("peft_kvcache._files.exchange", fail)
+    with pytest.raises(OSError, match="disk full"):
+        new.save_pretrained(folder, chart=False)
+    monkeypatch.undo()
+    assert _loads_as(folder, old)
+    assert [p.name for p in tmp_path.iterdir()] == ["map"], "staging or backup folders left behind"
+
+
+def test_saving_through_a_symlink_replaces_the_folder_it_points_to(tmp_path):
+    old, new = _old_and_new_maps()
+    real = old.save_pretrained(tmp_path / "real", chart=False)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    new.save_pretrained(link, chart=False)
+    assert link.is_symlink() and _loads_as(real, new)
+
+
+# ----- hostile artifacts: huge layouts and headers, no remote code -----
+
+
+def _spy_on_tensor_reads(monkeypatch) -> list[str]:
+    reads: list[str] = []
+    real_open = peft_kvcache.maps.kvmap.safe_open
+
+    class Spy:
+        def __init__(self, *args, **kwargs):
+            self.handle = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def get_tensor(self, name):
+            reads.append(name)
+            return self.inner.get_tensor(name)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    monkeypatch.setattr(peft_kvcache.maps.kvmap, "safe_open", Spy)
+    return reads
+
+
+def test_a_huge_layout_in_config_is_refused_before_any_tensor_is_read(tmp_path, monkeypatch):
+    folder = make_map().save_pretrained(tmp_path / "map", chart=False)
+    reads = _spy_on_tensor_reads(monkeypatch)
+    KVMap.from_pretrained(folder)
+    assert reads, "the spy does not see tensor reads"
+    reads.clear()
+    data = json.loads((folder / "config.json").read_text())
+    data["source_layout"] = {"num_layers": 2, "kv_heads": 512, "head_dim": 4096}  # a 2M x 16 weight per layer
+    data["source_rotary"]["head_dim"] = data["source_rotary"]["rotary_dim"] = 4096
+    (folder / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="shape"):
+        KVMap.from_pretrained(folder)
+    assert reads == []
+
+
+def test_a_header_claiming_a_huge_tensor_that_matches_the_config_is_refused_unread(tmp_path, monkeypatch):
+    """The header agrees with a (plausible) config about a 16 GiB weight, but the file holds a few bytes."""
+    folder = make_map().save_pretrained(tmp_path / "map", chart=False)
+    data = json.loads((folder / "config.json").read_text())
+    data["source_layout"] = {"num_layers": 2, "kv_heads": 1024, "head_dim": 2048}
+    data["source_rotary"]["head_dim"] = data["source_rotary"]["rotary_dim"] = 2048
+    (folder / "config.json").write_text(json.dumps(data))
+    config = peft_kvcache.KVMapConfig.from_dict(data)
+    header = {name: {"dtype": "F32", "shape": list(shape), "data_offsets": [0, 4 * int(torch.tensor(shape).prod())]}
+              for name, shape in peft_kvcache.maps.config.expected_shapes(config).items()}
+    offset = 0
+    for entry in header.values():  # contiguous offsets, as a real file would have, but no data behind them
+        size = entry["data_offsets"][1]
+        entry["data_offsets"] = [offset, offset + size]
+        offset += size
+    blob = json.dumps(header).encode()
+    (folder / "model.safetensors").write_bytes(len(blob).to_bytes(8, "little") + blob + b"\0" * 64)
+    reads = _spy_on_tensor_reads(monkeypatch)
+    with pytest.raises(ArtifactError, match="corrupted or truncated"):
+        KVMap.from_pretrained(folder)
+    assert reads == []
+
+
+def test_the_package_never_executes_or_trusts_remote_code():
+    package = Path(peft_kvcache.__file__).parent
+    pattern = r"trust_remote_code\s*=\s*True|(?<![.\w])(eval|exec)\(|__import__\(|marshal\.loads|yaml\.load\("
+    offenders = [p.name for p in package.rglob("*.py") if re.search(pattern, p.read_text())]
+    assert offenders == []

@@ -9,6 +9,7 @@ from conftest import random_ids, tiny_model
 from peft_kvcache import CacheMismatchError, FingerprintMismatchError, KVMap, MappedCache
 from peft_kvcache.errors import CalibrationError, IncompatibleModelsError, UnsupportedPositionalSchemeError
 from peft_kvcache.modeling._compat import cache_argument, output_cache, with_cache
+from peft_kvcache.modeling.capture import run_with_cache
 
 
 @pytest.fixture
@@ -283,3 +284,69 @@ def test_a_captured_cache_goes_in_as_it_is():
     cache = MappedCache(CapturedKV([k for k, _ in pairs], [v for _, v in pairs]))
     assert cache.layers[1].values.data_ptr() == pairs[1][1].data_ptr() and cache.next_positions is None
     assert torch.equal(cache.captured().keys[0], pairs[0][0])
+
+
+# ----- input checks before the source runs, and the fingerprint memo -----
+
+
+def test_new_weights_in_the_same_model_object_are_noticed(sibling_pair, sibling_map):
+    source, target = sibling_pair
+    other = tiny_model("qwen2", seed=1, hidden_size=96, num_hidden_layers=3, num_attention_heads=3,
+                       num_key_value_heads=3, intermediate_size=160)
+    model = tiny_model("qwen2", seed=1, hidden_size=96, num_hidden_layers=3, num_attention_heads=3,
+                       num_key_value_heads=3, intermediate_size=160)
+    ids = random_ids(1, 12, seed=40)[0][None]
+    first = MappedCache.from_source(source, sibling_map, model, input_ids=ids)  # memoizes fingerprint and sink
+    model.load_state_dict(tiny_model("qwen2", seed=9, hidden_size=96, num_hidden_layers=3, num_attention_heads=3,
+                                     num_key_value_heads=3, intermediate_size=160).state_dict())
+    with pytest.raises(FingerprintMismatchError):
+        MappedCache.from_source(source, sibling_map, model, input_ids=ids)
+    model.load_state_dict(other.state_dict())  # back to the right weights: accepted, sink recomputed
+    again = MappedCache.from_source(source, sibling_map, model, input_ids=ids)
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(first.layers, again.layers))
+
+
+@pytest.mark.parametrize("ids, match", [
+    (torch.arange(10), "input_ids must be a \\[batch, seq\\]"),
+    (torch.rand(1, 10), "integer token ids"),
+    (torch.tensor([[1, 2, 500]]), "outside the vocabulary"),
+    (torch.tensor([[1, -2, 3]]), "outside the vocabulary"),
+    (torch.zeros(1, 0, dtype=torch.long), "empty"),
+    ([[1, 2, 3], [4, 5]], "rectangular"),
+])
+def test_bad_ids_are_refused_before_the_source_runs(sibling_pair, sibling_map, monkeypatch, ids, match):
+    source, target = sibling_pair
+    monkeypatch.setattr(source, "forward", lambda *a, **k: pytest.fail("the source ran"))
+    with pytest.raises(CacheMismatchError, match=match):
+        MappedCache.from_source(source, sibling_map, target, input_ids=ids)
+
+
+def test_bad_masks_and_offsets_are_refused_before_the_source_runs(sibling_pair, sibling_map, monkeypatch):
+    source, target = sibling_pair
+    monkeypatch.setattr(source, "forward", lambda *a, **k: pytest.fail("the source ran"))
+    ids = torch.randint(0, 128, (2, 10))
+    for mask, match in ((torch.ones(2, 9), "shape"), (torch.full((2, 10), 2), "0s and 1s"),
+                        (torch.tensor([[1] * 5 + [0] * 5] * 2), "left-padded")):
+        with pytest.raises(CacheMismatchError, match=match):
+            MappedCache.from_source(source, sibling_map, target, input_ids=ids, attention_mask=mask)
+    with pytest.raises(CacheMismatchError, match="position_offset"):
+        MappedCache.from_source(source, sibling_map, target, input_ids=ids, position_offset=-3)
+
+
+def test_a_source_that_is_neither_a_model_nor_a_cache_is_refused_and_captured_states_are_a_cache(sibling_pair,
+                                                                                                  sibling_map):
+    source, target = sibling_pair
+    ids = random_ids(1, 12, seed=40)[0][None]
+    with pytest.raises(CacheMismatchError, match="source model or its cache"):
+        MappedCache.from_source("org/source", sibling_map, target, input_ids=ids)
+    from_states = MappedCache.from_source(run_with_cache(source, ids), sibling_map, target, input_ids=ids)
+    from_model = MappedCache.from_source(source, sibling_map, target, input_ids=ids)
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(from_states.layers, from_model.layers))
+
+
+def test_generate_with_a_prompt_no_longer_than_the_cache_says_so(sibling_pair, sibling_map):
+    source, target = sibling_pair
+    ids = random_ids(1, 20, seed=41)[0][None]
+    cache = MappedCache.from_source(source, sibling_map, target, input_ids=ids[:, :-1])
+    with pytest.raises(CacheMismatchError, match="whole conversation"):
+        target.generate(input_ids=ids[:, -1:], **with_cache(target, cache), max_new_tokens=2)

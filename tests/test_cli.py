@@ -359,3 +359,9 @@ def test_calibrate_adapters_names_a_bad_adapter_argument(workspace, adapter_fold
         assert (named or "given twice") in err
     status, _, err = cli(base + ["--adapter", f"terse={adapter_folders['terse']}", "--blend-files", "3"])
     assert status == 2 and "--blend-files 3" in err
+
+
+def test_the_cli_on_a_missing_folder_fails_at_once(capsys):
+    assert main(["inspect", "./no/such/map"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no map folder" in err

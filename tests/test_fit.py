@@ -1,6 +1,8 @@
 import pytest
 import torch
+from conftest import CALIBRATION_OPTIONS, calibration_pair, random_ids
 
+from peft_kvcache import KVMap
 from peft_kvcache.calibration.fit import SufficientStatistics, _Centered, fit_layers, solve_ridge
 from peft_kvcache.errors import CalibrationError, NumericalError
 from peft_kvcache.modeling.layout import KVLayout
@@ -138,3 +140,62 @@ def test_target_layers_choosing_the_same_source_layers_share_one_eigendecomposit
     for t, fit in enumerate(fits):
         alone = solve_ridge(stats, torch.arange(0, 4), torch.arange(4 * t, 4 * t + 4), 4)
         assert torch.equal(alone.weight, fit.fit.weight) and torch.equal(alone.bias, fit.fit.bias)
+
+
+# ----- guards: non-finite statistics, singular grams, fewer tokens than features -----
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_calibration_statistics_are_refused(bad):
+    stats = SufficientStatistics.empty(3, {"t": 2})
+    with pytest.raises(NumericalError, match="target 't' features contain NaN or Inf"):
+        stats.update(torch.randn(4, 3), {"t": torch.tensor([[0.0, bad]] * 4)})
+    # Statistics that became non-finite some other way (a merged shard, an edited checkpoint) are refused too.
+    good = SufficientStatistics.empty(3, {"t": 2})
+    good.update(torch.randn(10, 3), {"t": torch.randn(10, 2)})
+    poisoned = good.state_dict()
+    poisoned["x_gram"] = poisoned["x_gram"].clone()
+    poisoned["x_gram"][0, 0] = bad
+    with pytest.raises(NumericalError, match="calibration statistics are not finite"):
+        _Centered(SufficientStatistics.from_state_dict(poisoned), good, "t")
+
+
+def _degenerate(case: str, n: int = 40, d: int = 12) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    if case == "duplicated":
+        x[:, d // 2:] = x[:, : d // 2]
+    elif case == "constant":
+        x[:, 8:] = 7.0  # features no target column depends on: zero variance once centred
+    elif case == "zero":
+        x.zero_()
+    elif case == "fewer_tokens":
+        x = x[:5]
+    elif case == "huge_range":
+        x[:, 0] *= 1e8
+        x[:, 1] *= 1e-8
+    return x
+
+
+@pytest.mark.parametrize("case", ["duplicated", "constant", "zero", "fewer_tokens", "huge_range"])
+def test_ridge_stays_finite_on_singular_or_ill_conditioned_grams(case):
+    x = _degenerate(case)
+    gen = torch.Generator().manual_seed(4)
+    y = x[:, :8] * 0.5 + 0.01 * torch.randn(x.shape[0], 8, generator=gen, dtype=torch.float64)
+    x_ho = _degenerate(case)
+    train, heldout = SufficientStatistics.empty(12, {"t": 8}), SufficientStatistics.empty(12, {"t": 8})
+    train.update(x, {"t": y})
+    heldout.update(x_ho, {"t": x_ho[:, :8] * 0.5})
+    layout = KVLayout(1, 2, 4)
+    fits = fit_layers(train, heldout, "t", KVLayout(1, 3, 4), layout)
+    fit = fits[0].fit
+    for tensor in (fit.weight, fit.bias, fit.lambdas, fit.r2):
+        assert torch.isfinite(tensor).all()
+    if case in ("duplicated", "constant", "fewer_tokens"):  # the signal is there: ridge must still find it
+        assert float(fit.r2.min()) > 0.9
+
+
+def test_calibration_with_fewer_tokens_than_features_gives_a_finite_map():
+    source, target = calibration_pair()  # 2 x 2 x 16 = 64 source features per kind; 3 train tokens
+    kv_map = KVMap.calibrate(source, target, random_ids(3, 4), **CALIBRATION_OPTIONS)
+    assert all(torch.isfinite(t).all() for t in kv_map.tensors.values())

@@ -226,3 +226,13 @@ def test_push_to_a_branch_creates_it_first(pair, monkeypatch):
     assert names.index("create_repo") < names.index("create_branch") < names.index("upload_folder")
     assert hub.calls[names.index("create_branch")][1]["branch"] == "v2"
     assert hub.calls[names.index("upload_folder")][1]["revision"] == "v2"
+
+
+def test_a_cache_whose_refs_point_outside_it_is_refused(tmp_path, monkeypatch):
+    storage = tmp_path / "hub" / "models--org--m"
+    (storage / "refs").mkdir(parents=True)
+    (storage / "snapshots").mkdir()
+    (storage / "refs" / "main").write_text("../../../../..")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ArtifactError, match="outside the cache"):
+        KVMap.from_pretrained("org/m", cache_dir=tmp_path / "hub")

@@ -1,4 +1,5 @@
-"""Adapter-switching sessions (sessions.py) on tiny random models."""
+"""Adapter-switching sessions (runtime/sessions.py) on tiny random models: switching, threads, a turn that fails
+midway, one lock per model, what a turn accepts, the one-model PEFT pattern."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from conftest import random_ids, tiny_model
 from peft import LoraConfig, get_peft_model
 from test_peft import MODULES, peft_with_adapters
 
-from peft_kvcache import AdapterSession, MappedCache, SessionError, SharedPeftModel
+from peft_kvcache import AdapterSession, FingerprintMismatchError, MappedCache, SessionError, SharedPeftModel
 from peft_kvcache.calibration.loop import calibrate_adapters
 from peft_kvcache.modeling._compat import unwrap_peft
 from peft_kvcache.modeling.adapters import adapter_active
-from peft_kvcache.runtime.cache import _SINKS
+from peft_kvcache.modeling.capture import run_with_cache
+from peft_kvcache.modeling.identity import model_name
+from peft_kvcache.runtime.cache import clear_target_sinks
 
 GEN = dict(max_new_tokens=6, eos_token_id=None, pad_token_id=0)  # fixed reply length: no early stop
 
@@ -76,7 +79,7 @@ def test_a_switch_never_prefills_the_history(real_shared):
         session.turn(random_ids(1, 60, seed=1)[0], adapter="strong")  # a long first turn: the history
         for adapter in ("mild", "strong", None, "mild"):
             m, counted[:] = 5, []
-            _SINKS.clear()  # count the sink's own pass
+            clear_target_sinks()  # count the sink's own pass
             turn = session.turn(random_ids(1, m, seed=2)[0], adapter=adapter)
             g = turn.new_ids.shape[1]
             # sink (mapped turns) + the new message and the last reply token + decode steps + base catch-up
@@ -187,3 +190,122 @@ def test_sessions_keep_an_exact_base_cache_by_default_as_the_server_does(real_sh
     session.turn(random_ids(1, 30, seed=1)[0], adapter=None)
     turn = session.turn(random_ids(1, 5, seed=2)[0], adapter="strong")
     assert turn.model_tokens["keep_base"] > 0 and session.base_cached_tokens == session.ids.shape[1] - 1
+
+
+# ----- a turn failing midway, one lock per model, a turn's ids, the one-model PEFT pattern -----
+
+
+GREEDY = dict(max_new_tokens=5, do_sample=False)  # peft_setup's sessions: up to five greedy tokens
+
+
+@pytest.fixture(scope="module")
+def peft_setup():
+    base = tiny_model("llama", seed=3)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["k_proj", "v_proj", "o_proj"], init_lora_weights=False),
+                           adapter_name="strong")
+    model.add_adapter("mild", LoraConfig(r=2, target_modules=["k_proj", "v_proj"], init_lora_weights=False))
+    model.eval()
+    return base, model, calibrate_adapters(model, random_ids(10, 40, seed=4), progress=False)
+
+
+class Boom(Exception):
+    pass
+
+
+class FailingStreamer:
+    """A generate() streamer that raises after ``after`` puts (a client gone, a failing callback)."""
+
+    def __init__(self, after: int, error: type[BaseException] = Boom):
+        self.after, self.error, self.puts = after, error, 0
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts > self.after:
+            raise self.error()
+
+    def end(self):
+        pass
+
+
+def _state(session: AdapterSession):
+    caches = [session._base_cache] + ([session._last[1]] if session._last else [])
+    return session.ids.clone(), [[(layer.keys.clone(), layer.values.clone()) for layer in c.layers] for c in caches]
+
+
+@pytest.mark.parametrize("error", [Boom, KeyboardInterrupt])
+@pytest.mark.parametrize("adapter", [None, "strong", "mild"])
+def test_a_turn_that_fails_midway_leaves_the_session_as_it_was(peft_setup, error, adapter):
+    _, model, maps = peft_setup
+    shared = SharedPeftModel(model, maps)
+    turns = [(random_ids(1, 12, seed=20)[0], "strong"), (random_ids(1, 6, seed=21)[0], None)]
+    survivor, witness = AdapterSession(shared, **GREEDY), AdapterSession(shared, **GREEDY)
+    for ids, who in turns:
+        survivor.turn(ids, adapter=who)
+        witness.turn(ids, adapter=who)
+    before = _state(survivor)
+    with pytest.raises(error):
+        survivor.turn(random_ids(1, 7, seed=22)[0], adapter=adapter, streamer=FailingStreamer(2, error))
+    after = _state(survivor)
+    assert torch.equal(before[0], after[0])
+    assert all(torch.equal(a, b) for x, y in zip(before[1], after[1]) for pa, pb in zip(x, y) for a, b in zip(pa, pb))
+    assert model.active_adapter == "strong"  # PEFT's state restored
+    new = random_ids(1, 5, seed=23)[0]
+    assert torch.equal(survivor.turn(new, adapter="mild").new_ids, witness.turn(new, adapter="mild").new_ids)
+
+
+def test_every_wrapper_of_one_model_shares_its_lock_and_threads_match_solo_runs(peft_setup):
+    base, model, maps = peft_setup
+    first, second = SharedPeftModel(model, maps), SharedPeftModel(model, maps)
+    assert first.lock is second.lock
+    script = [(random_ids(1, 9, seed=30 + i)[0], ("strong", "mild", None)[i % 3]) for i in range(3)]
+
+    def play(shared) -> list[torch.Tensor]:
+        session = AdapterSession(shared, **GREEDY)
+        return [session.turn(ids, adapter=who).new_ids for ids, who in script]
+
+    solo = play(first)
+    results, errors = {}, []
+
+    def worker(index):
+        try:
+            results[index] = play(first if index % 2 else second)
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and len(results) == 6
+    assert all(torch.equal(a, b) for outputs in results.values() for a, b in zip(outputs, solo))
+    assert model.active_adapter == "strong"
+
+
+@pytest.mark.parametrize("ids, match", [(torch.randint(0, 128, (2, 5)), "one conversation"),
+                                        (torch.rand(1, 5), "integer"), (torch.tensor([[1, 999]]), "vocabulary"),
+                                        (torch.zeros(1, 0, dtype=torch.long), "empty")])
+def test_a_turn_takes_one_conversations_integer_ids_only(peft_setup, ids, match):
+    _, model, maps = peft_setup
+    session = AdapterSession(SharedPeftModel(model, maps), **GREEDY)
+    with pytest.raises(SessionError, match=match):
+        session.turn(ids, adapter="strong")
+    assert session.ids.numel() == 0
+
+
+def test_one_model_serves_as_source_with_its_adapter_disabled_and_errors_say_what_to_do(peft_setup):
+    base, model, maps = peft_setup
+    kv_map = maps.to_adapter["strong"]
+    ids = random_ids(1, 14, seed=42)[0][None]
+    model.set_adapter("strong")
+    assert model_name(base).endswith("+strong") and model_name(model).endswith("+strong")
+    with pytest.raises(FingerprintMismatchError, match="disable_adapter"):  # base holds the adapter's layers
+        MappedCache.from_source(base, kv_map, model, input_ids=ids)
+    with model.disable_adapter():
+        source_cache = run_with_cache(model, ids)
+        assert "+" not in model_name(base)
+    cache = MappedCache.from_source(source_cache, kv_map, model, input_ids=ids)
+    assert cache.get_seq_length() == 14
+    strong_cache = run_with_cache(model, ids)  # the adapter's own cache, to be mapped back to the base...
+    with adapter_active(model, None), pytest.raises(FingerprintMismatchError, match="swap source and target"):
+        MappedCache.from_source(strong_cache, kv_map, model, input_ids=ids)  # ...with base -> strong
