@@ -69,3 +69,7 @@ class RequestError(ServerError):
     def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.param, self.code = status, param, code
+
+
+class ConnectorError(PeftKVCacheError, ValueError):
+    """The vLLM KV connector was configured with options it cannot use (``kv_connector_extra_config``)."""

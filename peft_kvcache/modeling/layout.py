@@ -28,7 +28,11 @@ class KVLayout:
     @classmethod
     def of(cls, model: torch.nn.Module) -> "KVLayout":
         """Layout of a model from its config (``head_dim`` derived where the config leaves it unset)."""
-        config = model.config
+        return cls.of_config(model.config)
+
+    @classmethod
+    def of_config(cls, config) -> "KVLayout":
+        """Layout of the model a transformers config describes."""
         return cls(
             num_layers=int(config.num_hidden_layers),
             kv_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),

@@ -225,8 +225,11 @@ class MappedCache(DynamicCache):
         self._continuation_checked = True
         position_ids = update_positions(update_kwargs)
         if position_ids is None:
-            logger.warning("cannot verify that the tokens added to the mapped cache continue its context: this "
-                           "transformers version does not pass position_ids to the cache")
+            import transformers
+
+            logger.warning("cannot verify that the tokens added to the mapped cache continue its context: "
+                           "transformers %s passes no position_ids to the cache; the continuation check needs "
+                           "transformers >= 5.24", transformers.__version__)
             return
         first = position_ids[..., 0].reshape(-1).cpu()
         expected = self.next_positions  # layer 0 is not extended yet

@@ -1,0 +1,10 @@
+"""Cross-adapter prefix reuse inside vLLM: a KV connector (`connector.PeftKVCacheConnector`) that vLLM loads by
+module path. It keeps the KV of finished requests in a bounded store and, when a request for one model variant (the
+base model or a LoRA adapter) shares a token prefix with a stored request of another, maps that prefix with the
+published map between them and writes it into vLLM's paged cache; vLLM computes the rest.
+
+Owns: the options (`options`), the CPU backend's paged layout (`layout`), the store and its index (`store`), the
+published maps that fit the engine's models (`pairs`), the scheduler's and the worker's halves (`scheduler`,
+`worker`) and the connector vLLM calls (`connector`). Imports `maps`, `modeling` and the foundation, and vLLM itself
+(only these modules do); never the runtime, calibration, serving or `lab`. Needs the ``vllm`` extra.
+"""

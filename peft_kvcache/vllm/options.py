@@ -1,0 +1,81 @@
+"""The connector's options (``kv_connector_extra_config``) and a request's own (``kv_transfer_params``), checked by
+type and range at engine start, so a typo fails the start with a message instead of silently doing nothing."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, get_args
+
+from ..errors import ConnectorError
+from ..maps._records import check_fields, from_json
+
+# "map": another variant's prefix is mapped with the published map between the two; "naive": it is injected as it
+# is (the baseline: what a prefix cache that ignores the adapter would do); "exact": only a variant's own stored
+# prefixes are reused (an offloading cache, nothing approximate).
+Mode = Literal["map", "naive", "exact"]
+MODES: tuple[str, ...] = get_args(Mode)
+# A request's choice (``kv_transfer_params: {"peft_kvcache": {"reuse": ...}}``): "map" (the connector's mode),
+# "exact" (nothing approximate for this request) or "none" (prefill everything the engine does not hold itself).
+RequestReuse = Literal["map", "exact", "none"]
+REQUEST_REUSE: tuple[str, ...] = get_args(RequestReuse)
+# Below this many mapped tokens mapping saves too little prefill to justify its drift: short shared boilerplate
+# (a chat template's system prompt) is prefilled exactly. benchmarks/vllm_load.py measures where mapping pays.
+DEFAULT_MIN_MAPPED_TOKENS = 256
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """``kv_connector_extra_config`` of `PeftKVCacheConnector`.
+
+    Example:
+        >>> ConnectorOptions.parse({"maps": None, "mode": "exact"}).store_gib
+        2.0
+    """
+
+    maps: str | None = None  # a folder of map folders (e.g. hub_cards); none: nothing is mapped
+    mode: str = "map"
+    store_gib: float = 2.0  # bound of the store of finished requests' KV, least recently used evicted first
+    min_mapped_tokens: int = DEFAULT_MIN_MAPPED_TOKENS
+
+    @classmethod
+    def parse(cls, extra: dict | None) -> "ConnectorOptions":
+        """The options from vLLM's ``kv_connector_extra_config`` (unknown keys and wrong types are refused)."""
+        return from_json(cls, dict(extra or {}), "kv_connector_extra_config", ConnectorError)
+
+    @property
+    def store_bytes(self) -> int:
+        return int(self.store_gib * 2**30)
+
+    def validate(self, where: str = "kv_connector_extra_config", error: type[Exception] = ConnectorError) -> None:
+        """Refuse a mode, bound or folder that cannot be used, naming the key."""
+        check_fields(self, where, error)
+        if self.mode not in MODES:
+            raise error(f"{where}.mode must be one of {MODES}, got {self.mode!r}")
+        if not self.store_gib > 0:
+            raise error(f"{where}.store_gib must be a positive number of GiB, got {self.store_gib!r}")
+        if self.min_mapped_tokens < 0:
+            raise error(f"{where}.min_mapped_tokens must be >= 0, got {self.min_mapped_tokens!r}")
+        if self.mode == "map" and self.maps is None:
+            raise error(f"{where}.maps is needed in mode 'map': a folder of map folders (e.g. hub_cards); use mode "
+                        "'exact' to reuse only a variant's own prefixes")
+        if self.maps is not None and not Path(self.maps).expanduser().is_dir():
+            raise error(f"{where}.maps: {self.maps!r} is not a folder (of map folders, e.g. hub_cards)")
+
+
+def request_reuse(kv_transfer_params: dict | None) -> str:
+    """A request's reuse choice from its ``kv_transfer_params`` (``{"peft_kvcache": {"reuse": "exact"}}``); "map" by
+    default. A malformed choice is logged and read as "exact": a request is never failed because of the connector,
+    and nothing approximate is served to a request that asked for something else."""
+    ours = kv_transfer_params.get("peft_kvcache") if isinstance(kv_transfer_params, dict) else None
+    if ours is None:
+        return "map"
+    reuse = ours.get("reuse", "map") if isinstance(ours, dict) else None
+    if reuse not in REQUEST_REUSE:
+        logger.warning("kv_transfer_params.peft_kvcache must be {\"reuse\": one of %s}, got %r: served as \"exact\"",
+                       REQUEST_REUSE, ours)
+        return "exact"
+    return reuse

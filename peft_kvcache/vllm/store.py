@@ -1,0 +1,190 @@
+"""The connector's store of finished requests' KV, in two halves that vLLM runs in different processes.
+
+`StoreIndex` (the scheduler's): which token prefixes are stored, for which model variant (any hashable name: the
+connector uses `pairs.Variant`, the base model or a LoRA adapter and its folder) and cache salt, keyed by the chained hashes of their whole blocks, bounded in bytes with the least
+recently used entries evicted first; it also knows each variant's own attention sink (the KV of a conversation's
+first tokens, which a mapped prefix takes from the target itself). `KVStore` (the worker's): the tensors. Only the
+scheduler decides what enters and leaves; the worker does what the connector metadata says, in order, so the two
+agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+def block_chain(tokens: Sequence[int], block_size: int, blocks: int, salt: str | None) -> list[str]:
+    """Chained hashes of the first ``blocks`` whole blocks of ``tokens``: element ``j`` names the prefix of ``j + 1``
+    blocks (and the salt, so that salted requests share only with each other)."""
+    chain, previous = [], hashlib.sha256(repr(salt).encode()).digest()
+    for j in range(blocks):
+        block = tokens[j * block_size: (j + 1) * block_size]
+        previous = hashlib.sha256(previous + torch.tensor(list(block), dtype=torch.int64).numpy().tobytes()).digest()
+        chain.append(previous.hex())
+    return chain
+
+
+@dataclass
+class IndexEntry:
+    """A stored prefix: ``variant``'s own KV of ``blocks`` whole blocks of tokens."""
+
+    key: str  # names the variant and the whole prefix, salt included
+    variant: Hashable
+    salt: str | None
+    chain: list[str]
+    nbytes: int
+
+    @property
+    def blocks(self) -> int:
+        return len(self.chain)
+
+
+@dataclass
+class Match:
+    """The longest stored prefix of one variant that a request shares: the entry and how many whole blocks."""
+
+    entry: IndexEntry
+    blocks: int
+
+
+class StoreIndex:
+    """What the worker's store holds (see the module). ``bytes_per_token``: all layers' keys and values of one token.
+
+    Example:
+        >>> index = StoreIndex(max_bytes=10**6, block_size=2, bytes_per_token=8)
+        >>> entry, evicted = index.add(None, None, [1, 2, 3, 4])
+        >>> index.matches(None, [1, 2, 3, 9, 9], limit_blocks=2)[None].blocks
+        1
+    """
+
+    def __init__(self, max_bytes: int, block_size: int, bytes_per_token: int):
+        self.max_bytes, self.block_size, self.bytes_per_token = max_bytes, block_size, bytes_per_token
+        self.evictions = 0
+        self._entries: OrderedDict[str, IndexEntry] = OrderedDict()  # least recently used first
+        self._holders: dict[str, set[str]] = {}  # prefix hash -> keys of the entries that contain that prefix
+        self._sinks: OrderedDict[tuple, int] = OrderedDict()  # (variant, salt, first tokens) -> bytes
+        self._bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the worker's store holds (entries and sinks)."""
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def matches(self, salt: str | None, tokens: Sequence[int], limit_blocks: int) -> dict[Hashable, Match]:
+        """Per variant, its stored entry sharing the most whole blocks with ``tokens`` (at most ``limit_blocks``)."""
+        found: dict[Hashable, Match] = {}
+        for depth, prefix in enumerate(block_chain(tokens, self.block_size, limit_blocks, salt), start=1):
+            holders = self._holders.get(prefix)
+            if not holders:
+                break
+            for key in holders:
+                entry = self._entries[key]
+                found[entry.variant] = Match(entry, depth)
+        return found
+
+    def touch(self, entry: IndexEntry) -> None:
+        """Mark ``entry`` as just used (it is evicted last)."""
+        if entry.key in self._entries:
+            self._entries.move_to_end(entry.key)
+
+    def add(self, variant: Hashable, salt: str | None, tokens: Sequence[int]) -> tuple[IndexEntry | None, list]:
+        """Record ``variant``'s KV of ``tokens`` (whole blocks) as stored: returns the new entry (None when that prefix
+        is held already, or when it alone exceeds the bound) and the keys of what it evicts or supersedes (the same
+        variant's shorter prefixes of it), which the worker must drop."""
+        blocks = len(tokens) // self.block_size
+        chain = block_chain(tokens, self.block_size, blocks, salt)
+        nbytes = blocks * self.block_size * self.bytes_per_token
+        if not chain or nbytes > self.max_bytes:
+            return None, []
+        held = self.matches(salt, tokens, blocks).get(variant)
+        if held is not None and held.blocks == blocks:  # an entry holds this prefix (or a longer one)
+            self.touch(held.entry)
+            return None, []
+        dropped = [key for key, e in self._entries.items()
+                   if e.variant == variant and e.salt == salt and e.blocks < blocks and e.chain[-1] == chain[e.blocks - 1]]
+        for key in dropped:
+            self._remove(key)
+        entry = IndexEntry(hashlib.sha256(repr((variant, chain[-1])).encode()).hexdigest(), variant, salt, chain, nbytes)
+        self._entries[entry.key] = entry
+        for prefix in chain:
+            self._holders.setdefault(prefix, set()).add(entry.key)
+        self._bytes += nbytes
+        return entry, dropped + self._evict()
+
+    def remove(self, key: str | tuple) -> None:
+        """Forget an entry or a sink (the worker could not store it)."""
+        if key in self._entries:
+            self._remove(key)
+        elif key in self._sinks:
+            self._bytes -= self._sinks.pop(key)
+
+    # ----- attention sinks -----
+
+    def has_sink(self, variant: Hashable, salt: str | None, tokens: Sequence[int]) -> bool:
+        """Whether ``variant``'s own KV of the leading ``tokens`` of a conversation is stored."""
+        key = (variant, salt, tuple(tokens))
+        if key in self._sinks:
+            self._sinks.move_to_end(key)
+            return True
+        return False
+
+    def add_sink(self, variant: Hashable, salt: str | None, tokens: Sequence[int]) -> tuple[tuple, list]:
+        """Record ``variant``'s KV of the leading ``tokens`` as stored; returns its key and the keys evicted."""
+        key = (variant, salt, tuple(tokens))
+        self._sinks[key] = len(tokens) * self.bytes_per_token
+        self._bytes += self._sinks[key]
+        return key, self._evict()
+
+    # -----
+
+    def _evict(self) -> list:
+        """Drop least recently used entries, then sinks, until the bound holds; returns their keys."""
+        evicted = []
+        while self._bytes > self.max_bytes and (self._entries or self._sinks):
+            if self._entries:
+                key = next(iter(self._entries))
+                self._remove(key)
+            else:
+                key, nbytes = self._sinks.popitem(last=False)
+                self._bytes -= nbytes
+            evicted.append(key)
+            self.evictions += 1
+        return evicted
+
+    def _remove(self, key: str) -> None:
+        entry = self._entries.pop(key)
+        for prefix in entry.chain:
+            holders = self._holders.get(prefix)
+            if holders is not None:
+                holders.discard(key)
+                if not holders:
+                    del self._holders[prefix]
+        self._bytes -= entry.nbytes
+
+
+@dataclass
+class StoredKV:
+    """The worker's copy of one entry: per layer keys and values ``[kv_heads, tokens, head_dim]`` (keys post-RoPE)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[1]
+
+
+@dataclass
+class KVStore:
+    """The worker's half: entries and sinks by the keys the scheduler's index gave them."""
+
+    entries: dict[str, StoredKV] = field(default_factory=dict)
+    sinks: dict[tuple, StoredKV] = field(default_factory=dict)

@@ -1,0 +1,149 @@
+"""The vLLM connector's parts that need no engine (they run here without vLLM): the store's index (bounds, eviction,
+variants and salts kept apart), the options, and the choice of the published map that fits two of an engine's
+variants by fingerprints, layout and rotary parameters (tests/vllm runs the connector in real engines)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from peft_kvcache.errors import ConnectorError
+from peft_kvcache.lab.fixtures import converted_path, fixture_available
+from peft_kvcache.vllm.options import ConnectorOptions, request_reuse
+from peft_kvcache.vllm.pairs import MapChoice, MapRegistry, Variant
+from peft_kvcache.vllm.store import StoreIndex
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE, SHOUT = Variant(None), Variant("shout", str(ROOT / "adapters/shout"))
+
+
+def _tokens(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
+
+
+# ----- the index -----
+
+
+def test_matches_are_whole_blocks_per_variant_and_salt():
+    index = StoreIndex(max_bytes=10**6, block_size=4, bytes_per_token=1)
+    index.add(BASE, None, _tokens(12))
+    index.add(SHOUT, None, _tokens(8))
+    index.add(BASE, "tenant", _tokens(12))
+    found = index.matches(None, _tokens(10) + [99, 99], limit_blocks=3)
+    assert {v: m.blocks for v, m in found.items()} == {BASE: 2, SHOUT: 2}  # block 3 differs
+    assert index.matches("other", _tokens(12), limit_blocks=3) == {}  # salted requests share only with their salt
+    assert index.matches("tenant", _tokens(12), limit_blocks=2)[BASE].blocks == 2  # never past the limit
+
+
+def test_a_longer_prefix_supersedes_the_shorter_ones_of_its_variant_and_a_held_one_is_not_stored_twice():
+    index = StoreIndex(max_bytes=10**6, block_size=4, bytes_per_token=1)
+    short, _ = index.add(BASE, None, _tokens(4))
+    other, _ = index.add(SHOUT, None, _tokens(4))
+    longer, dropped = index.add(BASE, None, _tokens(8))
+    assert dropped == [short.key] and len(index) == 2 and index.nbytes == 12
+    assert index.add(BASE, None, _tokens(6)) == (None, [])  # its 1 whole block is held already
+    assert other.key in {e.key for e in index._entries.values()}
+
+
+def test_the_bound_evicts_the_least_recently_used_and_refuses_what_cannot_fit():
+    index = StoreIndex(max_bytes=20, block_size=4, bytes_per_token=1)
+    a, _ = index.add(BASE, None, _tokens(8))
+    b, _ = index.add(BASE, None, _tokens(8, start=100))
+    index.touch(a)
+    c, evicted = index.add(BASE, None, _tokens(8, start=200))
+    assert evicted == [b.key] and index.evictions == 1 and index.nbytes == 16
+    assert index.add(BASE, None, _tokens(24, start=300)) == (None, [])  # larger than the whole bound
+    for token in range(1, 5):
+        assert index.add_sink(SHOUT, None, [token])[1] == []  # a sink costs one token's bytes: 16 + 4
+    key, evicted = index.add_sink(SHOUT, None, [5])  # past the bound: the least recently used entry goes
+    assert evicted == [a.key] and index.has_sink(SHOUT, None, [5]) and not index.has_sink(BASE, None, [5])
+
+
+# ----- options -----
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"mode": "sometimes"}, "mode must be one of"), ({"maps": None}, "maps is needed in mode 'map'"),
+    ({"maps": "/no/such/folder"}, "not a folder"), ({"store_gib": 0, "mode": "exact"}, "store_gib"),
+    ({"min_mapped_tokens": "256", "mode": "exact"}, "must be an integer"), ({"map": "hub_cards"}, "unknown keys"),
+])
+def test_options_that_cannot_be_used_are_refused_by_name(extra, match):
+    with pytest.raises(ConnectorError, match=match):
+        ConnectorOptions.parse(extra).validate()
+
+
+def test_a_requests_own_choice_is_read_and_a_malformed_one_is_served_exactly():
+    assert request_reuse(None) == request_reuse({}) == request_reuse({"other": 1}) == "map"
+    assert request_reuse({"peft_kvcache": {"reuse": "none"}}) == "none"
+    assert request_reuse({"peft_kvcache": {"reuse": "sometimes"}}) == request_reuse({"peft_kvcache": 3}) == "exact"
+
+
+# ----- which map fits -----
+
+
+needs_smollm = pytest.mark.skipif(not fixture_available("gguf:smollm2-135m-instruct"),
+                                  reason="run `python -m peft_kvcache.lab.fixtures` first")
+
+
+@pytest.fixture(scope="module")
+def engine_model():
+    from transformers import AutoConfig
+
+    folder = converted_path("gguf:smollm2-135m-instruct")
+    return folder, AutoConfig.from_pretrained(folder)
+
+
+def _maps(tmp_path, *names) -> Path:
+    for name in names:
+        shutil.copytree(ROOT / "hub_cards" / name, tmp_path / name)
+    return tmp_path
+
+
+@needs_smollm
+def test_the_map_is_chosen_by_the_weights_both_variants_load(tmp_path, engine_model):
+    folder, config = engine_model
+    registry = MapRegistry(_maps(tmp_path, "smollm2-135m-instruct-base-to-shout", "smollm2-135m-instruct-shout-to-base",
+                                 "qwen2.5-coder-0.5b-to-1.5b-top2"), folder, config)
+    choice = registry.find(BASE, SHOUT)
+    assert choice == MapChoice(str(tmp_path / "smollm2-135m-instruct-base-to-shout"), 1)
+    assert registry.find(SHOUT, BASE).folder.endswith("shout-to-base")
+    assert registry.find(BASE, Variant("docstring", str(ROOT / "adapters/docstring"))) == "no_map"
+    assert registry.find(BASE, Variant("shout", str(ROOT / "adapters/docstring"))) == "no_map"  # a name is not enough
+
+
+@needs_smollm
+def test_a_map_for_these_weights_with_other_rotary_parameters_or_damaged_weights_is_not_used(tmp_path, engine_model):
+    folder, config = engine_model
+    maps = _maps(tmp_path, "smollm2-135m-instruct-base-to-shout")
+    weights = maps / "smollm2-135m-instruct-base-to-shout" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["target.inv_freq"] = tensors["target.inv_freq"] * 2
+    save_file(tensors, weights)
+    assert MapRegistry(maps, folder, config).find(BASE, SHOUT) == "map_mismatch"
+    weights.write_bytes(weights.read_bytes()[:100])
+    assert MapRegistry(maps, folder, config).find(BASE, SHOUT) == "unusable_map"
+
+
+@needs_smollm
+def test_an_engine_model_whose_positions_cannot_be_removed_maps_nothing(tmp_path, engine_model):
+    folder, config = engine_model
+    windowed = type(config).from_dict({**config.to_dict(), "sliding_window": 64, "layer_types": None})
+    registry = MapRegistry(_maps(tmp_path, "smollm2-135m-instruct-base-to-shout"), folder, windowed)
+    assert registry.problem and registry.find(BASE, SHOUT) == "unsupported_model"
+
+
+def test_unreadable_map_folders_are_skipped(tmp_path):
+    from transformers import LlamaConfig
+
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text(json.dumps({"source_fingerprint": "x", "format_version": 2}))
+    (tmp_path / "broken" / "model.safetensors").write_bytes(b"")
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=64)
+    registry = MapRegistry(tmp_path, tmp_path, config)
+    assert registry.configs == {} and registry.find(BASE, SHOUT) == "unsupported_model"  # no weights to fingerprint
+    assert torch.is_tensor(registry.rotary.inv_freq)

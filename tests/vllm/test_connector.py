@@ -1,0 +1,245 @@
+"""The connector in real vLLM engines (CPU build, float32, SmolLM2-135M with the committed LoRA adapters): what a
+request gets, against vLLM's own prefill and against the library's `MappedCache`, and every way it falls back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ADAPTERS, engine, run, source_of
+
+pytest.importorskip("vllm")
+
+MIN_MAPPED = 256  # two blocks: a prefix of one shared block is too short to map
+
+
+def _first_logprobs(output) -> dict[int, float]:
+    return {token: entry.logprob for token, entry in output.outputs[0].logprobs[0].items()}
+
+
+@pytest.fixture(scope="module")
+def mapping(model_folder, maps_folder):
+    with engine(model_folder, maps=maps_folder, min_mapped_tokens=MIN_MAPPED) as llm:
+        yield llm
+
+
+def _warm_sink(llm, prompt, adapter: str) -> None:
+    """One short request of ``adapter``: the store then holds its own attention sink (no whole block to keep)."""
+    out = run(llm, prompt("x = 1", system=""), adapter, max_tokens=1)
+    assert source_of(out) == "prefilled"
+
+
+def test_the_first_switch_to_an_adapter_is_prefilled_for_want_of_its_own_sink(mapping, prompt):
+    run(mapping, prompt(0), None)
+    out = run(mapping, prompt(0), "shout")
+    label = out.kv_transfer_params["peft_kvcache"]
+    assert label["context_source"] == "prefilled" and label["fallback"] == "no_target_sink"
+
+
+def test_a_switch_maps_the_base_prefix_and_matches_the_adapters_own_prefill(mapping, prompt):
+    _warm_sink(mapping, prompt, "shout")
+    base = run(mapping, prompt(1), None)
+    mapped = run(mapping, prompt(1), "shout")
+    reference = run(mapping, prompt(1), "shout", salt="reference", reuse="none")
+    label = mapped.kv_transfer_params["peft_kvcache"]
+    assert label["context_source"] == "mapped:base" and label["loaded_tokens"] >= MIN_MAPPED
+    assert label["loaded_tokens"] % 128 == 0 and label["prefilled_tokens"] >= 1 and label["engine_cached_tokens"] == 0
+    assert mapped.num_cached_tokens == label["loaded_tokens"]
+    assert source_of(reference) == "prefilled" and reference.num_cached_tokens == 0
+    assert mapped.outputs[0].text == reference.outputs[0].text != base.outputs[0].text
+
+
+def test_mapped_blocks_are_never_served_as_the_adapters_exact_cache(mapping, prompt):
+    """vLLM commits loaded blocks to its prefix cache under the adapter's block hashes: the connector takes them out,
+    so the same request again is mapped again (and labelled so), never an exact hit on approximate KV."""
+    _warm_sink(mapping, prompt, "shout")
+    run(mapping, prompt(2), None)
+    first = run(mapping, prompt(2), "shout")
+    again = run(mapping, prompt(2), "shout")
+    for out in (first, again):
+        label = out.kv_transfer_params["peft_kvcache"]
+        assert label["context_source"] == "mapped:base" and label["engine_cached_tokens"] == 0
+
+
+def test_a_request_can_ask_for_exact_reuse_only(mapping, prompt):
+    _warm_sink(mapping, prompt, "shout")
+    run(mapping, prompt("def f(): pass"), None)
+    out = run(mapping, prompt("def f(): pass"), "shout", reuse="exact")
+    label = out.kv_transfer_params["peft_kvcache"]
+    assert label["context_source"] == "prefilled" and label["fallback"] == "exact_only"
+
+
+def test_identity_injection_of_the_same_variant_gives_vllms_own_greedy_output(mapping, prompt):
+    """The base model's stored prefix injected into a base request vLLM no longer holds (its prefix cache reset, the
+    store kept) is vLLM's own KV: the greedy reply is identical, token for token."""
+    ids = prompt("def greet(name):\n    return f'hello {name}'\n")
+    own = run(mapping, ids, None, max_tokens=24)
+    assert mapping.reset_prefix_cache()
+    injected = run(mapping, ids, None, max_tokens=24)
+    label = injected.kv_transfer_params["peft_kvcache"]
+    assert label["context_source"] == "reused" and label["loaded_tokens"] > 0 and label["engine_cached_tokens"] == 0
+    assert injected.outputs[0].token_ids == own.outputs[0].token_ids
+
+
+def test_a_short_shared_prefix_is_prefilled_exactly(mapping, prompt):
+    """One shared block (128 tokens) is below the minimum mapped length: the adapter prefills it itself."""
+    system = "You are terse. " * 30 + "Now:"  # about 150 tokens: one whole shared block
+    _warm_sink(mapping, prompt, "shout")
+    run(mapping, prompt(0, system=system), None)
+    out = run(mapping, prompt(1, system=system), "shout")
+    label = out.kv_transfer_params["peft_kvcache"]
+    assert label["context_source"] == "prefilled" and label["fallback"] == "below_min_length"
+
+
+def test_mapped_injection_gives_the_librarys_next_token_logits(mapping, prompt, model_folder):
+    """vLLM with the connector and the library's MappedCache (transformers + PEFT) map the same prefix with the same
+    map: the first generated token's log-probabilities agree within 2e-3 nats (fp32; the engines' kernels differ)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from peft_kvcache import KVMap, MappedCache, adapter_active, run_with_cache
+    from peft_kvcache.modeling._compat import with_cache
+
+    ids = prompt("def head(xs, n=5):\n    return list(xs)[:n]\n")
+    _warm_sink(mapping, prompt, "shout")
+    run(mapping, ids, None)
+    out = run(mapping, ids, "shout")
+    loaded = out.kv_transfer_params["peft_kvcache"]["loaded_tokens"]
+    assert source_of(out) == "mapped:base"
+    base = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
+    model = PeftModel.from_pretrained(base, str(ADAPTERS["shout"]), adapter_name="shout").eval()
+    kv_map = KVMap.from_pretrained(mapping_maps(mapping) / "smollm2-135m-instruct-base-to-shout")
+    context = torch.tensor([ids[:loaded]])
+    with torch.no_grad():
+        with adapter_active(model, None):
+            source = run_with_cache(model, context)
+        with adapter_active(model, "shout"):
+            cache = MappedCache.from_source(source, kv_map, model, input_ids=context, refresh_tokens=0)
+            rest = torch.tensor([ids[loaded:]])
+            logits = model(input_ids=rest, position_ids=torch.arange(loaded, len(ids))[None],
+                           **with_cache(model, cache)).logits[0, -1]
+    library = torch.log_softmax(logits.float(), -1)
+    engine_logprobs = _first_logprobs(out)
+    difference = max(abs(library[token].item() - logprob) for token, logprob in engine_logprobs.items())
+    assert len(engine_logprobs) >= 20 and difference < 2e-3, difference
+
+
+def mapping_maps(llm):
+    """The maps folder the engine's connector was started with."""
+    from pathlib import Path
+
+    return Path(llm.llm_engine.vllm_config.kv_transfer_config.kv_connector_extra_config["maps"])
+
+
+def test_an_adapter_without_a_map_is_prefilled(mapping, prompt, tmp_path_factory, model_folder):
+    """A LoRA adapter no published map was fitted for: its switches are ordinary prefills (and never receive the
+    base model's KV unmapped)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("unmapped")
+    base = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
+    torch.manual_seed(0)
+    get_peft_model(base, LoraConfig(r=8, target_modules=["k_proj", "v_proj"], init_lora_weights=False),
+                   adapter_name="unmapped").save_pretrained(folder)
+    ADAPTERS["unmapped"] = folder / "unmapped"
+    try:
+        _warm_sink(mapping, prompt, "unmapped")
+        run(mapping, prompt(0), None)
+        out = run(mapping, prompt(0), "unmapped")
+        reference = run(mapping, prompt(0), "unmapped", salt="reference", reuse="none")
+    finally:
+        del ADAPTERS["unmapped"]
+    label = out.kv_transfer_params["peft_kvcache"]
+    assert label["context_source"] == "prefilled" and label["fallback"] == "no_map"
+    assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+
+
+def test_a_load_that_fails_in_the_worker_is_recomputed_by_the_engine(mapping, prompt, maps_folder):
+    """The worker reads a map when it first applies it: a map file damaged after the scheduler chose the map (it did
+    for a switch it could not map for want of the adapter's sink) makes that load fail; vLLM recomputes the blocks,
+    the reply is the adapter's own, and the label says so."""
+    from conftest import SYSTEM
+
+    other = prompt(2, system=f"Another conversation. {SYSTEM}")
+    run(mapping, other, None)
+    chosen = run(mapping, other, "docstring").kv_transfer_params["peft_kvcache"]
+    assert chosen["fallback"] == "no_target_sink"  # the map was found; the sink was missing
+    weights = maps_folder / "smollm2-135m-instruct-base-to-docstring" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    _warm_sink(mapping, prompt, "docstring")
+    run(mapping, prompt(1), None)
+    out = run(mapping, prompt(1), "docstring")
+    reference = run(mapping, prompt(1), "docstring", salt="reference", reuse="none")
+    label = out.kv_transfer_params["peft_kvcache"]
+    assert label["context_source"] == "prefilled" and label["fallback"] == "load_error"
+    assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+
+
+def test_the_connectors_metrics_count_tokens_by_source_and_fallbacks(mapping):
+    metrics = {(m.name, tuple(sorted(getattr(m, "labels", {}).items()))): m for m in mapping.get_metrics()}
+    names = {name for name, _ in metrics}
+    assert {"vllm:peft_kvcache_prompt_tokens", "vllm:peft_kvcache_fallbacks", "vllm:peft_kvcache_store_bytes"} <= names
+
+    def value(name, **labels):
+        return sum(getattr(m, "value", 0) for (n, ls), m in metrics.items()
+                   if n == name and all(dict(ls).get(k) == v for k, v in labels.items()))
+
+    assert value("vllm:peft_kvcache_prompt_tokens", source="mapped") >= 3 * MIN_MAPPED
+    assert value("vllm:peft_kvcache_prompt_tokens", source="reused") > 0 and value("vllm:peft_kvcache_store_bytes") > 0
+    for reason in ("no_target_sink", "exact_only", "below_min_length", "no_map", "load_error"):
+        assert value("vllm:peft_kvcache_fallbacks", reason=reason) >= 1, reason
+
+
+def test_naive_mode_injects_the_base_prefix_unmapped_and_says_so(model_folder, prompt):
+    with engine(model_folder, mode="naive", min_mapped_tokens=MIN_MAPPED) as llm:
+        run(llm, prompt(1), None)
+        out = run(llm, prompt(1), "shout")
+        reference = run(llm, prompt(1), "shout", salt="reference", reuse="none")
+    label = out.kv_transfer_params["peft_kvcache"]
+    assert label["context_source"] == "shared:base" and label["loaded_tokens"] >= MIN_MAPPED
+    assert source_of(reference) == "prefilled"
+
+
+def test_the_store_is_bounded_and_evicts_the_least_recently_used(model_folder, prompt):
+    """A store that holds one long prefix: keeping a second evicts the first, which is then prefilled again."""
+    first, second = prompt(0), prompt(1, system="Answer in one line. " * 80)
+    per_token = 30 * 2 * 3 * 64 * 4  # layers x (keys, values) x KV heads x head size x float32
+    bound = 1.5 * (len(first) // 128) * 128 * per_token
+    assert len(second) // 128 >= len(first) // 128
+    with engine(model_folder, mode="exact", store_gib=bound / 2**30) as llm:
+        run(llm, first, None)
+        assert llm.reset_prefix_cache()
+        assert source_of(run(llm, first, None)) == "reused"  # from the store
+        run(llm, second, None)
+        assert llm.reset_prefix_cache()
+        assert source_of(run(llm, first, None)) == "prefilled"  # evicted
+        evictions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:peft_kvcache_store_evictions")
+    assert evictions >= 1
+
+
+def test_an_engine_restart_loses_only_the_store(model_folder, maps_folder, prompt):
+    """The store lives in the engine's processes: a new engine starts with nothing to load, and maps again once it
+    holds a base prefix and the adapter's sink."""
+    from conftest import SYSTEM
+
+    for _ in range(2):
+        with engine(model_folder, maps=maps_folder, min_mapped_tokens=MIN_MAPPED) as llm:
+            out = run(llm, prompt(0, system=f"First of all. {SYSTEM}"), "shout")
+            label = out.kv_transfer_params["peft_kvcache"]
+            assert label["context_source"] == "prefilled" and "fallback" not in label and out.num_cached_tokens == 0
+            _warm_sink(llm, prompt, "shout")
+            run(llm, prompt(1), None)
+            assert source_of(run(llm, prompt(1), "shout")) == "mapped:base"
+
+
+def test_a_quantized_kv_cache_is_refused_by_the_worker_and_served_by_prefill(model_folder, maps_folder, prompt):
+    """An fp8 cache packs blocks in no layout the connector knows: it maps nothing, and every request is the
+    engine's own prefill."""
+    with engine(model_folder, maps=maps_folder, dtype="bfloat16", llm_args={"kv_cache_dtype": "fp8"},
+                min_mapped_tokens=MIN_MAPPED) as llm:
+        _warm_sink(llm, prompt, "shout")
+        run(llm, prompt(1), None)
+        out = run(llm, prompt(1), "shout")
+        fallbacks = {m.labels.get("reason") for m in llm.get_metrics() if m.name == "vllm:peft_kvcache_fallbacks"}
+    assert source_of(out) == "prefilled" and out.outputs[0].text
+    assert "unsupported_layout" in fallbacks
