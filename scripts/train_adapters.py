@@ -7,6 +7,9 @@ Tasks (chat format, SmolLM2's own template; the loss covers the assistant's answ
 - ``shout``: the same prompts; the assistant answers with the docstring in UPPERCASE.
 - ``shout_alora`` (``--alora``): the ``shout`` task trained as an Activated LoRA (PEFT
   ``alora_invocation_tokens`` = the assistant header), which leaves the base KV of the prompt untouched.
+- ``reverse``: the same prompts; the assistant writes the docstring's words in reverse order, a task far from the
+  base model's behaviour, trained with ``--rank 32 --target attention`` so that it changes the context's keys and
+  values strongly (the committed one: see its ``training.json``).
 
 Training uses calibration-split files only; the reported effect (mean answer NLL, base vs adapter) is
 measured on functions from evaluation-split files. Adapters go to ``adapters/<name>/`` (PEFT's
@@ -14,6 +17,7 @@ measured on functions from evaluation-split files. Adapters go to ``adapters/<na
 
     PYTHONPATH=. python scripts/train_adapters.py                # docstring + shout, ~4 min each, 1 thread
     PYTHONPATH=. python scripts/train_adapters.py --only shout_alora     # names ending in _alora train as aLoRA
+    PYTHONPATH=. python scripts/train_adapters.py --only reverse --rank 32 --target attention --steps 60 --threads 2
 """
 
 from __future__ import annotations
@@ -30,11 +34,14 @@ from peft_kvcache.lab.corpus import docstring_chat as encode
 from peft_kvcache.lab.corpus import functions_with_docstrings
 
 MODEL = "gguf:smollm2-135m-instruct"
-TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGET_MODULES = {"all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                  "attention": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 ASSISTANT_HEADER = "<|im_start|>assistant\n"
 
 
 def answer_for(task: str, docstring: str) -> str:
+    if task == "reverse":
+        return " ".join(reversed(docstring.split()))
     return docstring.upper() if task.startswith("shout") else docstring
 
 
@@ -73,7 +80,7 @@ def train(name: str, task: str, args, train_pairs, eval_pairs) -> dict:
 
     torch.manual_seed(args.seed)
     options = dict(task_type="CAUSAL_LM", r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
-                   target_modules=TARGET_MODULES)
+                   target_modules=TARGET_MODULES[args.target])
     if alora:
         options["alora_invocation_tokens"] = tokenizer(ASSISTANT_HEADER, add_special_tokens=False).input_ids
     peft_model = get_peft_model(model, LoraConfig(**options))
@@ -109,8 +116,9 @@ def train(name: str, task: str, args, train_pairs, eval_pairs) -> dict:
     # The Hub id, not this machine's cache path (the weights are its GGUF Q4_1 dequantization).
     peft_model.peft_config["default"].base_model_name_or_path = FIXTURES[MODEL].hub_id
     peft_model.save_pretrained(folder)
-    (folder / "README.md").write_text(adapter_card(name, task, alora, base_nll, adapter_nll))
-    report = {"adapter": name, "task": task, "alora": alora, "rank": args.rank, "steps": args.steps,
+    (folder / "README.md").write_text(adapter_card(name, task, alora, base_nll, adapter_nll, args))
+    report = {"adapter": name, "task": task, "alora": alora, "rank": args.rank, "target": args.target,
+              "target_modules": TARGET_MODULES[args.target], "steps": args.steps,
               "batch_size": args.batch_size, "lr": args.lr, "train_examples": len(train_examples),
               "train_seconds": round(seconds, 1), "threads": torch.get_num_threads(),
               "eval_examples": len(eval_examples), "base_answer_nll": round(base_nll, 4),
@@ -122,15 +130,16 @@ def train(name: str, task: str, args, train_pairs, eval_pairs) -> dict:
     return report
 
 
-def adapter_card(name: str, task: str, alora: bool, base_nll: float, adapter_nll: float) -> str:
+def adapter_card(name: str, task: str, alora: bool, base_nll: float, adapter_nll: float, args) -> str:
     kind = "Activated LoRA (invocation: the assistant header)" if alora else "LoRA"
-    what = ("writes its docstring" if task == "docstring"
-            else "writes its docstring in UPPERCASE")
+    what = {"docstring": "writes its docstring", "reverse": "writes its docstring's words in reverse order"}.get(
+        task, "writes its docstring in UPPERCASE")
+    modules = "all attention and MLP projections" if args.target == "all" else "the attention projections"
     return (f"---\nlibrary_name: peft\nbase_model: HuggingFaceTB/SmolLM2-135M-Instruct\ntags: [lora, peft-kvcache]\n"
             f"---\n\n# {name}: a small {kind} adapter for SmolLM2-135M-Instruct\n\nGiven a Python function "
             f"without its docstring, it {what}. Trained by `scripts/train_adapters.py` on functions from the "
-            f"Python standard library (calibration split of `peft_kvcache.lab.corpus`), r=8 on all attention and MLP "
-            f"projections, a few minutes on one CPU thread; base weights: the GGUF Q4_1 dequantization "
+            f"Python standard library (calibration split of `peft_kvcache.lab.corpus`), r={args.rank} on {modules}, "
+            f"{args.steps} steps on {args.threads} CPU thread(s); base weights: the GGUF Q4_1 dequantization "
             f"(`peft_kvcache.lab.fixtures`).\n\nHeld-out answer NLL (evaluation-split functions): base "
             f"{base_nll:.3f} -> adapter {adapter_nll:.3f}. See `training.json`.\n")
 
@@ -138,11 +147,13 @@ def adapter_card(name: str, task: str, alora: bool, base_nll: float, adapter_nll
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", default=["docstring", "shout"],
-                        help="adapters to train (docstring, shout, shout_alora)")
+                        help="adapters to train (docstring, shout, shout_alora, reverse)")
     parser.add_argument("--alora", action="store_true", help="train as Activated LoRA (invocation: assistant header)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--target", choices=sorted(TARGET_MODULES), default="all",
+                        help="projections the LoRA adapts (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
