@@ -55,7 +55,8 @@ def test_switching_conversation_on_smollm2(smollm_stack):
               ("shout", "Say that again."),
               ("docstring", "Write the docstring of this Python function:\n```python\ndef area(w, h):\n"
                             "    return w * h\n```")]
-    app = create_app(PrefixEngine(shared, PrefixStore(2**30)), tokenizer, "smollm2", max_tokens=24)
+    # Every switch mapped: the conversation is shorter than the default threshold, and mapping is what this checks.
+    app = create_app(PrefixEngine(shared, PrefixStore(2**30), min_mapped_tokens=0), tokenizer, "smollm2", max_tokens=24)
     with running(app) as url:
         api = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
         messages, turns = [], []

@@ -117,6 +117,7 @@ class TurnResult:
     keep_seconds: float = 0.0  # bringing the base cache up to date after the turn
     model_tokens: dict[str, int] = field(default_factory=dict)  # tokens the model ran over, per phase
     cancelled: bool = False  # generation ended early because the caller said so (nothing was kept)
+    context_from: str | None = None  # "mapped" / "shared": the adapter whose cache it came from (None: the base)
 
 
 class FirstTokenTimer(BaseStreamer):

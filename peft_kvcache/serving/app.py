@@ -99,7 +99,7 @@ class Metrics:
 
     def record(self, model: str, result: TurnResult) -> None:
         self.ttft.labels(result.context_source).observe(result.first_token_seconds)
-        cached_kind = "mapped" if result.context_source == "mapped" else "reused"
+        cached_kind = result.context_source if result.context_source in ("mapped", "shared") else "reused"
         self.prompt_tokens.labels(cached_kind).inc(result.cached_tokens)
         self.prompt_tokens.labels("prefilled").inc(result.prompt_tokens - result.cached_tokens)
         self.completion_tokens.labels(model).inc(result.new_ids.shape[1])
@@ -113,7 +113,7 @@ class _Job:
         self.loop, self.events, self.arrival = loop, asyncio.Queue(), arrival
         self.cancelled = False
         self.started = arrival  # when the model worker took it
-        self.prepared: tuple[str, int] = ("prefilled", 0)  # (source, cached tokens), set before the first token
+        self.prepared: tuple = ("prefilled", 0, None)  # (source, cached tokens, context_from), before the first token
         self.deltas = TextDeltas(tokenizer, stop, emit=lambda text: self.push("delta", text),
                                  on_first=lambda: self.push("first", time.perf_counter() - arrival))
 
@@ -191,12 +191,14 @@ class ChatServer:
             else:
                 job.push("error", err)
 
-    def context_source(self, source: str, cached_tokens: int) -> str:
-        """The public name of a context source (see the module's docstring)."""
+    def context_source(self, source: str, cached_tokens: int, context_from: str | None = None) -> str:
+        """The public name of a context source (see the module's docstring): ``mapped:<model>`` and
+        ``shared:<model>`` name the model whose cache it came from (``context_from``; None: the base model)."""
         if not cached_tokens:
             return "prefilled"
-        named = {"mapped": f"mapped:{self.model_name}", "shared": f"shared:{self.model_name}"}
-        return named.get(source, source)
+        if source in ("mapped", "shared"):
+            return f"{source}:{self.model_name if context_from is None else context_from}"
+        return source
 
 
 def _as_list(value) -> list:
@@ -277,8 +279,8 @@ def create_app(engine: PrefixEngine, tokenizer, model_name: str | None = None, m
             return JSONResponse(reply.completion(payload),
                                 headers=_headers(extra["context_source"], extra["cached_tokens"], extra["ttft_seconds"]))
         ttft = payload if kind == "first" else payload.first_token_seconds
-        source, cached = job.prepared
-        headers = _headers(server.context_source(source, cached), cached, ttft)
+        source, cached, context_from = job.prepared
+        headers = _headers(server.context_source(source, cached, context_from), cached, ttft)
         return StreamingResponse(reply.events(None if kind == "first" else payload), media_type="text/event-stream",
                                  headers={**headers, "Cache-Control": "no-cache"})
 
@@ -293,7 +295,8 @@ class _Reply:
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def extra(self, result: TurnResult) -> dict:
-        return {"context_source": self.server.context_source(result.context_source, result.cached_tokens),
+        return {"context_source": self.server.context_source(result.context_source, result.cached_tokens,
+                                                             result.context_from),
                 "cached_tokens": result.cached_tokens, "ttft_seconds": round(result.first_token_seconds, 6),
                 "queue_seconds": round(self.job.started - self.job.arrival, 6),
                 "prepare_seconds": round(result.prepare_seconds, 6)}
