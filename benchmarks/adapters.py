@@ -1,4 +1,4 @@
-"""Base <-> adapter KV maps on SmolLM2-135M-Instruct with the committed adapters (adapters/docstring, shout).
+"""Base <-> adapter KV maps on SmolLM2-135M-Instruct with the committed adapters (adapters/docstring, shout, reverse).
 
 1. Retention on held-out stdlib files (evaluation split): context C, continuation M, teacher-forced; full
    prefill under the adapter, mapped base cache (sink computed by the adapter), naive reuse of the unmapped
@@ -29,7 +29,7 @@ from peft_kvcache import AdapterMaps, AdapterSession, MappedCache, SharedPeftMod
 from peft_kvcache.calibration.retention import RetentionReport, VariantScores, evaluate_retention, token_kl
 from peft_kvcache.lab.corpus import DOCSTRING_INSTRUCTION as INSTRUCTION
 from peft_kvcache.lab.corpus import docstring_chat as encode
-from peft_kvcache.lab.corpus import functions_with_docstrings, stdlib_texts, token_ids
+from peft_kvcache.lab.corpus import functions_with_docstrings, stdlib_texts, task_answer, token_ids
 from peft_kvcache.lab.fixtures import load_model
 from peft_kvcache.maps.apply import map_cache
 from peft_kvcache.maps.config import Refresh
@@ -112,7 +112,7 @@ def task_answers(model, tokenizer, adapters, maps, examples: int) -> dict:
         task = adapter.removesuffix("_alora")
         sums: dict[str, list[float]] = {}
         for code, doc in pairs:
-            ids, labels = encode(tokenizer, code, doc.upper() if task == "shout" else doc)
+            ids, labels = encode(tokenizer, code, task_answer(task, doc))
             prompt_len = int((labels == -100).sum())
             cut = prompt_len - 1  # cached prefix; the model computes the last prompt token itself
             if is_activated_lora(model, adapter):
@@ -198,7 +198,7 @@ def task_with_history(model, tokenizer, adapters, maps, examples: int, history_t
         scores: dict[str, VariantScores] = {}
         lengths, answers, losses = [], [], {}
         for i, (code, doc) in enumerate(finals):
-            answer = doc.upper() if task == "shout" else doc
+            answer = task_answer(task, doc)
             messages = long_chat(tokenizer, kind, i, code, history_tokens)
             ids, prompt_len = chat_ids(tokenizer, messages, answer)
             lengths.append(prompt_len)
@@ -276,7 +276,7 @@ def chat_script(tokenizer, turns: int):
         if i:
             user = user.split("<|im_end|>\n", 1)[1]  # the system prompt only once, at the start
         adapter = order[i % len(order)]
-        reply = (doc.upper() if adapter == "shout" else doc) + "<|im_end|>\n"
+        reply = task_answer(adapter or "docstring", doc) + "<|im_end|>\n"
         script.append((token_ids(tokenizer, user)[None], token_ids(tokenizer, reply)[None], adapter))
     return script
 

@@ -16,7 +16,7 @@ from peft_kvcache.lab.provenance import code_state, write_results
 RESULTS = Path(__file__).resolve().parent / "results"
 SMALL, LARGE = "gguf:qwen2.5-coder-0.5b-instruct", "gguf:qwen2.5-coder-1.5b-instruct"
 SMOLLM = "gguf:smollm2-135m-instruct"
-ADAPTERS = ("docstring", "shout")
+ADAPTERS = ("docstring", "shout", "reverse")
 ROOT = RESULTS.parents[1]
 
 

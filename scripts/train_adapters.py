@@ -31,18 +31,12 @@ from pathlib import Path
 import torch
 
 from peft_kvcache.lab.corpus import docstring_chat as encode
-from peft_kvcache.lab.corpus import functions_with_docstrings
+from peft_kvcache.lab.corpus import functions_with_docstrings, task_answer
 
 MODEL = "gguf:smollm2-135m-instruct"
 TARGET_MODULES = {"all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                   "attention": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 ASSISTANT_HEADER = "<|im_start|>assistant\n"
-
-
-def answer_for(task: str, docstring: str) -> str:
-    if task == "reverse":
-        return " ".join(reversed(docstring.split()))
-    return docstring.upper() if task.startswith("shout") else docstring
 
 
 def collate(examples: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int):
@@ -85,8 +79,8 @@ def train(name: str, task: str, args, train_pairs, eval_pairs) -> dict:
         options["alora_invocation_tokens"] = tokenizer(ASSISTANT_HEADER, add_special_tokens=False).input_ids
     peft_model = get_peft_model(model, LoraConfig(**options))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    train_examples = [encode(tokenizer, c, answer_for(task, d)) for c, d in train_pairs]
-    eval_examples = [encode(tokenizer, c, answer_for(task, d)) for c, d in eval_pairs]
+    train_examples = [encode(tokenizer, c, task_answer(task, d)) for c, d in train_pairs]
+    eval_examples = [encode(tokenizer, c, task_answer(task, d)) for c, d in eval_pairs]
 
     peft_model.eval()
     with peft_model.disable_adapter():

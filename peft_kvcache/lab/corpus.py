@@ -178,6 +178,19 @@ def functions_with_docstrings(split: str, limit: int, max_code_chars: int = 400,
     return pairs
 
 
+def task_answer(task: str, docstring: str) -> str:
+    """The answer of the committed adapters' tasks (scripts/train_adapters.py) for a function's ``docstring``: as it is
+    (``docstring``), in capitals (``shout``, ``shout_alora``), or its words in reverse order (``reverse``).
+
+    Example:
+        >>> task_answer("reverse", "Return the sum.")
+        'sum. the Return'
+    """
+    if task == "reverse":
+        return " ".join(reversed(docstring.split()))
+    return docstring.upper() if task.startswith("shout") else docstring
+
+
 def docstring_chat(tokenizer, code: str, answer: str):
     """``(ids, labels)``: a chat asking for the docstring of ``code`` answered with ``answer``, in the tokenizer's
     chat template; the labels cover only the answer and its end token (-100 elsewhere)."""

