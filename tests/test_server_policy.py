@@ -5,6 +5,9 @@ benchmarks/map_threshold.py measured."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from server_helpers import SINK, calibration_ids, tiny_peft, tiny_tokenizer
@@ -14,6 +17,7 @@ from peft_kvcache.calibration.loop import calibrate_adapters
 from peft_kvcache.modeling.capture import CapturedKV
 from peft_kvcache.serving.prefix_store import PrefixEngine, PrefixStore
 
+ROOT = Path(__file__).resolve().parents[1]
 GREEDY = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 1}
 
 
@@ -133,3 +137,12 @@ def test_store_keeps_exact_entries_beside_derived_ones():
     store.add("a", ids, kv(12))  # an exact cache of it all replaces both
     assert [(e.made.how, len(e.ids)) for e in store.entries()] == [("exact", 12)]
 
+
+def test_the_default_threshold_is_the_one_the_benchmark_measured():
+    from peft_kvcache.serving.prefix_store import DEFAULT_MIN_MAPPED_TOKENS
+
+    results = json.loads((ROOT / "benchmarks" / "results" / "map-threshold.json").read_text())
+    assert results["provenance"]["commit"], "the results file records the code it measured"
+    assert DEFAULT_MIN_MAPPED_TOKENS == results["recommended_min_mapped_tokens"]
+    assert f"Recommended `--min-mapped-tokens`: {DEFAULT_MIN_MAPPED_TOKENS}**" in (
+        ROOT / "benchmarks" / "results" / "map-threshold.md").read_text()

@@ -78,7 +78,7 @@ REUSE_MODES: tuple[str, ...] = get_args(Reuse)
 # the smallest mapped prefix whose switch takes at most half the time to first token of prefilling it, on SmolLM2
 # with the committed adapters and published maps (benchmarks/map_threshold.py ->
 # benchmarks/results/map-threshold.json, whose "recommended_min_mapped_tokens" this must equal).
-DEFAULT_MIN_MAPPED_TOKENS = 64
+DEFAULT_MIN_MAPPED_TOKENS = 256
 
 How = Literal["exact", "mapped", "shared"]
 
