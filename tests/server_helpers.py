@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import torch
 from conftest import char_tokenizer, tiny_model
 from peft import get_peft_model
@@ -41,3 +43,10 @@ def client(url: str, **options):
     from openai import OpenAI
 
     return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60, **options)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

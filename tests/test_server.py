@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("fastapi", reason="the server's extra: pip install -e '.[serve,test]'")
 openai = pytest.importorskip("openai", reason="the test extra: pip install -e '.[test]'")
 
-from server_helpers import SINK, calibration_ids, client, tiny_peft, tiny_tokenizer  # noqa: E402
+from server_helpers import SINK, calibration_ids, client, free_port, tiny_peft, tiny_tokenizer  # noqa: E402
 
 from peft_kvcache import AdapterSession, SharedPeftModel  # noqa: E402
 from peft_kvcache.calibration.loop import calibrate_adapters  # noqa: E402
@@ -53,6 +53,7 @@ def served(stack):
 def fresh(served):
     """The module's server with an empty prefix store."""
     url, server = served
+    _entries(server)  # the worker is idle: the last test's caches are kept before they are dropped
     server.engine.store.clear()
     return url, server
 
@@ -68,15 +69,15 @@ def _prompt_ids(tokenizer, messages) -> torch.Tensor:
     return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
 
 
-def _ask(api, model: str, messages: list[dict], stream: bool, max_tokens: int = 6) -> tuple[str, dict, int]:
+def _ask(api, model: str, messages: list[dict], stream: bool, max_tokens: int = 6, **options) -> tuple[str, dict, int]:
     """(reply, the peft_kvcache field, usage.prompt_tokens_details.cached_tokens) of one greedy request."""
     if not stream:
-        out = api.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, **GREEDY)
+        out = api.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, **GREEDY, **options)
         cached = out.usage.prompt_tokens_details.cached_tokens
         return out.choices[0].message.content, out.model_extra["peft_kvcache"], cached
     text, extra, cached = "", None, None
     for chunk in api.chat.completions.create(model=model, messages=messages, max_completion_tokens=max_tokens,
-                                             stream=True, stream_options={"include_usage": True}, **GREEDY):
+                                             stream=True, stream_options={"include_usage": True}, **GREEDY, **options):
         if chunk.choices and chunk.choices[0].delta.content:
             text += chunk.choices[0].delta.content
         extra = chunk.model_extra.get("peft_kvcache", extra)
@@ -92,8 +93,10 @@ SCRIPT = [(NAME, "Hello there, how are you?", False), ("first", "Tell me more.",
 
 def test_models_lists_the_base_and_each_adapter_with_the_base_as_parent(served):
     models = {m.id: m.model_extra for m in client(served[0]).models.list()}
-    assert models == {NAME: {"root": NAME, "parent": None}, "first": {"root": NAME, "parent": NAME},
-                      "second": {"root": NAME, "parent": NAME}}
+    none, mapped = {"mapped_from": None, "shared_from": None}, {"mapped_from": NAME, "shared_from": None}
+    assert models == {NAME: {"root": NAME, "parent": None, "peft_kvcache": none},
+                      "first": {"root": NAME, "parent": NAME, "peft_kvcache": mapped},
+                      "second": {"root": NAME, "parent": NAME, "peft_kvcache": mapped}}
 
 
 @pytest.mark.parametrize("keep_base", ["prefill", "reverse_map"])
@@ -181,6 +184,132 @@ def test_eight_concurrent_clients(stack, fresh):
         assert turns[1][1]["context_source"] == f"mapped:{NAME}" and turns[1][1]["cached_tokens"] > 20
 
 
+# ----- the policy for approximate caches, over HTTP (issue 25, findings 1-2) -----
+
+SYSTEM = {"role": "system", "content": "You are a terse assistant; answer in one line."}
+MIN_MAPPED = 64  # longer than the prefix every conversation shares (the system prompt), shorter than a turn's history
+# Per conversation, the model of each turn: switches among the base and both adapters, and a first turn of each kind.
+SWITCHES = [(NAME, NAME, "first"), ("first", NAME, "first"), ("second", "second", NAME),
+            ("first", "second", NAME), (NAME, NAME, "second"), ("second", "first", "first")]
+EXACT = ("reused", "prefilled")
+
+
+def _policy_app(shared, tokenizer):
+    engine = PrefixEngine(shared, PrefixStore(64 * 2**20))
+    engine.min_mapped_tokens = MIN_MAPPED
+    return create_app(engine, tokenizer, NAME, max_tokens=8)
+
+
+def _turns(url: str, i: int, replies: list[str] | None = None, after_first=lambda: None) -> list[dict]:
+    """Conversation ``i`` (`SWITCHES`), greedy; with ``replies``, a replay asking for exact reuse only, whose
+    assistant turns are ``replies`` (the same requests, answered as a full prefill would)."""
+    api, messages, turns = client(url), [SYSTEM], []
+    options = {} if replies is None else {"extra_body": {"peft_kvcache": {"reuse": "exact"}}}
+    for t, model in enumerate(SWITCHES[i]):
+        messages.append({"role": "user", "content": f"{chr(65 + i)}{i}: tell me about item {i}, turn {t}"})
+        reply, extra, _ = _ask(api, model, messages, stream=bool((i + t) % 2), max_tokens=8, **options)
+        turns.append({"model": model, "reply": reply, "source": extra["context_source"],
+                      "cached": extra["cached_tokens"]})
+        messages.append({"role": "assistant", "content": reply if replies is None else replies[t]})
+        if t == 0:
+            after_first()
+    return turns
+
+
+def test_concurrent_conversations_get_their_solo_replies_wherever_the_context_is_exact(stack):
+    """Six conversations at once against one server (the adapters' conversations start once the base model's have
+    answered their first turn: the base's caches of the shared system prompt are there, and no adapter's cache of
+    it yet, when the adapters' first turns come), each replayed alone on a fresh server
+    asking for exact reuse: every reply whose context the loaded server called exact (reused / prefilled) is the
+    solo exact reply, no first turn maps another conversation's system prompt (shorter than min_mapped_tokens), and
+    the switches with a longer history map it."""
+    shared, tokenizer = stack
+    shared_prefix = _prompt_ids(tokenizer, [SYSTEM, {"role": "user", "content": "A"}]).shape[0] - 3  # to "<u>"
+    assert SINK < shared_prefix < MIN_MAPPED
+    loaded, errors = {}, []
+    base_first = [i for i, models in enumerate(SWITCHES) if models[0] == NAME]
+    answered, ready = [], threading.Event()
+
+    def first_answered() -> None:
+        answered.append(True)
+        if len(answered) == len(base_first):
+            ready.set()
+
+    def conversation(i: int) -> None:
+        try:
+            if i not in base_first:
+                assert ready.wait(timeout=60)
+            loaded[i] = _turns(url, i, after_first=first_answered if i in base_first else lambda: None)
+        except Exception as err:  # surfaced below
+            errors.append(err)
+
+    with running(_policy_app(shared, tokenizer)) as url:
+        threads = [threading.Thread(target=conversation, args=(i,)) for i in range(len(SWITCHES))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    assert not errors and len(loaded) == len(SWITCHES), errors
+    solo_app, solo = _policy_app(shared, tokenizer), {}
+    with running(solo_app) as solo_url:
+        for i, turns in loaded.items():
+            _entries(solo_app.state.server)
+            solo_app.state.server.engine.store.clear()  # a fresh server for each conversation
+            solo[i] = _turns(solo_url, i, [t["reply"] for t in turns])
+    rows = []
+    for i, turns in sorted(loaded.items()):
+        exact = [t for t, turn in enumerate(turns) if turn["source"] in EXACT]
+        same = [t for t in exact if turns[t]["reply"] == solo[i][t]["reply"]]
+        mapped = [t for t, turn in enumerate(turns) if turn["source"].startswith("mapped:")]
+        rows.append((i, len(turns), len(exact), len(same), len(mapped)))
+    total = [sum(r[k] for r in rows) for k in range(1, 5)]
+    print(f"\n| conversations | turns | exact turns | identical replies (exact turns) | mapped turns |\n"
+          f"|---|---|---|---|---|\n| {len(rows)} | {total[0]} | {total[1]} | {total[2]}/{total[1]} | "
+          f"{total[3]} ({total[3] / total[0]:.0%}) |")
+    detail = {i: [(t["model"], t["source"], t["cached"], s["source"], s["cached"], t["reply"], s["reply"])
+                  for t, s in zip(loaded[i], solo[i])]
+              for i in loaded}
+    assert all(turns[0]["source"] in EXACT for turns in loaded.values()), detail  # finding 1
+    assert total[2] == total[1], detail  # finding 2: what is called exact is exact
+    assert all(t["cached"] >= MIN_MAPPED for turns in loaded.values() for t in turns
+               if t["source"].startswith("mapped:")), detail
+    assert total[3] > 0, detail  # and the switches with a history did map
+    assert all(t["source"] in EXACT for turns in solo.values() for t in turns), detail  # the replays are exact
+
+
+def test_a_cache_mapped_into_an_adapter_is_served_and_counted_as_mapped_then_exact_on_request(fresh):
+    """Finding 2 as the issue found it: X asks the base, then "first" (mapped); Y asks "first" what X asked first.
+    Y's context comes from X's "first" cache, derived from a mapped prefix: mapped, counted as mapped; asked for
+    exact reuse (extra_body), Y gets the reply a fresh server gives."""
+    url, server = fresh
+    api = client(url)
+    x = [{"role": "user", "content": "Tell me about cats."}]
+    reply, _, _ = _ask(api, NAME, x, stream=False)
+    x += [{"role": "assistant", "content": reply}, {"role": "user", "content": "More please."}]
+    assert _ask(api, "first", x, stream=False)[1]["context_source"] == f"mapped:{NAME}"
+    _entries(server)
+    before = _prompt_token_counts(url)
+    y = [{"role": "user", "content": "Tell me about cats."}]
+    reply_y, extra, cached = _ask(api, "first", y, stream=True)
+    assert extra["context_source"] == f"mapped:{NAME}" and cached > 0
+    _entries(server)
+    after = _prompt_token_counts(url)
+    assert after["mapped"] - before["mapped"] == cached and after["reused"] == before["reused"]
+    out = api.chat.completions.create(model="first", messages=y, max_tokens=6, extra_body={"peft_kvcache": {
+        "reuse": "exact"}}, **GREEDY)
+    assert out.model_extra["peft_kvcache"]["context_source"] == "prefilled"
+    _entries(server)  # the worker is idle: nothing is kept after the clear
+    server.engine.store.clear()
+    assert out.choices[0].message.content == _ask(api, "first", y, stream=False)[0]
+
+
+def _prompt_token_counts(url: str) -> dict[str, float]:
+    text = _metrics(url)
+    return {kind: float(m.group(1)) if (m := re.search(rf'peft_kvcache_prompt_tokens_total\{{kind="{kind}"\}} '
+                                                        r"([0-9.e+]+)", text)) else 0.0
+            for kind in ("reused", "mapped", "prefilled")}
+
+
 def test_stop_strings_sampling_seeds_and_finish_reasons(served):
     api = client(served[0])
     messages = [{"role": "user", "content": "Stop somewhere"}]
@@ -229,6 +358,21 @@ def _chat(**fields) -> str:
     (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, r"^tools: not supported"),
     (_chat(stop=["a", "b", "c", "d", "e"]), 400, r"^stop: give at most 4"),
     (_chat(stream="yes please"), 400, r"^stream: "),
+    # finding 9: strict types, finite numbers, unsupported fields refused by name
+    (_chat(max_tokens="5"), 400, r"^max_tokens: Input should be a valid integer"),
+    (_chat(max_tokens=True), 400, r"^max_tokens: Input should be a valid integer"),
+    (_chat(stream="yes"), 400, r"^stream: Input should be a valid boolean"),
+    (_chat()[:-1] + ', "temperature": NaN}', 400, r"^temperature: Input should be a finite number"),
+    (_chat(response_format={"type": "json_object"}), 400, r"^response_format: not supported by this server"),
+    (_chat(tool_choice="auto"), 400, r"^tool_choice: not supported by this server"),
+    (_chat(top_logprobs=3), 400, r"^top_logprobs: not supported by this server"),
+    # finding 6: client mistakes that were 500s
+    (_chat(seed=2**70), 400, r"^seed: Input should be less than or equal to 18446744073709551615"),
+    (_chat(messages=[{"role": "user", "content": "\ud800abc"}]), 400,
+     r"^messages\.0\.content: not valid Unicode text: a lone surrogate '\\ud800' at character 0"),
+    pytest.param(_chat()[:-1] + ', "x": ' + "[" * 5000 + "]" * 5000 + "}", 400, r"nests JSON too deeply",
+                 id="JSON-nested-5000-deep"),
+    (_chat(peft_kvcache={"reuse": "sometimes"}), 400, r"^peft_kvcache\.reuse: Input should be 'map', 'exact' or"),
     (_chat(messages=[{"role": "user", "content": "x" * 1100}]), 400, r"maximum context length is 1024 tokens"),
     (_chat(max_tokens=5000), 400, r"maximum context length is 1024 tokens.*5000 for the completion"),
 ])
@@ -465,7 +609,7 @@ def test_serve_command_starts_says_which_maps_and_answers(tmp_path):
     model.save_pretrained(tmp_path / "adapters")
     maps = calibrate_adapters(model, calibration_ids(8, 32), progress=False)
     maps.save_pretrained(tmp_path / "maps", "tiny")
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "peft_kvcache", "serve", "--model", str(folder), "--adapter",
          f"first={tmp_path / 'adapters' / 'first'}", "--maps", str(tmp_path / "maps"), "--port", str(port)],
@@ -485,14 +629,6 @@ def test_serve_command_starts_says_which_maps_and_answers(tmp_path):
     finally:
         process.terminate()
         process.wait(timeout=30)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ----- the chat page, in a real browser -----
