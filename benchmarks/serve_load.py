@@ -185,7 +185,7 @@ def load_stack(calibration_files: int):
     sources = ((ROOT / "hub_cards", "published maps (hub_cards/)"), (cached, f"{calibrated} (kept in {cached})"))
     for folder, note in sources:
         try:
-            maps, _, unusable = load_maps(model, ADAPTERS, [str(folder)], PREFIX) if folder.is_dir() else (None, {}, {})
+            maps, _, unusable = load_maps(model, ADAPTERS, [str(folder)]) if folder.is_dir() else (None, {}, {})
         except PeftKVCacheError as err:
             skipped.append(f"{folder}: {err}")
             continue
@@ -300,6 +300,9 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--calibration-files", type=int, default=16)
     parser.add_argument("--time-limit", type=float, default=900, help="seconds all three load runs may take")
+    parser.add_argument("--min-mapped-tokens", type=int, default=0, help="the servers' threshold for mapping (default "
+                        "0: every switch mapped, as the committed results were measured before the threshold existed; "
+                        "the server's own default is peft_kvcache.serving.prefix_store.DEFAULT_MIN_MAPPED_TOKENS)")
     parser.add_argument("--output", type=Path, default=RESULTS / "serve-load")
     args = parser.parse_args(argv)
     from peft_kvcache.serving.app import create_app, running
@@ -312,7 +315,8 @@ def main(argv=None) -> int:
     deadline = time.monotonic() + args.time_limit
     records, stats, engines = {}, {}, {}
     for key, (mode, keep_base) in MODES.items():
-        engines[key] = RecordingEngine(shared, PrefixStore(2 * 2**30), reuse=mode, keep_base=keep_base)
+        engines[key] = RecordingEngine(shared, PrefixStore(2 * 2**30), reuse=mode, keep_base=keep_base,
+                                       min_mapped_tokens=args.min_mapped_tokens)
         with running(create_app(engines[key], tokenizer, name, args.max_tokens)) as url:
             warm = [[(None, "Hello")]]
             load_run(url, warm, name, 2, deadline)  # not timed: first-call allocations
@@ -329,7 +333,8 @@ def main(argv=None) -> int:
     text = markdown(args, stats, ratios, qualities, maps_note)
     print(text)
     payload = {"setup": {"model": SMOLLM, "adapters": list(ADAPTERS), "conversations": args.conversations,
-                         "turns": args.turns, "max_tokens": args.max_tokens, "maps": maps_note, "modes": MODES},
+                         "turns": args.turns, "max_tokens": args.max_tokens, "maps": maps_note, "modes": MODES,
+                         "min_mapped_tokens": args.min_mapped_tokens},
                "summary": stats, "ratios": ratios, "quality": qualities, "requests": records}
     write_results(args.output, payload, text, data={"script": "evaluation-split stdlib modules (first 1200 chars) "
                                                               "and two of their documented functions each",

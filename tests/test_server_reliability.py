@@ -1,14 +1,18 @@
-"""The chat server under clients that misbehave or leave, and at its edges (issue 25, findings 3, 4, 8, 9): a body limit
+"""The chat server under clients that misbehave or leave, and at its edges (issue 25, findings 3-5, 8, 9): a body limit
 and the template and tokenizer off the event loop, a non-streamed request cancelled when its client leaves, a
-bounded queue, deadlines for unfinished headers and bodies, the API key. Real sockets on 127.0.0.1, every wait
-bounded."""
+bounded queue, deadlines for unfinished headers and bodies, SIGTERM draining within a timeout, the API key, the port
+checked before the model loads, and maps chosen by what they fit. Real sockets on 127.0.0.1, every wait bounded."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -20,7 +24,7 @@ import pytest
 pytest.importorskip("fastapi", reason="the server's extra: pip install -e '.[serve,test]'")
 openai = pytest.importorskip("openai", reason="the test extra: pip install -e '.[test]'")
 
-from server_helpers import SINK, calibration_ids, client, tiny_peft, tiny_tokenizer  # noqa: E402
+from server_helpers import SINK, calibration_ids, client, free_port, tiny_peft, tiny_tokenizer  # noqa: E402
 
 from peft_kvcache import SharedPeftModel  # noqa: E402
 from peft_kvcache.calibration.loop import calibrate_adapters  # noqa: E402
@@ -282,3 +286,153 @@ def test_models_say_which_adapters_have_no_map(stack):
     assert models == {NAME: {"mapped_from": None, "shared_from": None},
                       "first": {"mapped_from": NAME, "shared_from": None},
                       "second": {"mapped_from": None, "shared_from": None}}
+
+
+# ----- the serve command: startup checks, maps by fingerprint, SIGTERM -----
+
+
+def _saved_stack(tmp_path: Path, folder_name: str, max_positions: int = 512, slow: bool = False):
+    """A tiny model saved to ``tmp_path/folder_name`` and an adapter ``first`` saved beside it: (model folder, adapter
+    folder, the PeftModel). ``slow``: a model that never ends a reply on its own (EOS and the ids the tokenizer lacks
+    get zero logits) and has room for long ones."""
+    import torch
+    from conftest import char_tokenizer
+    from peft import get_peft_model
+    from test_peft import lora
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config).eval()
+    if slow:
+        with torch.no_grad():
+            base.lm_head.weight[:3] = 0
+            base.lm_head.weight[100:] = 0
+    folder = tmp_path / folder_name
+    base.save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    model = get_peft_model(base, lora(10), adapter_name="first").eval()
+    model.save_pretrained(tmp_path / "adapters")
+    return folder, tmp_path / "adapters" / "first", model
+
+
+def test_serve_checks_the_port_before_loading_the_model(monkeypatch, capsys):
+    import peft_kvcache.lab.fixtures as fixtures
+    from peft_kvcache.cli import main
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(fixtures, "load_model", load_model)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", "x", "--adapter", "a=org/repo", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"--port {port} cannot be bound" in err and "nothing was loaded" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("api_key", [None, "sekret"])
+def test_serve_warns_about_a_bind_beyond_the_loopback_without_an_api_key(monkeypatch, capsys, api_key):
+    import peft_kvcache.lab.fixtures as fixtures
+    from peft_kvcache.cli import main
+
+    monkeypatch.setattr(fixtures, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.delenv("PEFT_KVCACHE_API_KEY", raising=False)
+    with socket.socket() as taken:  # the port is taken: serve stops right after its warning
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        key = [] if api_key is None else ["--api-key", api_key]
+        assert main(["serve", "--model", "x", "--adapter", "a=org/repo", "--host", "0.0.0.0", "--port", str(port),
+                     *key]) == 2
+    err = capsys.readouterr().err
+    assert ("WARNING: serving on 0.0.0.0, beyond the loopback, without --api-key" in err) == (api_key is None)
+
+
+def test_serve_finds_maps_by_what_they_fit_not_by_folder_name(tmp_path):
+    """The model's folder is named ``smol``, its maps were saved as ``tiny-*`` beside a published map of another
+    model: each map is found by its fingerprints; an adapter without a map is warned about."""
+    import shutil
+
+    from peft_kvcache.serving.command import ServeOptions, build
+
+    folder, adapter, model = _saved_stack(tmp_path, "smol")
+    maps = calibrate_adapters(model, calibration_ids(8, 32), progress=False)
+    maps.save_pretrained(tmp_path / "maps", "tiny")
+    shutil.copytree(ROOT / "hub_cards" / "smollm2-135m-instruct-base-to-shout", tmp_path / "maps" / "other-model")
+    options = ServeOptions(str(folder), {"first": str(adapter)}, maps=[str(tmp_path / "maps")])
+    engine, _, _, lines = build(options)
+    text = "\n".join(lines)
+    assert set(engine.shared.maps.to_adapter) == set(engine.shared.maps.to_base) == {"first"}
+    assert "tiny-base-to-first" in text and "tiny-first-to-base" in text and "WARNING" not in text
+    bare_engine, _, _, bare = build(ServeOptions(str(folder), {"first": str(adapter)}))
+    assert not bare_engine.shared.maps.to_adapter
+    assert any(line.startswith("WARNING: no usable map for adapters ['first']") for line in bare)
+
+
+def test_sigterm_cuts_the_running_stream_and_answers_the_waiting_within_the_drain_timeout(tmp_path):
+    """``peft-kvcache serve`` in a subprocess: a stream that would run for half a minute, two requests waiting behind
+    it; SIGTERM: the waiting ones get 503 at once, the stream is cut at the drain timeout, the process exits."""
+    folder, adapter, _ = _saved_stack(tmp_path, "slow", max_positions=20_000, slow=True)
+    port = free_port()
+    drain = 5.0  # the default --drain-timeout
+    process = subprocess.Popen(
+        [sys.executable, "-m", "peft_kvcache", "serve", "--model", str(folder), "--adapter", f"first={adapter}",
+         "--port", str(port), "--max-tokens", "19000"],
+        stderr=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    log, results = [], {}
+    reader = threading.Thread(target=lambda: log.extend(iter(process.stderr.readline, "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any("Uvicorn running" in line for line in log):
+            assert time.monotonic() < deadline and process.poll() is None, "".join(log)
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{port}"
+
+        def stream() -> None:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            connection.request("POST", "/v1/chat/completions", _body("go", stream=True, temperature=0, max_tokens=19000)
+                               .replace(NAME.encode(), b"first"), {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            results["stream_status"], results["stream"] = response.status, []
+            for line in response:  # the events as they come
+                if line.startswith(b"data: "):
+                    results["stream"].append(line[6:].strip())
+
+        def waiting(key: str) -> None:
+            results[key] = _post(url, _body(key, temperature=0, max_tokens=19000).replace(NAME.encode(), b"first"),
+                                 timeout=120)[:2]
+            results[key + "_at"] = time.monotonic()
+
+        threads = [threading.Thread(target=stream)]
+        threads[0].start()
+        deadline = time.monotonic() + 60
+        while len(results.get("stream", [])) < 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        threads += [threading.Thread(target=waiting, args=(k,)) for k in ("one", "two")]
+        for thread in threads[1:]:
+            thread.start()
+        time.sleep(1.0)
+        assert process.poll() is None
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=drain + 15)
+        exited = time.monotonic() - sent
+        for thread in threads:
+            thread.join(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+    assert exited < drain + 8, (exited, "".join(log[-20:]))
+    for key in ("one", "two"):
+        status, answer = results[key]
+        assert status == 503 and answer["error"]["code"] == "server_shutting_down", results[key]
+        assert results[key + "_at"] - sent < 3
+    events = results["stream"]
+    assert results["stream_status"] == 200 and b"[DONE]" not in events
+    assert b"server_shutting_down" in events[-1] and len(events) < 19000
