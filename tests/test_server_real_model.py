@@ -113,3 +113,65 @@ def test_published_maps_are_found_for_a_model_folder_of_any_name(tmp_path, smoll
     assert set(engine.shared.maps.to_adapter) == set(engine.shared.maps.to_base) == set(ADAPTERS), lines
     assert all(f"smollm2-135m-instruct-base-to-{a}" in "\n".join(lines) for a in ADAPTERS)
     assert not any(line.startswith("WARNING") for line in lines)
+
+
+def test_concurrent_conversations_on_smollm2_are_exact_wherever_they_say_so(smollm_stack):
+    """Issue 25, findings 1-2 as found: conversations at once on SmolLM2 (the template's own 24-token system prompt
+    shared by all), switching among the base and both adapters, greedy, each replayed alone asking for exact reuse.
+    No first turn is mapped, every reply called exact is the exact one, and switches after a long history map."""
+    import threading
+
+    from openai import OpenAI
+
+    from peft_kvcache.lab.corpus import stdlib_texts
+
+    shared, tokenizer = smollm_stack
+    snippets = [text[:900] for text in stdlib_texts("evaluation", 3).values()]  # ~250+ tokens each: worth mapping
+    switches = [("smollm2", "shout", "docstring"), ("shout", "smollm2", "shout"), ("docstring", "smollm2", "shout")]
+
+    def talk(url: str, i: int, replies=None) -> list[dict]:
+        api = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        messages, turns = [], []
+        extra = None if replies is None else {"peft_kvcache": {"reuse": "exact"}}
+        for t, model in enumerate(switches[i]):
+            text = f"Explain this code:\n{snippets[i]}" if t == 0 else f"Now say it another way ({t})."
+            messages.append({"role": "user", "content": text})
+            out = api.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                              extra_body=extra)
+            turns.append({"reply": out.choices[0].message.content, **out.model_extra["peft_kvcache"]})
+            messages.append({"role": "assistant", "content": turns[-1]["reply"] if replies is None else replies[t]})
+        return turns
+
+    def app():
+        return create_app(PrefixEngine(shared, PrefixStore(2**30)), tokenizer, "smollm2", max_tokens=8)
+
+    loaded, errors = {}, []
+    with running(app()) as url:
+        def conversation(i: int) -> None:
+            try:
+                loaded[i] = talk(url, i)
+            except Exception as err:  # surfaced below
+                errors.append(err)
+
+        threads = [threading.Thread(target=conversation, args=(i,)) for i in range(len(switches))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=600)
+    assert not errors and len(loaded) == len(switches), errors
+    solo_app, solo = app(), {}
+    with running(solo_app) as url:
+        for i, turns in loaded.items():
+            solo_app.state.server.worker.submit(lambda: None).result(timeout=300)
+            solo_app.state.server.engine.store.clear()
+            solo[i] = talk(url, i, [t["reply"] for t in turns])
+    exact = [(i, t) for i, turns in loaded.items() for t, turn in enumerate(turns)
+             if turn["context_source"] in ("reused", "prefilled")]
+    same = [(i, t) for i, t in exact if loaded[i][t]["reply"] == solo[i][t]["reply"]]
+    mapped = [turn for turns in loaded.values() for turn in turns if turn["context_source"].startswith("mapped:")]
+    total = sum(len(turns) for turns in loaded.values())
+    print(f"\n| conversations | turns | identical replies (exact turns) | mapped turns |\n|---|---|---|---|\n"
+          f"| {len(loaded)} | {total} | {len(same)}/{len(exact)} | {len(mapped)} ({len(mapped) / total:.0%}) |")
+    assert all(turns[0]["context_source"] in ("reused", "prefilled") for turns in loaded.values()), loaded
+    assert same == exact, (loaded, solo)
+    assert mapped and all(turn["cached_tokens"] >= 256 for turn in mapped), loaded
