@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import threading
+from collections.abc import Callable
 
 import torch
 from conftest import char_tokenizer, tiny_model
@@ -50,3 +52,24 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def concurrently(work: Callable[[int], object], count: int, timeout: float = 120) -> dict[int, object]:
+    """``{i: work(i)}`` for ``i < count``, each in its own thread, all at once; an error in any is raised here, and
+    every thread is waited for at most ``timeout`` seconds."""
+    results, errors = {}, []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = work(i)
+        except Exception as err:  # raised below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout)
+    if errors or len(results) < count:
+        raise AssertionError(f"{count - len(results)} of {count} did not finish: {errors}")
+    return results

@@ -21,7 +21,15 @@ import torch
 pytest.importorskip("fastapi", reason="the server's extra: pip install -e '.[serve,test]'")
 openai = pytest.importorskip("openai", reason="the test extra: pip install -e '.[test]'")
 
-from server_helpers import SINK, calibration_ids, client, free_port, tiny_peft, tiny_tokenizer  # noqa: E402
+from server_helpers import (  # noqa: E402
+    SINK,
+    calibration_ids,
+    client,
+    concurrently,
+    free_port,
+    tiny_peft,
+    tiny_tokenizer,
+)
 
 from peft_kvcache import AdapterSession, SharedPeftModel  # noqa: E402
 from peft_kvcache.calibration.loop import calibrate_adapters  # noqa: E402
@@ -226,7 +234,6 @@ def test_concurrent_conversations_get_their_solo_replies_wherever_the_context_is
     shared, tokenizer = stack
     shared_prefix = _prompt_ids(tokenizer, [SYSTEM, {"role": "user", "content": "A"}]).shape[0] - 3  # to "<u>"
     assert SINK < shared_prefix < MIN_MAPPED
-    loaded, errors = {}, []
     base_first = [i for i, models in enumerate(SWITCHES) if models[0] == NAME]
     answered, ready = [], threading.Event()
 
@@ -235,21 +242,13 @@ def test_concurrent_conversations_get_their_solo_replies_wherever_the_context_is
         if len(answered) == len(base_first):
             ready.set()
 
-    def conversation(i: int) -> None:
-        try:
-            if i not in base_first:
-                assert ready.wait(timeout=60)
-            loaded[i] = _turns(url, i, after_first=first_answered if i in base_first else lambda: None)
-        except Exception as err:  # surfaced below
-            errors.append(err)
+    def conversation(i: int) -> list[dict]:
+        if i not in base_first:
+            assert ready.wait(timeout=60)
+        return _turns(url, i, after_first=first_answered if i in base_first else lambda: None)
 
     with running(_policy_app(shared, tokenizer)) as url:
-        threads = [threading.Thread(target=conversation, args=(i,)) for i in range(len(SWITCHES))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
-    assert not errors and len(loaded) == len(SWITCHES), errors
+        loaded = concurrently(conversation, len(SWITCHES))
     solo_app, solo = _policy_app(shared, tokenizer), {}
     with running(solo_app) as solo_url:
         for i, turns in loaded.items():

@@ -119,9 +119,8 @@ def test_concurrent_conversations_on_smollm2_are_exact_wherever_they_say_so(smol
     """Issue 25, findings 1-2 as found: conversations at once on SmolLM2 (the template's own 24-token system prompt
     shared by all), switching among the base and both adapters, greedy, each replayed alone asking for exact reuse.
     No first turn is mapped, every reply called exact is the exact one, and switches after a long history map."""
-    import threading
-
     from openai import OpenAI
+    from server_helpers import concurrently
 
     from peft_kvcache.lab.corpus import stdlib_texts
 
@@ -145,20 +144,8 @@ def test_concurrent_conversations_on_smollm2_are_exact_wherever_they_say_so(smol
     def app():
         return create_app(PrefixEngine(shared, PrefixStore(2**30)), tokenizer, "smollm2", max_tokens=8)
 
-    loaded, errors = {}, []
     with running(app()) as url:
-        def conversation(i: int) -> None:
-            try:
-                loaded[i] = talk(url, i)
-            except Exception as err:  # surfaced below
-                errors.append(err)
-
-        threads = [threading.Thread(target=conversation, args=(i,)) for i in range(len(switches))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=600)
-    assert not errors and len(loaded) == len(switches), errors
+        loaded = concurrently(lambda i: talk(url, i), len(switches), timeout=600)
     solo_app, solo = app(), {}
     with running(solo_app) as url:
         for i, turns in loaded.items():
