@@ -152,8 +152,9 @@ def save_tiny_model(folder: Path, layers: int, seed: int, license_: str = "mit")
     return folder
 
 
-# tests/vllm run where vLLM's CPU build is installed (scripts/vllm_env.sh; CI does it); elsewhere they are not collected.
+# tests/in_vllm run where vLLM's CPU build is installed (scripts/vllm_env.sh; CI does it); elsewhere they are not
+# collected. (The folder is not named vllm: with tests/ on sys.path, `import vllm` would find the folder itself.)
 try:
-    import vllm  # noqa: F401
+    import vllm.config  # noqa: F401
 except ImportError:
-    collect_ignore = ["vllm"]
+    collect_ignore = ["in_vllm"]

@@ -1,6 +1,6 @@
 """The vLLM connector's parts that need no engine (they run here without vLLM): the store's index (bounds, eviction,
 variants and salts kept apart), the options, and the choice of the published map that fits two of an engine's
-variants by fingerprints, layout and rotary parameters (tests/vllm runs the connector in real engines)."""
+variants by fingerprints, layout and rotary parameters (tests/in_vllm runs the connector in real engines)."""
 
 from __future__ import annotations
 
