@@ -110,10 +110,21 @@ def test_the_map_is_chosen_by_the_weights_both_variants_load(tmp_path, engine_mo
     registry = MapRegistry(_maps(tmp_path, "smollm2-135m-instruct-base-to-shout", "smollm2-135m-instruct-shout-to-base",
                                  "qwen2.5-coder-0.5b-to-1.5b-top2"), folder, config)
     choice = registry.find(BASE, SHOUT)
-    assert choice == MapChoice(str(tmp_path / "smollm2-135m-instruct-base-to-shout"), 1)
-    assert registry.find(SHOUT, BASE).folder.endswith("shout-to-base")
+    assert choice == MapChoice((str(tmp_path / "smollm2-135m-instruct-base-to-shout"),), 1)
+    assert registry.find(SHOUT, BASE).folders[0].endswith("shout-to-base")
     assert registry.find(BASE, Variant("docstring", str(ROOT / "adapters/docstring"))) == "no_map"
     assert registry.find(BASE, Variant("shout", str(ROOT / "adapters/docstring"))) == "no_map"  # a name is not enough
+
+
+@needs_smollm
+def test_between_two_adapters_the_maps_go_through_the_base_model(tmp_path, engine_model):
+    folder, config = engine_model
+    docstring = Variant("docstring", str(ROOT / "adapters/docstring"))
+    registry = MapRegistry(_maps(tmp_path, "smollm2-135m-instruct-shout-to-base", "smollm2-135m-instruct-base-to-docstring"),
+                           folder, config)
+    assert registry.find(SHOUT, docstring) == MapChoice((str(tmp_path / "smollm2-135m-instruct-shout-to-base"),
+                                                         str(tmp_path / "smollm2-135m-instruct-base-to-docstring")), 1)
+    assert registry.find(docstring, SHOUT) == "no_map"  # neither docstring -> base nor base -> shout is here
 
 
 @needs_smollm

@@ -39,14 +39,15 @@ class DropJob:
 class LoadJob:
     """Fill ``block_ids`` of request ``request_id`` with the positions ``start`` onwards of entry ``source_key``:
     as they are (``kind`` "reused": the variant's own; "shared": another variant's, the naive baseline) or mapped
-    by the map in ``map_folder`` (``kind`` "mapped"), the leading positions replaced by the sink ``sink_key``."""
+    by the maps in ``map_folders``, in order (``kind`` "mapped"), the leading positions replaced by the sink
+    ``sink_key``."""
 
     request_id: str
     kind: str
     source_key: str
     start: int
     block_ids: tuple[int, ...]
-    map_folder: str | None = None
+    map_folders: tuple[str, ...] = ()
     sink_key: tuple | None = None
 
 

@@ -35,9 +35,11 @@ class Variant:
 
 @dataclass(frozen=True)
 class MapChoice:
-    """The map folder from one variant to another, and how many leading tokens its target computes itself."""
+    """The map folders that take one variant's KV to another's, applied in order (one map, or an adapter's map to
+    the base model followed by the base model's map to another adapter), and how many leading tokens the target
+    computes itself."""
 
-    folder: str
+    folders: tuple[str, ...]
     sink_tokens: int
 
 
@@ -83,14 +85,23 @@ class MapRegistry:
         return self._fingerprints[variant]
 
     def find(self, source: Variant, target: Variant) -> MapChoice | str:
-        """The map from ``source`` to ``target``, or why there is none (a fallback reason: ``no_map``,
-        ``map_mismatch`` for a map of these weights fitted on another layout or rotary, ``unusable_map`` for a damaged
-        one, ``unsupported_model``); decided once per pair."""
+        """The maps from ``source`` to ``target``: the published map between them, else, between two adapters, the
+        source's map to the base model and the base model's map to the target (vLLM never computes the base model's
+        KV of an adapter's turn, so a switch from one adapter to another has only the first adapter's cache to start
+        from). Or why there is none (a fallback reason: ``no_map``, ``map_mismatch`` for a map of these weights fitted
+        on another layout or rotary, ``unusable_map`` for a damaged one, ``unsupported_model``); decided once per pair."""
         if (source, target) not in self._choices:
-            self._choices[source, target] = self._find(source, target)
+            choice = self._one(source, target)
+            base = Variant(None)
+            if isinstance(choice, str) and source.adapter is not None and target.adapter is not None:
+                first, second = self._one(source, base), self._one(base, target)
+                if isinstance(first, MapChoice) and isinstance(second, MapChoice):
+                    choice = MapChoice(first.folders + second.folders, second.sink_tokens)
+            self._choices[source, target] = choice
         return self._choices[source, target]
 
-    def _find(self, source: Variant, target: Variant) -> MapChoice | str:
+    def _one(self, source: Variant, target: Variant) -> MapChoice | str:
+        """The one published map from ``source`` to ``target``, or why there is none."""
         if self.problem is not None:
             return "unsupported_model"
         source_print, target_print = self.fingerprint(source), self.fingerprint(target)
@@ -103,7 +114,7 @@ class MapRegistry:
         for folder, config in fitting:
             try:
                 if config.source_layout == config.target_layout == self.layout and self._same_rotary(folder, config):
-                    return MapChoice(folder, config.sink_tokens)
+                    return MapChoice((folder,), config.sink_tokens)
             except Exception as err:  # a damaged weights file (safetensors' own error types vary)
                 logger.warning("map folder %s is not usable: %s", folder, err)
                 return "unusable_map"

@@ -181,7 +181,7 @@ class SchedulerSide:
             first = plan.local_blocks
             ids = tuple(block_ids[first: first + num_external_tokens // self.block_size])
             self.loads.append(LoadJob(request.request_id, plan.kind, plan.entry.key, first * self.block_size, ids,
-                                      plan.choice.folder if plan.choice else None, plan.sink_key))
+                                      plan.choice.folders if plan.choice else (), plan.sink_key))
         try:
             self._record(request, plan, num_external_tokens if loaded else 0, ids if loaded else ())
         except Exception:  # bookkeeping only: the load above stands

@@ -133,14 +133,18 @@ class WorkerSide:
             self.layout.write(layer, job.block_ids, k, v)
 
     def _mapped(self, job: LoadJob, keys: list[torch.Tensor], values: list[torch.Tensor]):
-        """The source's KV through the map (the one apply function), the target's own sink in front."""
-        kv_map = self._maps.get(job.map_folder)
-        if kv_map is None:
-            kv_map = self._maps[job.map_folder] = KVMap.from_pretrained(job.map_folder)
+        """The source's KV through the maps, in order (the one apply function; between two maps the KV stays in
+        float32), the target's own sink in front."""
         positions = torch.arange(job.start, job.start + keys[0].shape[1])[None]
-        placements = [(torch.device("cpu"), self.layout.dtype)] * len(self.layers)
-        mapped = map_cache(kv_map, [k[None] for k in keys], [v[None] for v in values], positions, positions, placements)
-        keys, values = [k[0] for k, _ in mapped], [v[0] for _, v in mapped]
+        keys, values = [k[None] for k in keys], [v[None] for v in values]  # [1, kv_heads, tokens, head_dim]
+        for i, folder in enumerate(job.map_folders):
+            if folder not in self._maps:
+                self._maps[folder] = KVMap.from_pretrained(folder)
+            dtype = self.layout.dtype if i == len(job.map_folders) - 1 else torch.float32
+            mapped = map_cache(self._maps[folder], keys, values, positions, positions,
+                               [(torch.device("cpu"), dtype)] * len(self.layers))
+            keys, values = [k for k, _ in mapped], [v for _, v in mapped]
+        keys, values = [k[0] for k in keys], [v[0] for v in values]
         if job.sink_key is not None:  # positions 0.. of the conversation, computed by the target itself
             sink = self.store.sinks[job.sink_key]
             for k, v, k_own, v_own in zip(keys, values, sink.keys, sink.values):

@@ -64,7 +64,8 @@ def prompt(tokenizer, request):
 def maps_folder(tmp_path_factory) -> Path:
     """A copy of the published maps (a test may damage it)."""
     folder = tmp_path_factory.mktemp("maps")
-    for name in ("smollm2-135m-instruct-base-to-shout", "smollm2-135m-instruct-base-to-docstring"):
+    for name in ("smollm2-135m-instruct-base-to-shout", "smollm2-135m-instruct-base-to-docstring",
+                 "smollm2-135m-instruct-docstring-to-base"):
         shutil.copytree(ROOT / "hub_cards" / name, folder / name)
     return folder
 
@@ -81,7 +82,7 @@ def engine(model_folder: Path, *, dtype: str = "float32", llm_args: dict | None 
                                 kv_connector_extra_config={key: str(v) if isinstance(v, Path) else v
                                                            for key, v in options.items()})
     llm = LLM(model=str(model_folder), dtype=dtype, enforce_eager=True, enable_lora=True, max_lora_rank=8,
-              max_loras=2, max_model_len=2048, max_num_seqs=4, seed=0, kv_transfer_config=transfer,
+              max_loras=4, max_model_len=2048, max_num_seqs=4, seed=0, kv_transfer_config=transfer,
               disable_log_stats=False, **(llm_args or {}))
     try:
         yield llm

@@ -175,6 +175,19 @@ def test_a_load_that_fails_in_the_worker_is_recomputed_by_the_engine(mapping, pr
     assert out.outputs[0].token_ids == reference.outputs[0].token_ids
 
 
+def test_a_switch_from_one_adapter_to_another_maps_through_the_base_model(mapping, prompt):
+    """vLLM never computes the base model's KV of an adapter's turn: a switch from docstring to shout maps docstring's
+    stored prefix to the base model and on to shout (two published maps), and keeps the adapter's own reply.
+    (After the load-error test: docstring's sink is known by then, and its maps to the base are intact.)"""
+    _warm_sink(mapping, prompt, "shout")
+    run(mapping, prompt(1), "docstring")  # the conversation starts with an adapter: no base KV of it exists
+    out = run(mapping, prompt(1), "shout")
+    reference = run(mapping, prompt(1), "shout", salt="reference", reuse="none")
+    label = out.kv_transfer_params["peft_kvcache"]
+    assert label["context_source"] == "mapped:docstring" and label["loaded_tokens"] >= MIN_MAPPED
+    assert out.outputs[0].text == reference.outputs[0].text
+
+
 def test_the_connectors_metrics_count_tokens_by_source_and_fallbacks(mapping):
     metrics = {(m.name, tuple(sorted(getattr(m, "labels", {}).items()))): m for m in mapping.get_metrics()}
     names = {name for name, _ in metrics}
