@@ -137,19 +137,22 @@ def ask(api, model: str, messages: list[dict], max_tokens: int) -> dict:
             "completion_tokens": usage.completion_tokens}
 
 
-def load_run(url: str, conversations, model_name: str, max_tokens: int, deadline: float) -> tuple[list, float]:
-    """Every conversation in its own thread, turn after turn; returns the per-turn records and the wall time."""
+def load_run(url: str, conversations, model_name: str, max_tokens: int, deadline: float,
+             ask_turn=None) -> tuple[list, float]:
+    """Every conversation in its own thread, turn after turn; returns the per-turn records and the wall time.
+    ``ask_turn(api, model, messages)`` sends one turn (default: `ask` with ``max_tokens``)."""
     from openai import OpenAI
 
+    ask_turn = ask_turn or (lambda api, model, messages: ask(api, model, messages, max_tokens))
     records, errors = [], []
 
     def talk(i: int) -> None:
-        api, messages = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300), []
+        api, messages = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600), []
         for t, (adapter, text) in enumerate(conversations[i]):
             if time.monotonic() > deadline:
                 raise TimeoutError("the benchmark ran past its deadline")
             messages.append({"role": "user", "content": text})
-            record = ask(api, adapter or model_name, messages, max_tokens)
+            record = ask_turn(api, adapter or model_name, messages)
             records.append({"conversation": i, "turn": t, "adapter": adapter, **record})
             messages.append({"role": "assistant", "content": record["reply"]})
 
@@ -291,13 +294,18 @@ def markdown(args, stats: dict, ratios: dict, qualities: dict, maps_note: str) -
     return "\n".join(lines)
 
 
+def script_arguments(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    """The load script's size and the threads: what every load benchmark takes."""
+    parser.add_argument("--conversations", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--threads", type=int, default=2)
+
+
 def main(argv=None) -> int:
     start_run()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--conversations", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--threads", type=int, default=2)
+    script_arguments(parser, max_tokens=48)
     parser.add_argument("--calibration-files", type=int, default=16)
     parser.add_argument("--time-limit", type=float, default=900, help="seconds all three load runs may take")
     parser.add_argument("--min-mapped-tokens", type=int, default=0, help="the servers' threshold for mapping (default "

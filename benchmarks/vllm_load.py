@@ -34,10 +34,10 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -53,7 +53,7 @@ from peft_kvcache.vllm.options import DEFAULT_MIN_MAPPED_TOKENS
 
 from .adapters import PREFIX
 from .common import RESULTS, ROOT, SMOLLM, start_run
-from .serve_load import functions, percentile
+from .serve_load import functions, load_run, percentile, script_arguments
 
 ADAPTERS = ("shout", "docstring", "reverse")
 NAME = "smollm2"
@@ -179,37 +179,9 @@ def ask(api, model: str, messages: list[dict], max_tokens: int, logprobs: bool =
             "prompt_tokens": usage.prompt_tokens, "cached": cached, "completion_tokens": usage.completion_tokens}
 
 
-def load_run(url: str, conversations, max_tokens: int, deadline: float, logprobs: bool) -> tuple[list, float]:
-    """Every conversation in its own thread, turn after turn; the per-turn records and the wall time."""
-    from openai import OpenAI
-
-    records, errors = [], []
-
-    def talk(i: int) -> None:
-        api, messages = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600), []
-        for t, (adapter, text) in enumerate(conversations[i]):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the benchmark ran past its deadline")
-            messages.append({"role": "user", "content": text})
-            record = ask(api, adapter or NAME, messages, max_tokens, logprobs)
-            records.append({"conversation": i, "turn": t, "adapter": adapter, "messages": list(messages), **record})
-            messages.append({"role": "assistant", "content": record["reply"]})
-
-    def guarded(i: int) -> None:
-        try:
-            talk(i)
-        except Exception as err:  # reported after the run
-            errors.append(err)
-
-    started = time.perf_counter()
-    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(len(conversations))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=max(1.0, deadline - time.monotonic()))
-    if errors or any(thread.is_alive() for thread in threads):
-        raise SystemExit(f"the load run failed: {errors or 'a conversation did not finish in time'}")
-    return sorted(records, key=lambda r: (r["conversation"], r["turn"])), time.perf_counter() - started
+def ask_turn(api, model: str, messages: list[dict], max_tokens: int, logprobs: bool) -> dict:
+    """One turn of a conversation, with the messages it was asked with (for the exact references)."""
+    return {"messages": list(messages), **ask(api, model, messages, max_tokens, logprobs)}
 
 
 def warm_up(url: str, logprobs: bool) -> None:
@@ -277,6 +249,53 @@ def references_from(url: str, records_by_row: dict[str, list[dict]]) -> dict[str
     return references
 
 
+def switch_samples(count: int, history_chars: int) -> list[dict]:
+    """Single switches on held-out text, the same on every server: a history (a module shared, an answer) computed by
+    one model, then a request to another about a function of it; each with a cache salt of its own, so that no two
+    samples share a cached block. Targets: each adapter after the base model, and the base model after shout."""
+    texts = [t for t in stdlib_texts("evaluation", 80).values() if len(t) >= history_chars and len(functions(t)) == 2]
+    samples = []
+    for i, text in enumerate(texts[:count]):
+        first, _ = functions(text)
+        history = [{"role": "user", "content": f"Here is part of a module from Python's standard library:\n```python\n"
+                                               f"{text[:history_chars]}\n```\nWhat is this code for?"}]
+        switch = history + [{"role": "assistant", "content": "It is part of Python's standard library."},
+                            {"role": "user", "content": f"Write the docstring of this function:\n```python\n{first}\n```"}]
+        for source, target in ((None, a) for a in ADAPTERS):
+            samples.append({"text": i, "source": source, "target": target, "history": history, "switch": switch})
+        samples.append({"text": i, "source": ADAPTERS[0], "target": None, "history": history, "switch": switch})
+    return samples
+
+
+def switch_quality(url: str, samples: list[dict]) -> list[dict]:
+    """Each sample's history by its source model, then its switch: the first reply token's top log-probabilities."""
+    from openai import OpenAI
+
+    api = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    out = []
+    for k, sample in enumerate(samples):
+        salt = {"cache_salt": f"sample-{k}"}
+        ask(api, sample["source"] or NAME, sample["history"], 1, logprobs=False, extra=salt)
+        out.append(ask(api, sample["target"] or NAME, sample["switch"], 1, extra=salt)["top"])
+    return out
+
+
+def switch_quality_table(samples: list[dict], tops: dict[str, list[dict]]) -> dict:
+    """Per target, first-token KL (top-20 lower bound) and top-1 agreement of (a) and (b) against (c)."""
+    rows = {}
+    for target in (*ADAPTERS, None):
+        index = [k for k, s in enumerate(samples) if s["target"] == target]
+        row = {}
+        for key in "ab":
+            kls = [first_token_kl(tops["c"][k], tops[key][k]) for k in index]
+            top1 = [max(tops["c"][k], key=tops["c"][k].get) == max(tops[key][k], key=tops[key][k].get) for k in index]
+            row[key] = {"kl_mean": statistics.fmean(kls), "kl_median": statistics.median(kls), "kl_max": max(kls),
+                        "top1_agreement": sum(top1) / len(top1), "samples": len(index)}
+        row["kl_ratio_a_to_b"] = row["a"]["kl_mean"] / row["b"]["kl_mean"]
+        rows[target or "base"] = row
+    return rows
+
+
 def threshold(url: str, tokenizer, repeats: int) -> dict:
     """With the connector mapping any length: a single switch mapping about L tokens vs the same request prefilled,
     TTFT median of ``repeats``."""
@@ -304,7 +323,7 @@ def threshold(url: str, tokenizer, repeats: int) -> dict:
             "recommended_min_mapped_tokens": min(paying) if paying else None}
 
 
-def markdown(args, stats: dict, ratios: dict, qualities: dict, gate: dict) -> str:
+def markdown(args, stats: dict, ratios: dict, qualities: dict, gate: dict, switches: dict) -> str:
     lines = ["# The vLLM connector: load benchmark", "",
              f"{args.conversations} concurrent conversations x {args.turns} turns (the model changes at every turn: "
              f"base, {', '.join(ADAPTERS)} rotated; switch turns see histories of at least "
@@ -332,7 +351,19 @@ def markdown(args, stats: dict, ratios: dict, qualities: dict, gate: dict) -> st
         f"({key}) " + ", ".join(f"{a}: {v['mean']:.4f} x{v['count']}"
                                 for a, v in q["switch_first_token_kl_by_adapter"].items())
         for key, q in qualities.items()) + ".", "",
-        f"## Where mapping stops paying (single switches, one at a time, TTFT median of {args.repeats})", "",
+        f"## Switch quality on held-out text ({args.samples} texts; one switch each, one at a time)", "",
+        f"A history (an evaluation-split module, first {args.history_chars} characters, and an answer) computed by the "
+        "source model, then a docstring request to the target; first reply token against vLLM's own exact prefill "
+        "of the same prompt.", "",
+        "| target (source) | (a) mapped: KL mean / median | top-1 | (b) naive: KL mean / median | top-1 | (a) / (b) KL |",
+        "|---|---|---|---|---|---|"]
+    for target, row in switches.items():
+        a, b = row["a"], row["b"]
+        source = ADAPTERS[0] if target == "base" else "base"
+        lines.append(f"| {target} ({source}) | {a['kl_mean']:.4f} / {a['kl_median']:.4f} | {a['top1_agreement']:.2f} | "
+                     f"{b['kl_mean']:.4f} / {b['kl_median']:.4f} | {b['top1_agreement']:.2f} | "
+                     f"{row['kl_ratio_a_to_b']:.2f} |")
+    lines += ["", f"## Where mapping stops paying (single switches, one at a time, TTFT median of {args.repeats})", "",
         "| mapped tokens | switch TTFT mapped (s) | same request prefilled (s) | ratio |", "|---|---|---|---|"]
     lines += [f"| {r['tokens']} | {r['mapped_ttft']:.3f} | {r['prefill_ttft']:.3f} | {r['ratio']:.2f} |"
               for r in gate["rows"]]
@@ -344,12 +375,10 @@ def markdown(args, stats: dict, ratios: dict, qualities: dict, gate: dict) -> st
 def main(argv=None) -> int:
     start_run()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--conversations", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    script_arguments(parser, max_tokens=32)
     parser.add_argument("--history-chars", type=int, default=6000, help="characters of the module shared first")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of each threshold measurement")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=16, help="held-out texts of the switch-quality samples")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
                         help="python of the vLLM environment (scripts/vllm_env.sh)")
     parser.add_argument("--time-limit", type=float, default=3600, help="seconds all load runs may take")
@@ -371,29 +400,35 @@ def main(argv=None) -> int:
                      logs / "vllm-load-threshold.log") as url:
         warm_up(url, logprobs=False)
         gate = threshold(url, tokenizer, args.repeats)
-    records, stats = {}, {}
+    samples = switch_samples(args.samples, args.history_chars)
+    records, stats, tops = {}, {}, {}
     servers = {"a": {"maps": maps}, "b": {"maps": maps, "mode": "naive"}, "d": None, "c": None}
     for key, options in servers.items():  # (c) last: it then answers the other servers' prompts exactly
         server = (our_server(args.max_tokens) if key == "d" else
                   vllm_server(args.vllm_python, model_folder, options, logs / f"vllm-load-{key}.log"))
         with server as url:
             warm_up(url, logprobs=key != "d")
-            records[key], wall = load_run(url, conversations, args.max_tokens, deadline, logprobs=key != "d")
+            records[key], wall = load_run(url, conversations, NAME, args.max_tokens, deadline, partial(
+                ask_turn, max_tokens=args.max_tokens, logprobs=key != "d"))
             stats[key] = summary(records[key], wall)
             print(f"{ROWS[key]}: {stats[key]}", flush=True)
+            if key != "d":  # the switch-quality samples, untimed (peft-kvcache serve gives no logprobs)
+                tops[key] = switch_quality(url, samples)
             if key == "c":
                 references = references_from(url, {k: v for k, v in records.items() if k != "d"})
     ratios = {f"{key}/c": {k: stats[key][k] / stats["c"][k] for k in
                            ("ttft_p50", "ttft_p95", "switch_ttft_p50", "switch_ttft_p95", "tokens_per_second",
                             "prompt_tokens_computed")} for key in "abd"}
     qualities = {key: quality(records[key], references, records["c"]) for key in "ab"}
-    text = markdown(args, stats, ratios, qualities, gate)
+    switches = switch_quality_table(samples, tops)
+    text = markdown(args, stats, ratios, qualities, gate, switches)
     print(text)
     payload = {"setup": {"model": SMOLLM, "adapters": list(ADAPTERS), "conversations": args.conversations,
                          "turns": args.turns, "max_tokens": args.max_tokens, "history_chars": args.history_chars,
                          "dtype": "float32", "top_logprobs": TOP, "rows": ROWS,
                          "connector_min_mapped_tokens": DEFAULT_MIN_MAPPED_TOKENS},
-               "summary": stats, "ratios": ratios, "quality": qualities, "threshold": gate, "requests": records}
+               "summary": stats, "ratios": ratios, "quality": qualities, "switch_quality": switches,
+               "threshold": gate, "requests": records}
     write_results(args.output, payload, text, data={"script": "evaluation-split stdlib modules (first "
                                                               f"{args.history_chars} characters) and two of their "
                                                               "documented functions each",

@@ -127,11 +127,12 @@ def test_a_conversation_switching_adapters_matches_adapter_session(stack, fresh,
         turn = session.turn(prompt[held:], adapter=adapter)
         assert reply == tokenizer.decode(turn.new_ids[0], skip_special_tokens=True)
         assert (cached, extra["cached_tokens"]) == (turn.cached_tokens, turn.cached_tokens)
+        assert extra["context_source"].split(":")[0] == turn.context_source  # one vocabulary for both
         seen.append(extra["context_source"])
         messages.append({"role": "assistant", "content": reply})
-    # The third turn continues "first"'s cache, derived from the mapped history: mapped, never "reused" (the
-    # session calls it reused: the cache it held). Under reverse_map the base's cache of the conversation was
-    # mapped back from "first" (then extended from "second"): the base turn says so.
+    # The third turn continues "first"'s cache, derived from the mapped history: mapped, never "reused" (the session
+    # says so too). Under reverse_map the base's cache of the conversation was mapped back from "first" (then
+    # extended from "second"): the base turn says so.
     base_turn = "reused" if keep_base == "prefill" else "mapped:first"
     assert seen == ["prefilled", f"mapped:{NAME}", f"mapped:{NAME}", f"mapped:{NAME}", base_turn, f"mapped:{NAME}"]
 

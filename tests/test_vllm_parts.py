@@ -59,9 +59,9 @@ def test_the_bound_evicts_the_least_recently_used_and_refuses_what_cannot_fit():
     assert evicted == [b.key] and index.evictions == 1 and index.nbytes == 16
     assert index.add(BASE, None, _tokens(24, start=300)) == (None, [])  # larger than the whole bound
     for token in range(1, 5):
-        assert index.add_sink(SHOUT, None, [token])[1] == []  # a sink costs one token's bytes: 16 + 4
-    key, evicted = index.add_sink(SHOUT, None, [5])  # past the bound: the least recently used entry goes
-    assert evicted == [a.key] and index.has_sink(SHOUT, None, [5]) and not index.has_sink(BASE, None, [5])
+        assert index.add_sink(SHOUT, [token])[1] == []  # a sink costs one token's bytes: 16 + 4
+    key, evicted = index.add_sink(SHOUT, [5])  # past the bound: the least recently used entry goes
+    assert evicted == [a.key] and index.has_sink(SHOUT, [5]) and not index.has_sink(BASE, [5])
 
 
 # ----- options -----

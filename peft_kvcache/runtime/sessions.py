@@ -170,7 +170,9 @@ class AdapterSession:
         self.generation_kwargs = {"do_sample": False, "max_new_tokens": 32, **generation_kwargs}
         self.ids = torch.zeros((1, 0), dtype=torch.long)
         self._base_cache = MappedCache()
-        self._last: tuple[str, MappedCache] | None = None  # (adapter, its cache) of the last adapter turn
+        # (adapter, its cache, where that cache's context came from) of the last adapter turn
+        self._last: tuple[str, MappedCache, ContextSource] | None = None
+        self._base_source: ContextSource = "reused"  # "mapped" once the base cache holds KV mapped back
         self._lock = threading.RLock()
 
     # ----- public API -----
@@ -208,13 +210,13 @@ class AdapterSession:
         with self._lock, self.shared.lock, self._transaction(), torch.no_grad():
             model = self.shared.model
             prompt = torch.cat([self.ids, new_ids], dim=1)
-            cache, _, _ = self._cache_for(adapter, prompt)
+            cache, source, _ = self._cache_for(adapter, prompt)
             cached = cache.get_seq_length()
             with adapter_active(model, adapter):
                 logits = forward(model, prompt[:, cached:], cache, position_ids=torch.arange(cached, prompt.shape[1])[None],
                                  logits_to_keep=new_ids.shape[1]).logits
             self.ids = prompt
-            self._after(adapter, cache)
+            self._after(adapter, cache, source)
             return logits.float().cpu()
 
     # ----- one turn -----
@@ -233,7 +235,7 @@ class AdapterSession:
     def _transaction(self) -> Iterator[None]:
         """Put the session back exactly as it was if the block raises (ids, which caches it holds, and each
         cache's content: `MappedCache.restore`)."""
-        ids, last, base = self.ids, self._last, self._base_cache
+        ids, last, base, base_source = self.ids, self._last, self._base_cache, self._base_source
         caches = [base] + ([last[1]] if last is not None else [])
         snapshots = [(cache, cache.snapshot()) for cache in caches]
         try:
@@ -241,7 +243,7 @@ class AdapterSession:
         except BaseException:
             for cache, snapshot in snapshots:
                 cache.restore(snapshot)
-            self.ids, self._last, self._base_cache = ids, last, base
+            self.ids, self._last, self._base_cache, self._base_source = ids, last, base, base_source
             raise
 
     def _turn(self, new_ids: torch.Tensor, adapter: str | None, streamer: BaseStreamer | None,
@@ -259,7 +261,7 @@ class AdapterSession:
         tokens = {"prepare": prepared, "generate_prompt": prompt.shape[1] - cached, "generated": generated.shape[1]}
         self.ids = output
         keep_started = time.perf_counter()
-        kept = self._after(adapter, cache)
+        kept = self._after(adapter, cache, source)
         if kept is not None:
             tokens["keep_base"] = kept
         keep_seconds = time.perf_counter() - keep_started
@@ -267,20 +269,25 @@ class AdapterSession:
         return TurnResult(adapter, generated, prompt.shape[1], source if cached else "prefilled", cached, timer.seconds,
                           prepare_seconds, keep_seconds, tokens)
 
-    def _after(self, adapter: str | None, cache: MappedCache) -> int | None:
-        """Keep the caches of the turn just taken; returns the model tokens the base catch-up cost (adapters)."""
+    def _after(self, adapter: str | None, cache: MappedCache, source: ContextSource) -> int | None:
+        """Keep the caches of the turn just taken (and where each one's context came from: a cache that began mapped
+        is mapped whenever it is continued); returns the model tokens the base catch-up cost (adapters)."""
         if adapter is None:
             self._base_cache, self._last = cache, None  # the model extended the base cache in place
             return None
-        self._last = (adapter, cache)
-        return self._catch_up_base(adapter, cache)
+        self._last = (adapter, cache, source if source in ("mapped", "shared") else "reused")
+        before = self._base_cache.get_seq_length()
+        spent = self._catch_up_base(adapter, cache)
+        if self._base_cache.get_seq_length() - before > spent:  # tokens no model ran over: mapped back
+            self._base_source = "mapped"
+        return spent
 
     def _cache_for(self, adapter: str | None, prompt: torch.Tensor) -> tuple[MappedCache, ContextSource, int]:
         """The cache the turn starts from, what it came from, and the tokens a model ran over to build it."""
         if adapter is None:
-            return self._base_cache, "reused", 0
+            return self._base_cache, self._base_source, 0
         if self._last is not None and self._last[0] == adapter:
-            return self._last[1], "reused", 0
+            return self._last[1], self._last[2], 0
         length = self._base_cache.get_seq_length()
         if length == 0:
             return MappedCache(), "prefilled", 0

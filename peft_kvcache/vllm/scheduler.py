@@ -144,7 +144,7 @@ class SchedulerSide:
         for source, match in sorted(matches.items(), key=lambda item: -item[1].blocks):  # longest prefix first
             if match.blocks <= max(local_blocks, plan.blocks):
                 break
-            way = self._way(variant, source, match.blocks, local_blocks, reuse, salt, prompt)
+            way = self._way(variant, source, match.blocks, local_blocks, reuse, prompt)
             if isinstance(way, str):
                 plan.fallback = plan.fallback or way
                 continue
@@ -152,8 +152,7 @@ class SchedulerSide:
             return Plan(local_blocks, kind, match.entry, match.blocks, source, choice, sink_key, plan.fallback)
         return plan
 
-    def _way(self, target: Variant, source: Variant, blocks: int, local_blocks: int, reuse: str, salt,
-             prompt: list[int]):
+    def _way(self, target: Variant, source: Variant, blocks: int, local_blocks: int, reuse: str, prompt: list[int]):
         """How ``source``'s stored prefix of ``blocks`` blocks can serve ``target``: ``(kind, map choice, sink key)``,
         or why it cannot (a fallback reason)."""
         if reuse == "exact" or self.options.mode == "exact":
@@ -167,7 +166,7 @@ class SchedulerSide:
             return choice
         sink_key = None
         if local_blocks == 0 and choice.sink_tokens > 0:  # the target's own first tokens, from the store
-            sink_key = (target, salt, tuple(prompt[: choice.sink_tokens]))
+            sink_key = (target, tuple(prompt[: choice.sink_tokens]))
             if not self.index.has_sink(*sink_key):
                 return "no_target_sink"
         return "mapped", choice, sink_key
@@ -230,8 +229,8 @@ class SchedulerSide:
             self._drop(dropped)
         if computed >= self.sink_tokens and block_ids:
             first = tokens[: self.sink_tokens]
-            if not self.index.has_sink(record.variant, record.salt, first):
-                key, evicted = self.index.add_sink(record.variant, record.salt, first)
+            if not self.index.has_sink(record.variant, first):
+                key, evicted = self.index.add_sink(record.variant, first)
                 self.ops.append(SinkJob(key, block_ids[0], self.sink_tokens))
                 self._drop(evicted)
 

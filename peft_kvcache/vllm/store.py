@@ -67,7 +67,7 @@ class StoreIndex:
         self.evictions = 0
         self._entries: OrderedDict[str, IndexEntry] = OrderedDict()  # least recently used first
         self._holders: dict[str, set[str]] = {}  # prefix hash -> keys of the entries that contain that prefix
-        self._sinks: OrderedDict[tuple, int] = OrderedDict()  # (variant, salt, first tokens) -> bytes
+        self._sinks: OrderedDict[tuple, int] = OrderedDict()  # (variant, first tokens) -> bytes
         self._bytes = 0
 
     @property
@@ -128,17 +128,20 @@ class StoreIndex:
 
     # ----- attention sinks -----
 
-    def has_sink(self, variant: Hashable, salt: str | None, tokens: Sequence[int]) -> bool:
+    # A sink is not salted: a model's KV of a conversation's first tokens is a function of its weights and those
+    # tokens alone (any client can compute it), so sharing it across salts tells a tenant nothing.
+
+    def has_sink(self, variant: Hashable, tokens: Sequence[int]) -> bool:
         """Whether ``variant``'s own KV of the leading ``tokens`` of a conversation is stored."""
-        key = (variant, salt, tuple(tokens))
+        key = (variant, tuple(tokens))
         if key in self._sinks:
             self._sinks.move_to_end(key)
             return True
         return False
 
-    def add_sink(self, variant: Hashable, salt: str | None, tokens: Sequence[int]) -> tuple[tuple, list]:
+    def add_sink(self, variant: Hashable, tokens: Sequence[int]) -> tuple[tuple, list]:
         """Record ``variant``'s KV of the leading ``tokens`` as stored; returns its key and the keys evicted."""
-        key = (variant, salt, tuple(tokens))
+        key = (variant, tuple(tokens))
         self._sinks[key] = len(tokens) * self.bytes_per_token
         self._bytes += self._sinks[key]
         return key, self._evict()
