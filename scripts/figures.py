@@ -14,6 +14,7 @@ from peft_kvcache.maps.config import Figure, Refresh
 HUB_CARDS = ROOT / "hub_cards"
 README_BEGIN, README_END = "<!-- figures:begin (scripts/publish.py writes this table) -->", "<!-- figures:end -->"
 SERVE_BEGIN, SERVE_END = "<!-- serve-figures:begin (scripts/publish.py writes this table) -->", "<!-- serve-figures:end -->"
+VLLM_BEGIN, VLLM_END = "<!-- vllm-figures:begin (scripts/publish.py writes this table) -->", "<!-- vllm-figures:end -->"
 SERVERS = {"a": "(a) this server", "a'": "(a') this server, base cache kept by reverse maps",
            "b": "(b) prefix reuse keyed by adapter (vLLM, SGLang today)", "c": "(c) no prefix reuse"}
 
@@ -123,3 +124,37 @@ def serve_table() -> str:
                      "vs (c): first-token KL / same first token / same reply"], rows) + "\n\n"
             + table(["ratio", "TTFT p50", "TTFT p95", "compute p50", "compute p95", "throughput"], ratios)
             + "\n\nFrom `benchmarks/results/serve-load.json`, written by `python -m benchmarks.serve_load`.")
+
+
+def vllm_table() -> str:
+    """The vLLM connector's load benchmark (`benchmarks/results/vllm-load.json`): TTFT, prompt tokens computed and
+    quality against vLLM's own exact prefill, the ratios to it, and where mapping stops paying."""
+    data = results("vllm-load")
+    setup, rows = data["setup"], []
+    for key, label in setup["rows"].items():
+        s, q = data["summary"][key], data["quality"].get(key)
+        rows.append([label, f"{s['ttft_p50']:.2f} / {s['ttft_p95']:.2f} s",
+                     f"{s['switch_ttft_p50']:.2f} / {s['switch_ttft_p95']:.2f} s", f"{s['tokens_per_second']:.1f}",
+                     f"{s['prompt_tokens_computed']:,} of {s['prompt_tokens']:,}",
+                     "-" if q is None else f"{q['first_token_kl_mean']:.4f} / {q['first_token_top1_agreement']:.2f} / "
+                                           f"{q['reply_agreement']:.2f}"])
+    ratios = [[name, *(f"{r[k]:.2f}" for k in ("ttft_p50", "switch_ttft_p50", "switch_ttft_p95", "tokens_per_second",
+                                                "prompt_tokens_computed"))] for name, r in data["ratios"].items()]
+    by_adapter = [[adapter, *(f"{data['quality'][key]['switch_first_token_kl_by_adapter'][adapter]['mean']:.4f}"
+                              for key in ("a", "b"))]
+                  for adapter in data["quality"]["a"]["switch_first_token_kl_by_adapter"]]
+    gate = data["threshold"]
+    histories = min(s["min_switch_history_tokens"] for s in data["summary"].values())
+    return (f"{setup['conversations']} concurrent conversations x {setup['turns']} turns, the model changing at every "
+            f"turn (switch turns on histories of {histories}+ tokens), {setup['max_tokens']} new tokens at most, "
+            f"greedy, streamed, {setup['dtype']}.\n\n"
+            + table(["server", "TTFT p50 / p95", "switch TTFT p50 / p95", "tokens/s", "prompt tokens computed",
+                     "vs (c): first-token KL (top-20) / same first token / same reply"], rows) + "\n\n"
+            + table(["ratio", "TTFT p50", "switch TTFT p50", "switch TTFT p95", "throughput", "prompt tokens computed"],
+                    ratios) + "\n\n"
+            + table(["switch first-token KL vs (c), by adapter", "(a) mapped", "(b) naive"], by_adapter) + "\n\n"
+            + "Where mapping stops paying (single switches, TTFT mapped / prefilled): "
+            + ", ".join(f"{r['tokens']} tokens {r['ratio']:.2f}" for r in gate["rows"])
+            + f" ({gate['rule']}: {gate['recommended_min_mapped_tokens']} tokens; the connector's min_mapped_tokens is "
+              f"{setup['connector_min_mapped_tokens']}).\n\nFrom `benchmarks/results/vllm-load.json`, written by "
+              "`python -m benchmarks.vllm_load`.")
