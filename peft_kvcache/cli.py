@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ._version import __version__
-from .errors import CalibrationError, CLIUsageError, PeftKVCacheError
+from .errors import CalibrationError, CLIUsageError, ModelLoadError, PeftKVCacheError
 from .maps.config import CalibrationConfig, ModelSpec
 from .serving import command as serve
 
@@ -43,10 +43,8 @@ def _load_model(option: str, spec: str, dtype: str):
 
     try:
         return load_model(spec, dtype=getattr(torch, dtype))
-    except PeftKVCacheError:
-        raise
-    except (OSError, ValueError) as err:
-        raise CLIUsageError(f"{option} {spec!r} cannot be loaded: {_one_line(err)}") from None
+    except ModelLoadError as err:
+        raise CLIUsageError(f"{option}: {err}") from None
 
 
 def _config(args: argparse.Namespace, **defaults) -> CalibrationConfig:
@@ -105,10 +103,7 @@ def cmd_calibrate_adapters(args: argparse.Namespace) -> int:
     if args.blend_files and args.blend_files >= len(texts):
         raise CLIUsageError(f"--blend-files {args.blend_files} leaves no calibration text of the {len(texts)} read")
     base, tokenizer = _load_model("--base", args.base, args.dtype)
-    try:
-        model = load_adapters(base, adapters)
-    except (OSError, ValueError, RuntimeError) as err:  # e.g. an adapter trained on another base
-        raise CLIUsageError(f"--adapter cannot be loaded on {args.base}: {_one_line(err)}") from None
+    model = load_adapters(base, adapters)
     names = list(texts)
     fit = {n: texts[n] for n in names[: len(names) - args.blend_files]}
     maps = calibrate_adapters(model, fit, tokenizer, config=config, reverse=not args.no_reverse,

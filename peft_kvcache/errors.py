@@ -49,6 +49,11 @@ class SessionError(PeftKVCacheError, ValueError):
     """A session was asked for something it cannot do (unknown adapter, missing map, malformed turn)."""
 
 
+class ModelLoadError(PeftKVCacheError, OSError):
+    """A model or a PEFT adapter could not be loaded (no such folder or Hub repo, not a model, an adapter trained on
+    another base model); the message names what was asked for."""
+
+
 class FixtureError(PeftKVCacheError, RuntimeError):
     """A fixture model could not be fetched, verified or converted."""
 

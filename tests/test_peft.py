@@ -10,9 +10,11 @@ from peft import LoraConfig, get_peft_model
 
 from peft_kvcache import FingerprintMismatchError, MappedCache
 from peft_kvcache.calibration.loop import calibrate_adapters
+from peft_kvcache.errors import ModelLoadError
+from peft_kvcache.lab.fixtures import load_model
 from peft_kvcache.maps.adapter_maps import AdapterMaps, folder_name
 from peft_kvcache.modeling._compat import with_cache
-from peft_kvcache.modeling.adapters import adapter_active
+from peft_kvcache.modeling.adapters import adapter_active, load_adapters
 from peft_kvcache.modeling.capture import run_with_cache
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -176,3 +178,17 @@ def test_adapter_blends_are_scored_with_each_side_in_its_own_adapter_state(peft_
                                                 model, input_ids=prefix)
                 kls.append(_continuation_kl(model, cache, ids[:-1], context - 1))
         assert abs(sum(kls) / len(kls) - recorded) < 1e-4 * max(1.0, recorded)
+
+
+def test_an_adapter_of_another_base_is_a_model_load_error(tmp_path):
+    trained_on = get_peft_model(tiny_model("llama", seed=0), lora(10), adapter_name="strong")
+    trained_on.save_pretrained(tmp_path)
+    wider = tiny_model("llama", seed=0, hidden_size=96, num_attention_heads=4)
+    with pytest.raises(ModelLoadError, match="adapter 'strong'") as caught:
+        load_adapters(wider, {"strong": str(tmp_path / "strong")})
+    assert isinstance(caught.value, OSError) and "tiny-llama-0" in str(caught.value)
+
+
+def test_a_model_that_is_not_there_is_a_model_load_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="nowhere"):
+        load_model(str(tmp_path / "nowhere"))

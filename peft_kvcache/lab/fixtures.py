@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .._files import atomic_write, replace_folder, staging_folder
-from ..errors import FixtureError
+from ..errors import FixtureError, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -230,8 +230,11 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, **kwargs):
         path, name = converted_path(spec), FIXTURES[spec].display_name
     else:
         path, name = spec, spec
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:  # no such folder or repo, not a causal LM
+        raise ModelLoadError(f"model {spec!r} cannot be loaded: {' '.join(str(err).split())}") from None
     model.config.name_or_path = name
     return model, tokenizer
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .._files import is_repo_id
-from ..errors import CLIUsageError, SessionError
+from ..errors import CLIUsageError, ModelLoadError, SessionError
 from ._compat import unwrap_peft
 
 
@@ -78,10 +78,15 @@ def load_adapters(base_model: torch.nn.Module, adapters: dict[str, str]) -> torc
 
     model = None
     for name, path in adapters.items():
-        if model is None:
-            model = PeftModel.from_pretrained(base_model, str(path), adapter_name=name)
-        else:
-            model.load_adapter(str(path), adapter_name=name)
+        try:
+            if model is None:
+                model = PeftModel.from_pretrained(base_model, str(path), adapter_name=name)
+            else:
+                model.load_adapter(str(path), adapter_name=name)
+        except (OSError, ValueError, RuntimeError) as err:  # e.g. an adapter trained on another base model
+            detail = " ".join(str(err).split())
+            raise ModelLoadError(f"adapter {name!r} ({path}) cannot be loaded on "
+                                 f"{getattr(base_model.config, 'name_or_path', 'the base model')}: {detail}") from None
     if model is None:
         raise SessionError("load_adapters needs at least one adapter")
     return model.eval()

@@ -280,14 +280,8 @@ def build(options: ServeOptions):
 
     from ..lab.fixtures import load_model
 
-    try:
-        base, tokenizer = load_model(options.model, dtype=getattr(torch, options.dtype))
-    except (OSError, ValueError) as err:
-        raise ServerError(f"--model {options.model!r} cannot be loaded: {err}") from None
-    try:
-        model = load_adapters(base, options.adapters)
-    except (OSError, ValueError, RuntimeError) as err:
-        raise ServerError(f"--adapter cannot be loaded on {options.model}: {err}") from None
+    base, tokenizer = load_model(options.model, dtype=getattr(torch, options.dtype))  # a ModelLoadError names it
+    model = load_adapters(base, options.adapters)
     maps, found, unusable = load_maps(model, list(options.adapters), options.maps)
     missing = [a for a in options.adapters if a not in maps.to_adapter or a not in maps.to_base]
     if unusable and not options.calibrate_missing:
