@@ -17,7 +17,9 @@ The maps of a label ``topK`` lie in ``<maps>/topK/<pair map named for K>`` (`lev
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from tqdm.auto import tqdm
@@ -34,53 +36,80 @@ from .common import save, start_run, table
 RECENT = 32  # the "always refresh the recent tokens" lever
 
 
+@dataclass(frozen=True)
+class Lever:
+    """One way to give the target a switched context, scored by `score_variants`.
+
+    ``kv_map`` None: no mapped context at all, the window-only control (the sink and the last ``window`` context
+    tokens, computed by the target). ``refresh`` None: the mapped prefix and the last ``window`` context tokens
+    computed by the target (``window`` 1: the plain switch). Otherwise the refresh: the probe's attention (``by``:
+    its last token's, or the mean over the probe) picks ``refresh.tokens - recent`` positions and the last
+    ``recent`` context tokens before the probe are recomputed always (the hybrid recipe: an exact recent window
+    plus positions picked far back, at the same target compute ``2 * probe + tokens``)."""
+
+    kv_map: KVMap | None
+    refresh: Refresh | None = None
+    by: Literal["last", "mean"] = "last"
+    recent: int = 0
+    window: int = 1
+
+    def compute(self) -> int:
+        """Context tokens the target computes: what a control at equal compute keeps."""
+        if self.kv_map is None or self.refresh is None:
+            return self.window
+        return 2 * self.refresh.probe_tokens + self.refresh.tokens
+
+
 def lever_folder(root: Path, label: str, direction: str) -> Path:
     """The map folder of the lever ``label`` (``top<K>``: K source layers per target layer) for ``direction``."""
     return root / label / siblings.pair_name(direction, int(label.removeprefix("top")))
 
 
-def _positions(scores: torch.Tensor, policy: Refresh, how: str, sink: int) -> torch.Tensor:
-    """Context positions to refresh from ``[W, context]`` probe attention, by the lever ``how``."""
-    if how == "last":
-        return select_spans(scores[-1], policy.tokens, policy.span, first=sink)
-    if how == "mean":
-        return select_spans(scores.mean(0), policy.tokens, policy.span, first=sink)
-    length = scores.shape[1]  # "recent": the last RECENT context tokens, the rest by the last token's attention
-    recent = torch.arange(max(sink, length - RECENT), length)
-    ranked = scores[-1].clone()
-    ranked[recent] = -1.0
+def _positions(scores: torch.Tensor, lever: Lever, sink: int) -> torch.Tensor:
+    """Context positions to refresh from ``[W, context]`` probe attention, as ``lever`` picks them."""
+    policy, length = lever.refresh, scores.shape[1]
+    ranked = (scores[-1] if lever.by == "last" else scores.mean(0)).clone()
+    recent = torch.arange(max(sink, length - lever.recent), length)
+    ranked[recent] = -1.0  # taken anyway: the attention picks the rest of the budget
     chosen = select_spans(ranked, max(policy.tokens - recent.numel(), 0), policy.span, first=sink)
-    return torch.unique(torch.cat([chosen[chosen < length - RECENT], recent]))
+    return torch.unique(torch.cat([chosen[chosen < length - lever.recent], recent]))
 
 
 @torch.no_grad()
-def refreshed(target, kv_map: KVMap, source_kv, ids: torch.Tensor, policy: Refresh, how: str):
-    """The mapped cache of ``ids`` ``[1, n]`` with the refresh, positions chosen by the lever ``how``."""
+def refreshed(target, lever: Lever, source_kv, ids: torch.Tensor):
+    """The mapped cache of ``ids`` ``[1, n]`` with the refresh, positions chosen as ``lever`` picks them."""
+    kv_map, policy = lever.kv_map, lever.refresh
     cache = MappedCache.from_source(source_kv, kv_map, target, input_ids=ids, refresh_tokens=0, verify_models=False)
     start, sink = ids.shape[1] - policy.probe_tokens, kv_map.config.sink_tokens
     cache.truncate(start)
     scores = attention_scores(target, cache, ids[:, start:], every_probe_token=True)
-    refresh_positions(target, cache, ids[:, :start], _positions(scores, policy, how, sink), append_ids=ids[:, start:])
+    refresh_positions(target, cache, ids[:, :start], _positions(scores, lever, sink), append_ids=ids[:, start:])
     return cache
 
 
 @torch.no_grad()
-def score_variants(source, target, variants: dict[str, tuple[KVMap, Refresh | None, str]], sequences, context: int,
-                   continuation: int, progress: bool = True) -> RetentionReport:
-    """Variants ``name -> (map, refresh or None, lever)`` on the same examples, sharing the full prefill."""
+def score_variants(source, target, variants: dict[str, Lever], sequences, context: int, continuation: int,
+                   progress: bool = True, sink: int = 1) -> RetentionReport:
+    """Variants ``name -> Lever`` on the same examples, sharing the full prefill and the source's cache; ``sink``:
+    the leading tokens a window-only control keeps."""
     scores = {name: VariantScores() for name in ("full", "no_context", *variants)}
     for ids in tqdm(sequences, desc="levers", disable=not progress):
         labels, full = ids[context:], full_logits(target, ids, context)
         scores["full"].add(full, full, labels)
         scores["no_context"].add(window_logits(target, ids, context, 1, 0), full, labels)
         source_kv = run_with_cache(source, ids[None, :context])
-        for name, (kv_map, policy, how) in variants.items():
-            if policy is None:  # the plain switch: the target computes the last context token
-                cache = MappedCache.from_source(source_kv.prefix(context - 1), kv_map, target,
-                                                input_ids=ids[None, : context - 1], refresh_tokens=0, verify_models=False)
-            else:
-                cache = refreshed(target, kv_map, source_kv, ids[None, :context], policy, how)
-                cache.truncate(context - 1)  # the last context token's logits predict the first label
+        for name, lever in variants.items():
+            if lever.kv_map is None:
+                scores[name].add(window_logits(target, ids, context, lever.window, sink), full, labels)
+                continue
+            if lever.refresh is None:  # the target computes the last `window` context tokens on the mapped prefix
+                cache = MappedCache.from_source(source_kv.prefix(context - lever.window), lever.kv_map, target,
+                                                input_ids=ids[None, : context - lever.window], refresh_tokens=0,
+                                                verify_models=False)
+                scores[name].add(cached_logits(target, cache, ids, context, lever.window), full, labels)
+                continue
+            cache = refreshed(target, lever, source_kv, ids[None, :context])
+            cache.truncate(context - 1)  # the last context token's logits predict the first label
             scores[name].add(cached_logits(target, cache, ids, context, 1), full, labels)
     return RetentionReport(scores, context, continuation)
 
@@ -93,12 +122,12 @@ def run(models, tokenizer, maps: dict[str, dict[str, KVMap]], policy: dict[str, 
     for direction, by_label in maps.items():
         source, target = (models[n] for n in siblings.DIRECTIONS[direction])
         recipe = policy[direction]
-        variants = {"published: top2 + recipe": (by_label["top2"], recipe, "last")}
+        variants = {"published: top2 + recipe": Lever(by_label["top2"], recipe)}
         for label in (k for k in by_label if k != "top2"):
-            variants[f"{label} + recipe"] = (by_label[label], recipe, "last")
-        variants["top2 + recipe, mean over the probe"] = (by_label["top2"], recipe, "mean")
-        variants[f"top2 + recipe, last {RECENT} always"] = (by_label["top2"], recipe, "recent")
-        variants.update({f"{label}, plain switch": (m, None, "last") for label, m in by_label.items()})
+            variants[f"{label} + recipe"] = Lever(by_label[label], recipe)
+        variants["top2 + recipe, mean over the probe"] = Lever(by_label["top2"], recipe, by="mean")
+        variants[f"top2 + recipe, last {RECENT} always"] = Lever(by_label["top2"], recipe, recent=RECENT)
+        variants.update({f"{label}, plain switch": Lever(m) for label, m in by_label.items()})
         rows = []
         for task, (examples, cont, names) in task_sets.items():
             report = score_variants(source, target, variants, examples, context, cont, progress)

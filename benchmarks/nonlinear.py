@@ -19,7 +19,7 @@ from peft_kvcache.lab.corpus import stdlib_texts
 from peft_kvcache.maps.config import Refresh, to_json
 
 from .common import save, start_run, table
-from .levers import score_variants
+from .levers import Lever, score_variants
 
 NONLINEAR = dict(r2_threshold=0.9, min_gain=0.01, hidden=64, steps=400, max_rows=4096)
 
@@ -32,9 +32,9 @@ def compare(name: str, source, target, kv_map: KVMap, texts: dict, tokenizer, ta
     if list(texts) != recorded[: len(texts)]:
         raise ValueError(f"{name}: the MLP texts must be the first of the map's own calibration texts")
     nonlinear = fit_nonlinear_heads(kv_map, source, target, texts, tokenizer, progress=progress, **NONLINEAR)
-    variants = {"linear": (kv_map, None, "last"), "nonlinear": (nonlinear, None, "last")}
+    variants = {"linear": Lever(kv_map), "nonlinear": Lever(nonlinear)}
     if refresh is not None:
-        variants.update({"linear + recipe": (kv_map, refresh, "last"), "nonlinear + recipe": (nonlinear, refresh, "last")})
+        variants.update({"linear + recipe": Lever(kv_map, refresh), "nonlinear + recipe": Lever(nonlinear, refresh)})
     out = {"map": name, "mlp_training_texts": list(texts), "nonlinear": to_json(nonlinear.config.nonlinear), "tasks": {}}
     for task, (examples, continuation, text_names) in task_sets.items():
         report = score_variants(source, target, variants, examples, context, continuation, progress)

@@ -42,9 +42,10 @@ from pathlib import Path
 
 import torch
 
+from peft_kvcache._files import atomic_write
 from peft_kvcache.lab.corpus import stdlib_texts
 from peft_kvcache.lab.fixtures import converted_path, load_model
-from peft_kvcache.lab.provenance import write_results
+from peft_kvcache.lab.provenance import code_state, write_results
 from peft_kvcache.maps.adapter_maps import AdapterMaps
 from peft_kvcache.modeling.adapters import load_adapters
 from peft_kvcache.runtime.sessions import SharedPeftModel
@@ -61,6 +62,8 @@ TOP = 20  # vLLM's default --max-logprobs
 ROWS = {"a": "(a) vLLM + connector (map)", "b": "(b) vLLM + connector, naive sharing", "c": "(c) vLLM alone",
         "d": "(d) peft-kvcache serve"}
 THRESHOLD_LENGTHS = (128, 256, 512, 1024)
+# what a raw measurement keeps of the command line (the tables made from it use these, whatever --tables-from is given)
+MEASURE_ARGUMENTS = ("conversations", "turns", "max_tokens", "history_chars", "repeats", "samples", "threads")
 
 
 # ----- the script -----
@@ -276,22 +279,27 @@ def switch_quality(url: str, samples: list[dict]) -> list[dict]:
     for k, sample in enumerate(samples):
         salt = {"cache_salt": f"sample-{k}"}
         ask(api, sample["source"] or NAME, sample["history"], 1, logprobs=False, extra=salt)
-        out.append(ask(api, sample["target"] or NAME, sample["switch"], 1, extra=salt)["top"])
+        out.append(ask(api, sample["target"] or NAME, sample["switch"], 1, extra=salt))
     return out
 
 
-def switch_quality_table(samples: list[dict], tops: dict[str, list[dict]]) -> dict:
-    """Per target, first-token KL (top-20 lower bound) and top-1 agreement of (a) and (b) against (c)."""
+def switch_quality_table(samples: list[dict], answers: dict[str, list[dict]]) -> dict:
+    """Per target, first-token KL (top-20 lower bound) and top-1 agreement of (a) and (b) against (c), and how many
+    switches took prompt tokens from a cache (the others were prefilled: a fallback)."""
     rows = {}
     for target in (*ADAPTERS, None):
         index = [k for k, s in enumerate(samples) if s["target"] == target]
+        exact = [answers["c"][k]["top"] for k in index]
         row = {}
         for key in "ab":
-            kls = [first_token_kl(tops["c"][k], tops[key][k]) for k in index]
-            top1 = [max(tops["c"][k], key=tops["c"][k].get) == max(tops[key][k], key=tops[key][k].get) for k in index]
+            tops = [answers[key][k]["top"] for k in index]
+            kls = [first_token_kl(c, x) for c, x in zip(exact, tops)]
+            top1 = [max(c, key=c.get) == max(x, key=x.get) for c, x in zip(exact, tops)]
             row[key] = {"kl_mean": statistics.fmean(kls), "kl_median": statistics.median(kls), "kl_max": max(kls),
-                        "top1_agreement": sum(top1) / len(top1), "samples": len(index)}
-        row["kl_ratio_a_to_b"] = row["a"]["kl_mean"] / row["b"]["kl_mean"]
+                        "top1_agreement": sum(top1) / len(top1), "samples": len(index),
+                        "loaded": sum(answers[key][k]["cached"] > 0 for k in index)}
+        # None where naive sharing matched the exact prefill on every sample (no ratio to take)
+        row["kl_ratio_a_to_b"] = row["a"]["kl_mean"] / row["b"]["kl_mean"] if row["b"]["kl_mean"] > 0 else None
         rows[target or "base"] = row
     return rows
 
@@ -323,7 +331,7 @@ def threshold(url: str, tokenizer, repeats: int) -> dict:
             "recommended_min_mapped_tokens": min(paying) if paying else None}
 
 
-def markdown(args, stats: dict, ratios: dict, qualities: dict, gate: dict, switches: dict) -> str:
+def markdown(args, stats: dict, ratios: dict, qualities: dict, gate: dict, switches: dict, min_mapped: int) -> str:
     lines = ["# The vLLM connector: load benchmark", "",
              f"{args.conversations} concurrent conversations x {args.turns} turns (the model changes at every turn: "
              f"base, {', '.join(ADAPTERS)} rotated; switch turns see histories of at least "
@@ -355,21 +363,60 @@ def markdown(args, stats: dict, ratios: dict, qualities: dict, gate: dict, switc
         f"A history (an evaluation-split module, first {args.history_chars} characters, and an answer) computed by the "
         "source model, then a docstring request to the target; first reply token against vLLM's own exact prefill "
         "of the same prompt.", "",
-        "| target (source) | (a) mapped: KL mean / median | top-1 | (b) naive: KL mean / median | top-1 | (a) / (b) KL |",
-        "|---|---|---|---|---|---|"]
+        "| target (source) | (a) mapped: KL mean / median | top-1 | loaded | (b) naive: KL mean / median | top-1 | "
+        "loaded | (a) / (b) KL |", "|---|---|---|---|---|---|---|---|"]
     for target, row in switches.items():
-        a, b = row["a"], row["b"]
+        a, b, ratio = row["a"], row["b"], row["kl_ratio_a_to_b"]
         source = ADAPTERS[0] if target == "base" else "base"
         lines.append(f"| {target} ({source}) | {a['kl_mean']:.4f} / {a['kl_median']:.4f} | {a['top1_agreement']:.2f} | "
-                     f"{b['kl_mean']:.4f} / {b['kl_median']:.4f} | {b['top1_agreement']:.2f} | "
-                     f"{row['kl_ratio_a_to_b']:.2f} |")
+                     f"{a['loaded']}/{a['samples']} | {b['kl_mean']:.4f} / {b['kl_median']:.4f} | "
+                     f"{b['top1_agreement']:.2f} | {b['loaded']}/{b['samples']} | "
+                     f"{'-' if ratio is None else f'{ratio:.2f}'} |")
     lines += ["", f"## Where mapping stops paying (single switches, one at a time, TTFT median of {args.repeats})", "",
         "| mapped tokens | switch TTFT mapped (s) | same request prefilled (s) | ratio |", "|---|---|---|---|"]
     lines += [f"| {r['tokens']} | {r['mapped_ttft']:.3f} | {r['prefill_ttft']:.3f} | {r['ratio']:.2f} |"
               for r in gate["rows"]]
-    lines += ["", f"Rule: {gate['rule']}: {gate['recommended_min_mapped_tokens']} tokens (the connector's default "
-              f"min_mapped_tokens is {DEFAULT_MIN_MAPPED_TOKENS})."]
+    lines += ["", f"Rule: {gate['rule']}: {gate['recommended_min_mapped_tokens']} tokens (the load runs used the "
+              f"connector's default min_mapped_tokens, {min_mapped})."]
     return "\n".join(lines)
+
+
+def measure(args, raw_path: Path) -> dict:
+    """Every server's load run and switch samples, then (c)'s exact references; the raw measurements are written to
+    ``raw_path`` after each server, so tables can be made again (``--tables-from``) if anything after them fails."""
+    model_folder = converted_path(SMOLLM)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_folder)
+    conversations = scripts(args.conversations, args.turns, args.history_chars)
+    raw = {"measured_by": code_state(), "command": sys.argv, "conversations": conversations,
+           "arguments": {k: getattr(args, k) for k in MEASURE_ARGUMENTS},
+           "connector_min_mapped_tokens": DEFAULT_MIN_MAPPED_TOKENS, "records": {}, "stats": {}, "answers": {},
+           "references": {}}
+    deadline = time.monotonic() + args.time_limit
+    logs = raw_path.parent
+    maps = str(ROOT / "hub_cards")
+    with vllm_server(args.vllm_python, model_folder, {"maps": maps, "min_mapped_tokens": 0},
+                     logs / "vllm-load-threshold.log") as url:
+        warm_up(url, logprobs=False)
+        raw["gate"] = threshold(url, tokenizer, args.repeats)
+    raw["samples"] = samples = switch_samples(args.samples, args.history_chars)
+    servers = {"a": {"maps": maps}, "b": {"maps": maps, "mode": "naive"}, "d": None, "c": None}
+    for key, options in servers.items():  # (c) last: it then answers the other servers' prompts exactly
+        server = (our_server(args.max_tokens) if key == "d" else
+                  vllm_server(args.vllm_python, model_folder, options, logs / f"vllm-load-{key}.log"))
+        with server as url:
+            warm_up(url, logprobs=key != "d")
+            raw["records"][key], wall = load_run(url, conversations, NAME, args.max_tokens, deadline, partial(
+                ask_turn, max_tokens=args.max_tokens, logprobs=key != "d"))
+            raw["stats"][key] = summary(raw["records"][key], wall)
+            print(f"{ROWS[key]}: {raw['stats'][key]}", flush=True)
+            if key != "d":  # the switch-quality samples, untimed (peft-kvcache serve gives no logprobs)
+                raw["answers"][key] = switch_quality(url, samples)
+            if key == "c":
+                raw["references"] = references_from(url, {k: v for k, v in raw["records"].items() if k != "d"})
+        atomic_write(raw_path, lambda tmp: Path(tmp).write_text(json.dumps(raw)))
+    return raw
 
 
 def main(argv=None) -> int:
@@ -383,56 +430,37 @@ def main(argv=None) -> int:
                         help="python of the vLLM environment (scripts/vllm_env.sh)")
     parser.add_argument("--time-limit", type=float, default=3600, help="seconds all load runs may take")
     parser.add_argument("--output", type=Path, default=RESULTS / "vllm-load")
+    parser.add_argument("--tables-from", type=Path, default=None, metavar="RAW",
+                        help="write the results from the raw measurements of an earlier run ($TMPDIR/vllm-load-raw.json, "
+                             "kept after every server) instead of measuring")
     args = parser.parse_args(argv)
-    if not Path(args.vllm_python).exists():
+    if not args.tables_from and not Path(args.vllm_python).exists():
         raise SystemExit(f"{args.vllm_python} does not exist: build the vLLM environment with bash scripts/vllm_env.sh")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
-    model_folder = converted_path(SMOLLM)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_folder)
-    conversations = scripts(args.conversations, args.turns, args.history_chars)
-    deadline = time.monotonic() + args.time_limit
-    logs = Path(os.environ.get("TMPDIR", "/tmp"))
-    maps = str(ROOT / "hub_cards")
-    with vllm_server(args.vllm_python, model_folder, {"maps": maps, "min_mapped_tokens": 0},
-                     logs / "vllm-load-threshold.log") as url:
-        warm_up(url, logprobs=False)
-        gate = threshold(url, tokenizer, args.repeats)
-    samples = switch_samples(args.samples, args.history_chars)
-    records, stats, tops = {}, {}, {}
-    servers = {"a": {"maps": maps}, "b": {"maps": maps, "mode": "naive"}, "d": None, "c": None}
-    for key, options in servers.items():  # (c) last: it then answers the other servers' prompts exactly
-        server = (our_server(args.max_tokens) if key == "d" else
-                  vllm_server(args.vllm_python, model_folder, options, logs / f"vllm-load-{key}.log"))
-        with server as url:
-            warm_up(url, logprobs=key != "d")
-            records[key], wall = load_run(url, conversations, NAME, args.max_tokens, deadline, partial(
-                ask_turn, max_tokens=args.max_tokens, logprobs=key != "d"))
-            stats[key] = summary(records[key], wall)
-            print(f"{ROWS[key]}: {stats[key]}", flush=True)
-            if key != "d":  # the switch-quality samples, untimed (peft-kvcache serve gives no logprobs)
-                tops[key] = switch_quality(url, samples)
-            if key == "c":
-                references = references_from(url, {k: v for k, v in records.items() if k != "d"})
+    raw_path = Path(os.environ.get("TMPDIR", "/tmp")) / "vllm-load-raw.json"
+    raw = json.loads(Path(args.tables_from).read_text()) if args.tables_from else measure(args, raw_path)
+    args = argparse.Namespace(**{**vars(args), **raw["arguments"]})  # the sizes the measurements were made with
+    gate, samples, records, stats = raw["gate"], raw["samples"], raw["records"], raw["stats"]
+    answers, references = raw["answers"], raw["references"]
     ratios = {f"{key}/c": {k: stats[key][k] / stats["c"][k] for k in
                            ("ttft_p50", "ttft_p95", "switch_ttft_p50", "switch_ttft_p95", "tokens_per_second",
                             "prompt_tokens_computed")} for key in "abd"}
     qualities = {key: quality(records[key], references, records["c"]) for key in "ab"}
-    switches = switch_quality_table(samples, tops)
-    text = markdown(args, stats, ratios, qualities, gate, switches)
+    switches = switch_quality_table(samples, answers)
+    text = markdown(args, stats, ratios, qualities, gate, switches, raw["connector_min_mapped_tokens"])
     print(text)
     payload = {"setup": {"model": SMOLLM, "adapters": list(ADAPTERS), "conversations": args.conversations,
                          "turns": args.turns, "max_tokens": args.max_tokens, "history_chars": args.history_chars,
                          "dtype": "float32", "top_logprobs": TOP, "rows": ROWS,
-                         "connector_min_mapped_tokens": DEFAULT_MIN_MAPPED_TOKENS},
+                         "connector_min_mapped_tokens": raw["connector_min_mapped_tokens"]},
                "summary": stats, "ratios": ratios, "quality": qualities, "switch_quality": switches,
                "threshold": gate, "requests": records}
     write_results(args.output, payload, text, data={"script": "evaluation-split stdlib modules (first "
                                                               f"{args.history_chars} characters) and two of their "
                                                               "documented functions each",
-                                                    "conversations": conversations}, seeds={"vllm": 0})
+                                                    "conversations": raw["conversations"],
+                                                    "measured_by": raw["measured_by"]}, seeds={"vllm": 0})
     return 0
 
 

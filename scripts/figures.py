@@ -158,3 +158,8 @@ def vllm_table() -> str:
             + f" ({gate['rule']}: {gate['recommended_min_mapped_tokens']} tokens; the connector's min_mapped_tokens is "
               f"{setup['connector_min_mapped_tokens']}).\n\nFrom `benchmarks/results/vllm-load.json`, written by "
               "`python -m benchmarks.vllm_load`.")
+
+
+# The README's generated blocks: (begin marker, end marker, what renders the table between them).
+README_BLOCKS = ((README_BEGIN, README_END, readme_table), (SERVE_BEGIN, SERVE_END, serve_table),
+                 (VLLM_BEGIN, VLLM_END, vllm_table))

@@ -366,8 +366,7 @@ class Publisher:
         """Regenerate the README's tables of measured figures from the results files."""
         path = ROOT / "README.md"
         text = path.read_text()
-        for (begin, end), render in (((figures.README_BEGIN, figures.README_END), figures.readme_table),
-                                     ((figures.SERVE_BEGIN, figures.SERVE_END), figures.serve_table)):
+        for begin, end, render in figures.README_BLOCKS:
             start, stop = text.index(begin) + len(begin), text.index(end)
             text = text[:start] + "\n" + render() + "\n" + text[stop:]
         path.write_text(text)

@@ -73,6 +73,5 @@ def test_the_readme_tables_are_the_ones_the_results_give():
     from scripts import figures
 
     text = (ROOT / "README.md").read_text()
-    for (begin, end), render in (((figures.README_BEGIN, figures.README_END), figures.readme_table),
-                                 ((figures.SERVE_BEGIN, figures.SERVE_END), figures.serve_table)):
+    for begin, end, render in figures.README_BLOCKS:
         assert text[text.index(begin) + len(begin): text.index(end)].strip() == render().strip()

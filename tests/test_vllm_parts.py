@@ -83,6 +83,15 @@ def test_a_requests_own_choice_is_read_and_a_malformed_one_is_served_exactly():
     assert request_reuse({"peft_kvcache": {"reuse": "sometimes"}}) == request_reuse({"peft_kvcache": 3}) == "exact"
 
 
+def test_the_default_min_mapped_tokens_is_the_one_the_load_benchmark_measured():
+    from peft_kvcache.vllm.options import DEFAULT_MIN_MAPPED_TOKENS
+
+    results = json.loads((ROOT / "benchmarks" / "results" / "vllm-load.json").read_text())
+    assert results["provenance"]["commit"], "the results file records the code it measured"
+    assert DEFAULT_MIN_MAPPED_TOKENS == results["threshold"]["recommended_min_mapped_tokens"]
+    assert ConnectorOptions.parse({}).min_mapped_tokens == DEFAULT_MIN_MAPPED_TOKENS
+
+
 # ----- which map fits -----
 
 
