@@ -11,8 +11,9 @@ Measured from the `openai` client (streamed): TTFT p50 / p95 over every turn and
 (generated tokens per second of wall time), prompt tokens computed (prompt less cached, vLLM's
 ``prompt_tokens_details``); the ratios to (c) from the same run. Quality against exact prefill on the same prompts:
 (c) is exact, and every prompt another server saw is sent to (c) again afterwards (untimed) for its first-token
-distribution: first-token KL over (c)'s top-20 tokens (the API's ``top_logprobs``; a token missing from the other
-server's top 20 gets its 20th log-probability, so the figure is a lower bound), top-1 agreement, identical replies.
+distribution: a lower bound of the first-token KL from the two top-20 lists (the API's ``top_logprobs``: the KL of
+the distributions coarse-grained to the tokens both list and one bucket for the rest; `first_token_kl`), top-1
+agreement, identical replies.
 Then the threshold: with the connector offering any length (``min_mapped_tokens`` 0), single switches of 128 .. 1,024
 mapped tokens against the same request prefilled (``reuse: none``), TTFT median of repeats: where mapping stops
 paying.
@@ -213,10 +214,16 @@ def summary(records: list[dict], wall: float) -> dict:
 
 
 def first_token_kl(reference: dict[str, float], other: dict[str, float]) -> float:
-    """KL(reference || other) over the reference's top tokens; a token missing from ``other``'s top gets its
-    lowest listed log-probability (so this is a lower bound of the truncated KL)."""
-    floor = min(other.values())
-    return max(0.0, sum(math.exp(lp) * (lp - other.get(token, floor)) for token, lp in reference.items()))
+    """A lower bound of KL(reference || other) from two top-k lists of log-probabilities: the KL of the two
+    distributions coarse-grained to the tokens both list plus one bucket for all the rest. Coarse-graining never
+    raises a KL (data processing), and every probability it uses is known (the sum over a top-k list alone is no
+    bound: it goes negative when ``other`` is sharper on the same tokens)."""
+    shared = [token for token in reference if token in other]
+    p = [math.exp(reference[t]) for t in shared]
+    q = [math.exp(other[t]) for t in shared]
+    p.append(max(0.0, 1.0 - sum(p)))
+    q.append(max(0.0, 1.0 - sum(q)))
+    return sum(pi * (math.log(pi) - math.log(max(qi, 1e-30))) for pi, qi in zip(p, q) if pi > 0)
 
 
 def quality(records: list[dict], references: dict[str, dict], exact: list[dict]) -> dict:
@@ -284,7 +291,7 @@ def switch_quality(url: str, samples: list[dict]) -> list[dict]:
 
 
 def switch_quality_table(samples: list[dict], answers: dict[str, list[dict]]) -> dict:
-    """Per target, first-token KL (top-20 lower bound) and top-1 agreement of (a) and (b) against (c), and how many
+    """Per target, first-token KL (lower bound from the top-20) and top-1 agreement of (a) and (b) against (c), and how many
     switches took prompt tokens from a cache (the others were prefilled: a fallback)."""
     rows = {}
     for target in (*ADAPTERS, None):
@@ -340,7 +347,7 @@ def markdown(args, stats: dict, ratios: dict, qualities: dict, gate: dict, switc
              "threads), 127.0.0.1. TTFT from the openai client (request sent -> first content chunk), queueing "
              "behind the other conversations included.", "",
              "| server | TTFT p50 (s) | TTFT p95 (s) | switch TTFT p50 / p95 (s) | tokens/s | prompt tokens computed | "
-             "first-token KL vs (c) (top-20, lower bound) | top-1 vs (c) | replies equal to (c)'s |",
+             "first-token KL vs (c) (lower bound from the top-20) | top-1 vs (c) | replies equal to (c)'s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for key in ROWS:
         s, q = stats[key], qualities.get(key)
@@ -452,10 +459,11 @@ def main(argv=None) -> int:
     print(text)
     payload = {"setup": {"model": SMOLLM, "adapters": list(ADAPTERS), "conversations": args.conversations,
                          "turns": args.turns, "max_tokens": args.max_tokens, "history_chars": args.history_chars,
-                         "dtype": "float32", "top_logprobs": TOP, "rows": ROWS,
+                         "samples": args.samples, "dtype": "float32", "top_logprobs": TOP, "rows": ROWS,
                          "connector_min_mapped_tokens": raw["connector_min_mapped_tokens"]},
                "summary": stats, "ratios": ratios, "quality": qualities, "switch_quality": switches,
-               "threshold": gate, "requests": records}
+               "threshold": gate, "requests": records,
+               "switch_answers": answers}
     write_results(args.output, payload, text, data={"script": "evaluation-split stdlib modules (first "
                                                               f"{args.history_chars} characters) and two of their "
                                                               "documented functions each",

@@ -5,6 +5,7 @@ variants by fingerprints, layout and rotary parameters (tests/in_vllm runs the c
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -90,6 +91,21 @@ def test_the_default_min_mapped_tokens_is_the_one_the_load_benchmark_measured():
     assert results["provenance"]["commit"], "the results file records the code it measured"
     assert DEFAULT_MIN_MAPPED_TOKENS == results["threshold"]["recommended_min_mapped_tokens"]
     assert ConnectorOptions.parse({}).min_mapped_tokens == DEFAULT_MIN_MAPPED_TOKENS
+
+
+def test_the_benchmarks_first_token_kl_is_a_lower_bound_from_two_top_lists():
+    from benchmarks.vllm_load import first_token_kl
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        exact = torch.randn(200, generator=generator).log_softmax(0)
+        other = (exact + torch.randn(200, generator=generator)).log_softmax(0)
+        true_kl = float((exact.exp() * (exact - other)).sum())
+        tops = [{str(int(i)): float(d[i]) for i in d.topk(20).indices} for d in (exact, other)]
+        assert 0 <= first_token_kl(*tops) <= true_kl + 1e-9
+    flatter, sharper = {"a": math.log(0.3), "b": math.log(0.3)}, {"a": math.log(0.5), "b": math.log(0.45)}
+    assert first_token_kl(flatter, sharper) > 0.5  # the plain sum over the list is negative here
+    assert first_token_kl(flatter, flatter) == 0
 
 
 # ----- which map fits -----

@@ -22,7 +22,7 @@ RequestReuse = Literal["map", "exact", "none"]
 REQUEST_REUSE: tuple[str, ...] = get_args(RequestReuse)
 # Below this many mapped tokens mapping saves too little prefill to justify its drift: short shared boilerplate
 # (a chat template's system prompt) is prefilled exactly. benchmarks/vllm_load.py measures where mapping pays.
-DEFAULT_MIN_MAPPED_TOKENS = 256
+DEFAULT_MIN_MAPPED_TOKENS = 128
 
 logger = logging.getLogger(__name__)
 
