@@ -64,6 +64,7 @@ ROWS = {"a": "(a) vLLM + connector (map)", "b": "(b) vLLM + connector, naive sha
         "d": "(d) peft-kvcache serve"}
 THRESHOLD_LENGTHS = (128, 256, 512, 1024)
 # what a raw measurement keeps of the command line (the tables made from it use these, whatever --tables-from is given)
+RAW = Path(os.environ.get("TMPDIR", "/tmp")) / "vllm-load-raw.json"  # what measure() keeps after every server
 MEASURE_ARGUMENTS = ("conversations", "turns", "max_tokens", "history_chars", "repeats", "samples", "threads")
 
 
@@ -437,16 +438,15 @@ def main(argv=None) -> int:
                         help="python of the vLLM environment (scripts/vllm_env.sh)")
     parser.add_argument("--time-limit", type=float, default=3600, help="seconds all load runs may take")
     parser.add_argument("--output", type=Path, default=RESULTS / "vllm-load")
-    parser.add_argument("--tables-from", type=Path, default=None, metavar="RAW",
-                        help="write the results from the raw measurements of an earlier run ($TMPDIR/vllm-load-raw.json, "
-                             "kept after every server) instead of measuring")
+    parser.add_argument("--tables-from", type=Path, nargs="?", default=None, const=RAW, metavar="RAW",
+                        help="write the results from the raw measurements of an earlier run (by default "
+                             "$TMPDIR/vllm-load-raw.json, kept after every server) instead of measuring")
     args = parser.parse_args(argv)
     if not args.tables_from and not Path(args.vllm_python).exists():
         raise SystemExit(f"{args.vllm_python} does not exist: build the vLLM environment with bash scripts/vllm_env.sh")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
-    raw_path = Path(os.environ.get("TMPDIR", "/tmp")) / "vllm-load-raw.json"
-    raw = json.loads(Path(args.tables_from).read_text()) if args.tables_from else measure(args, raw_path)
+    raw = json.loads(Path(args.tables_from).read_text()) if args.tables_from else measure(args, RAW)
     args = argparse.Namespace(**{**vars(args), **raw["arguments"]})  # the sizes the measurements were made with
     gate, samples, records, stats = raw["gate"], raw["samples"], raw["records"], raw["stats"]
     answers, references = raw["answers"], raw["references"]
