@@ -75,3 +75,9 @@ def test_the_readme_tables_are_the_ones_the_results_give():
     text = (ROOT / "README.md").read_text()
     for begin, end, render in figures.README_BLOCKS:
         assert text[text.index(begin) + len(begin): text.index(end)].strip() == render().strip()
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "benchmarks" / "results").glob("*.json")), ids=lambda p: p.name)
+def test_results_record_their_command_as_a_reader_would_type_it(path):
+    command = json.loads(path.read_text())["provenance"]["command"]
+    assert command.startswith("python -m ") and str(ROOT) not in command and " /" not in command, command
