@@ -79,14 +79,15 @@ def run(models: dict, tokenizer, maps: dict[str, KVMap], contexts: list[int], co
                                    "versus_published": report.paired_difference(name, PUBLISHED),
                                    "kl_versus_window": report.paired_difference(name, window, metric="kl")}
                             for name in levers}
+                summary = report.to_dict()  # its rows bootstrap every variant: once
                 results.setdefault(direction, {}).setdefault(str(context), {})[task] = {
-                    **report.to_dict(), "compute": {name: lever.compute() for name, lever in levers.items()},
+                    **summary, "compute": {name: lever.compute() for name, lever in levers.items()},
                     "compared": compared}
-                by_variant = {r["variant"]: r for r in report.rows()}
+                by_variant = {r["variant"]: r for r in summary["rows"]}
                 for name, lever in levers.items():
                     w, p = compared[name]["versus_window"], compared[name]["versus_published"]
                     row = by_variant[name]
-                    rows.append([siblings.pair_name(direction), str(context), f"{task} ({report.to_dict()['examples']})",
+                    rows.append([siblings.pair_name(direction), str(context), f"{task} ({summary['examples']})",
                                  name, str(lever.compute()),
                                  f"{row['normalized_retention']:.3f} [{row['normalized_low']:.2f}, "
                                  f"{row['normalized_high']:.2f}]", f"{row['kl']:.3f}",
