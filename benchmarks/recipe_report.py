@@ -1,0 +1,179 @@
+"""Tables from the sibling recipes' per-example records (`benchmarks.recipes`): per direction and task, each
+variant's normalized retention and its paired difference from the window-only control at equal target compute, with
+95% intervals from a bootstrap over files (all windows of a resampled file move together), and the default recipe
+each direction has earned on the selection texts.
+
+    python -m benchmarks.recipes report --role selection --context 2048
+
+Writes benchmarks/results/sibling-recipes-<role>-<context>.json/.md.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from . import siblings
+from .common import RESULTS, save, table
+from .recipes import read_records, records_path
+
+BOOTSTRAP, SEED = 2000, 0
+RECALL_FLOOR = 0.95  # a default keeps at least this normalized far-fact recall
+RECALL = "recall (pooled)"
+
+
+@dataclass
+class Scores:
+    """Per-example accuracy of every variant on one direction and task (only examples scored by both of a pair
+    count in a paired comparison), with each example's file."""
+
+    accuracy: dict[str, dict[str, float]]  # variant -> example -> accuracy over its scored tokens
+    kl: dict[str, dict[str, float]]
+    files: dict[str, str]
+
+    def common(self, *variants: str) -> list[str]:
+        """The examples every one of ``variants`` (and full, no_context) was scored on, in a fixed order."""
+        sets = [set(self.accuracy.get(v, {})) for v in ("full", "no_context", *variants)]
+        return sorted(set.intersection(*sets))
+
+
+def group(records: list[dict], direction: str) -> dict[str, Scores]:
+    """``{task: Scores}`` for one direction, and every recall task pooled under `RECALL`. A record measured again
+    (same example, variant and map) counts once: the latest."""
+    by_task: dict[str, Scores] = defaultdict(lambda: Scores(defaultdict(dict), defaultdict(dict), {}))
+    for r in records:
+        if r["direction"] != direction:
+            continue
+        for task in (r["task"], RECALL) if r["task"].startswith("recall-") else (r["task"],):
+            scores = by_task[task]
+            scores.accuracy[r["variant"]][r["example"]] = r["correct"] / r["tokens"]
+            scores.kl[r["variant"]][r["example"]] = r["kl"]
+            scores.files[r["example"]] = r["file"]
+    return dict(by_task)
+
+
+def cluster_weights(files: list[str], count: int = BOOTSTRAP, seed: int = SEED) -> torch.Tensor:
+    """``[count, examples]``: how often each example is drawn when whole files are resampled with replacement."""
+    names = sorted(set(files))
+    cluster = torch.tensor([names.index(f) for f in files])
+    generator = torch.Generator().manual_seed(seed)
+    draws = torch.randint(0, len(names), (count, len(names)), generator=generator)
+    per_file = torch.zeros(count, len(names)).scatter_add_(1, draws, torch.ones(count, len(names)))
+    return per_file[:, cluster]
+
+
+def normalized(scores: Scores, variant: str, examples: list[str], weights: torch.Tensor | None = None) -> torch.Tensor:
+    """(variant - no context) / (full - no context) of mean accuracy over ``examples`` (weighted per resample)."""
+    def mean(name: str) -> torch.Tensor:
+        values = torch.tensor([scores.accuracy[name][e] for e in examples], dtype=torch.float64)
+        return values.mean() if weights is None else (weights.double() @ values) / weights.sum(1).double()
+
+    full, none = mean("full"), mean("no_context")
+    return (mean(variant) - none) / (full - none)
+
+
+def summary(scores: Scores, variant: str, control: str | None) -> dict:
+    """Normalized retention of ``variant`` with its interval, its mean KL, and its paired difference from ``control``
+    (None: no control row), on the examples both were scored on."""
+    examples = scores.common(variant, *([control] if control else []))
+    if not examples:
+        return {"examples": 0}
+    weights = cluster_weights([scores.files[e] for e in examples])
+
+    def bounds(values: torch.Tensor) -> list[float]:
+        values = values[torch.isfinite(values)]
+        return [float(values.quantile(0.025)), float(values.quantile(0.975))] if values.numel() else [float("nan")] * 2
+
+    out = {"examples": len(examples), "files": len({scores.files[e] for e in examples}),
+           "normalized": float(normalized(scores, variant, examples)),
+           "interval": bounds(normalized(scores, variant, examples, weights)),
+           "kl": sum(scores.kl[variant][e] for e in examples) / len(examples)}
+    if control:
+        difference = normalized(scores, variant, examples) - normalized(scores, control, examples)
+        resampled = normalized(scores, variant, examples, weights) - normalized(scores, control, examples, weights)
+        out.update({"control": control, "minus_control": float(difference), "minus_control_interval": bounds(resampled)})
+    return out
+
+
+def control_of(variant: str, compute: int) -> str | None:
+    """The window-only control at the variant's target compute (none for the references and the controls)."""
+    if variant in ("full", "no_context") or variant.startswith("window@") or compute < 2:
+        return None
+    return f"window@{compute}"
+
+
+def choose_default(rows: dict[str, dict], budget: int) -> dict:
+    """Among the recipes at the direction's budget that use no oracle: those whose continuation interval against the
+    window-only control is not below zero and whose pooled recall keeps `RECALL_FLOOR`; the best continuation
+    wins. Returns the choice (None if no recipe qualifies) and why each candidate passed or failed."""
+    verdicts = {}
+    for name, row in rows.items():
+        if "true-" in name or row["compute"] != budget or row.get("kind") not in ("hybrid", "refresh", "index"):
+            continue
+        cont, recall = row.get("continuation", {}), row.get(RECALL, {})
+        if not cont.get("examples") or not recall.get("examples"):
+            continue
+        verdicts[name] = {"continuation": cont["normalized"], "minus_control": cont["minus_control"],
+                          "interval": cont["minus_control_interval"], "recall": recall["normalized"],
+                          "qualifies": cont["minus_control_interval"][1] >= 0 and recall["normalized"] >= RECALL_FLOOR}
+    passing = {n: v for n, v in verdicts.items() if v["qualifies"]}
+    best = max(passing, key=lambda n: passing[n]["continuation"]) if passing else None
+    return {"default": best, "candidates": verdicts}
+
+
+def report(role: str, context: int) -> dict:
+    """Write the tables of the role's records at ``context``; returns the payload."""
+    path = records_path(role, context)
+    records = read_records(path)
+    runs = [json.loads(line) for line in path.with_name("runs.jsonl").read_text().splitlines()
+            if line.strip() and json.loads(line).get("role") == role and json.loads(line).get("context") == context]
+    meta = {r["variant"]: {"kind": r["kind"], "compute": r["compute"], "budget": r["budget"], "maps": r["maps"]}
+            for r in records}
+    payload, lines = {"role": role, "context": context, "directions": {}}, []
+    lines += [f"# Sibling recipes at {context} tokens ({role} texts)", "",
+              "Normalized retention [95% interval, files resampled]; minus the window-only control at equal target "
+              "compute, paired on the same examples. Compute: context tokens the target runs (probe counted once).", ""]
+    for direction in siblings.DIRECTIONS:
+        tasks = group(records, direction)
+        if "continuation" not in tasks:
+            continue
+        budgets = [meta[v]["budget"] for v in meta if v.startswith("refresh@") and meta[v]["maps"] == "published"]
+        budget = max(set(budgets), key=budgets.count) if budgets else 0  # the direction's recipe budget
+        rows: dict[str, dict] = {}
+        for task, scores in tasks.items():
+            for variant in scores.accuracy:
+                info = meta[variant]
+                rows.setdefault(variant, dict(info))[task] = summary(scores, variant,
+                                                                     control_of(variant, info["compute"]))
+        choice = choose_default(rows, budget) if role == "selection" else None
+        payload["directions"][direction] = {"budget": budget, "rows": rows, "choice": choice,
+                                            "pair": siblings.pair_name(direction)}
+        order = sorted(rows, key=lambda v: (rows[v]["compute"], v))
+        for task in ["continuation", RECALL, *sorted(t for t in tasks if t.startswith("recall-"))]:
+            if task not in tasks:
+                continue
+            cells = []
+            for v in order:
+                s = rows[v].get(task, {})
+                if not s.get("examples"):
+                    continue
+                vs = (f"{s['minus_control']:+.3f} [{s['minus_control_interval'][0]:+.3f}, "
+                      f"{s['minus_control_interval'][1]:+.3f}]") if "control" in s else "-"
+                cells.append([v, rows[v]["compute"], f"{s['examples']} ({s['files']})",
+                              f"{s['normalized']:.3f} [{s['interval'][0]:.2f}, {s['interval'][1]:.2f}]",
+                              f"{s['kl']:.3f}", vs])
+            lines += [f"## {siblings.pair_name(direction)}, {task} (budget {budget})", "",
+                      table(["variant", "compute", "examples (files)", "normalized", "KL", "minus window-only"], cells),
+                      ""]
+        if choice:
+            lines += [f"Default earned: **{choice['default']}**" if choice["default"] else
+                      "No recipe qualifies (continuation interval not below the control, recall >= "
+                      f"{RECALL_FLOOR}).", ""]
+    commits = sorted({r["commit"] for r in records if r.get("commit")})
+    save(f"sibling-recipes-{role}-{context}", {**payload, "records": str(path.relative_to(RESULTS.parent.parent)),
+                                                "record_commits": commits, "runs": runs},
+         "\n".join(lines), data={"examples": sorted({r["example"] for r in records})})
+    return payload

@@ -1,0 +1,381 @@
+"""Recipes after a sibling switch, example by example, resumable: what the target computes itself beside the mapped
+context (a recent window, positions its probe's attention picks, the mapped middle kept or dropped), at a budget of
+context tokens, against the window-only control at equal target compute, with the oracle swaps (the target's own
+keys, or values, in place of the mapped middle) as standing diagnostics.
+
+Every (example, direction, variant) result is appended to ``benchmarks/results/sibling-recipes/<role>-<context>.jsonl``
+as soon as it is computed (one JSON line: the example and its text, the variant, its target compute, the map's
+fingerprint, dtype, commit and run), so a run stops anywhere and the next one computes only what is missing, however
+many sessions it takes. ``report`` makes the tables from whatever is there: normalized retention and paired
+differences with 95% intervals from a bootstrap that resamples whole files (windows of one file move together).
+
+Target compute counts the context tokens the target runs (the probe pass counted once, the sink not counted: every
+variant has the target's own sink). At a budget B: ``window@B`` keeps the sink and the last B tokens and nothing
+else; ``hybrid@B`` is the mapped prefix with the last B computed by the target; ``refresh@B/pP`` runs the last 16
+tokens (the probe) on the mapped cache, recomputes the P positions its last token attends to most (spans of 8) and
+the last ``B - 16 - P`` tokens (the probe included) exactly: ``refresh@B/p(B-32)`` is the published recipe;
+``index@B/pP`` is the same with the mapped middle dropped (the map used only to choose positions).
+
+    python -m benchmarks.recipes run --maps hub_cards --role selection --context 2048
+    python -m benchmarks.recipes report --role selection --context 2048
+
+Selection texts choose the default recipes; final texts report them (`benchmarks.siblings.ROLES`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from peft_kvcache import KVMap, MappedCache
+from peft_kvcache.calibration.retention import cached_logits, token_kl, window_logits
+from peft_kvcache.lab.corpus import prose_texts, stdlib_texts, token_ids
+from peft_kvcache.lab.provenance import code_state, provenance
+from peft_kvcache.modeling._compat import output_cache
+from peft_kvcache.modeling.capture import CapturedKV, cache_states, forward
+from peft_kvcache.runtime.refresh import attention_scores, refresh_positions, select_spans
+
+from . import siblings
+from .common import RESULTS
+from .tasks import ANSWER_TOKENS, DEPTHS, recall_examples
+
+RECORDS = RESULTS / "sibling-recipes"
+PROBE, SPAN = 16, 8
+CONTINUATION = 128  # scored continuation tokens per window
+
+
+# ----- variants -----
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to give the target the switched context. ``kind``: ``full`` (its own prefill), ``no_context`` (the
+    last context token only), ``window`` (sink + last ``budget`` tokens), ``hybrid`` (mapped prefix + last
+    ``budget`` computed; ``oracle`` "keys", "values" or "keys+values": the target's own in the mapped prefix), ``refresh`` / ``index``
+    (the probe picks ``picked`` positions; the middle mapped / dropped), ``plain`` (mapped, the last token
+    computed). ``maps``: the map set it uses (``published`` or a lever's label)."""
+
+    kind: str
+    budget: int = 0
+    picked: int = 0
+    oracle: str | None = None
+    maps: str = "published"
+
+    @property
+    def name(self) -> str:
+        base = {"full": "full", "no_context": "no_context", "plain": "plain", "window": f"window@{self.budget}",
+                "hybrid": f"hybrid@{self.budget}", "refresh": f"refresh@{self.budget}/p{self.picked}",
+                "index": f"index@{self.budget}/p{self.picked}"}[self.kind]
+        base += f"+true-{self.oracle}" if self.oracle else ""
+        return base if self.maps == "published" or self.kind in ("full", "no_context", "window") else \
+            f"{self.maps}:{base}"
+
+    @property
+    def compute(self) -> int:
+        """Context tokens the target computes (the sink aside)."""
+        return {"full": 0, "no_context": 1, "plain": 1}.get(self.kind, self.budget)
+
+    @property
+    def uses_map(self) -> bool:
+        return self.kind in ("hybrid", "refresh", "index", "plain")
+
+    @property
+    def recent(self) -> int:
+        """The last context tokens a refresh / index variant computes exactly (its probe among them)."""
+        return self.budget - PROBE - self.picked
+
+
+def variants_for(budget: int, levers: tuple[str, ...] = ()) -> list[Variant]:
+    """The standing variants at a direction's budget B (its published recipe's ``2 * probe + tokens``): controls,
+    the trade-off between a recent window and picked positions at B (middle mapped and dropped), the curve as the
+    budget grows (B/2, 2B), the oracle swaps; then each lever's map set on the recipes that use a map."""
+    out = [Variant("full"), Variant("no_context"), Variant("plain")]
+    picks = sorted({0, budget // 8, budget // 4, budget // 2, budget - 2 * PROBE} - {0})
+    for b in (budget, budget // 2, 2 * budget):
+        out += [Variant("window", b), Variant("hybrid", b)]
+        for p in (picks if b == budget else [b // 4, b - 2 * PROBE]):
+            if 0 < p <= b - 2 * PROBE:  # the probe's 16 tokens are the least a recent window holds
+                out += [Variant("refresh", b, p), Variant("index", b, p)]
+    out += [Variant("hybrid", budget, oracle="keys"), Variant("hybrid", budget, oracle="values")]
+    for label in levers:
+        out += [Variant("plain", maps=label), Variant("hybrid", budget, maps=label),
+                Variant("refresh", budget, budget - 2 * PROBE, maps=label),
+                Variant("refresh", budget, budget // 4, maps=label)]
+    return list(dict.fromkeys(out))
+
+
+# ----- examples -----
+
+
+@dataclass(frozen=True)
+class Example:
+    """One scored window: its id, the file it comes from (the bootstrap's cluster), its task and tokens."""
+
+    id: str
+    file: str
+    task: str
+    ids: torch.Tensor
+    continuation: int
+
+
+def examples(tokenizer, role: str, context: int, windows: int, per_file: int, recall_cases: int) -> list[Example]:
+    """The role's examples, tasks interleaved (a stopped run has some of every task): up to ``windows`` continuation
+    windows of ``context + CONTINUATION`` tokens, at most ``per_file`` per file, none repeating another's tokens or
+    text; and ``recall_cases`` recall examples per kind (code, prose) and depth."""
+    (code_from, code_to), (prose_from, prose_to) = siblings.ROLES[role]["code"], siblings.ROLES[role]["prose"]
+    code = stdlib_texts("evaluation", code_to - code_from, code_from)
+    seen: set[str] = set()
+    by_task: dict[str, list[Example]] = {"continuation": []}
+    length = context + CONTINUATION
+    for name, text in code.items():
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        if digest in seen:  # the same text under another path
+            continue
+        seen.add(digest)
+        ids = token_ids(tokenizer, text)
+        for start in range(0, min(per_file, ids.numel() // length) * length, length):
+            window = ids[start:start + length]
+            digest = hashlib.sha256(window.numpy().tobytes()).hexdigest()
+            if len(by_task["continuation"]) < windows and digest not in seen:
+                seen.add(digest)
+                by_task["continuation"].append(Example(f"continuation/{name}@{start}", name, "continuation",
+                                                       window, CONTINUATION))
+    if recall_cases:
+        prose = prose_texts(prose_to - prose_from, prose_from)
+        for seed, (depth_name, depth) in enumerate(DEPTHS.items()):
+            for kind, fillers in (("code", code), ("prose", prose)):
+                task = f"recall-{kind}-{depth_name}"
+                ids, names = recall_examples(tokenizer, fillers, context, recall_cases, depth, kind == "prose",
+                                             seed=seed)
+                by_task[task] = [Example(f"{task}/{n}", n, task, x, ANSWER_TOKENS) for x, n in zip(ids, names)]
+    order = sorted((i, t) for t, items in by_task.items() for i in range(len(items)))
+    return [by_task[t][i] for i, t in order]
+
+
+# ----- scoring one example -----
+
+
+class ExampleRun:
+    """What the variants of one example and direction share: the target's full prefill (its continuation logits and
+    its own KV, for the oracle swaps), the source's cache of the context, and the mapped context per map set."""
+
+    def __init__(self, example: Example, target, own: CapturedKV, full: torch.Tensor, source_kv: CapturedKV,
+                 maps: dict[str, KVMap]):
+        self.example, self.target, self.own, self.full, self.source_kv = example, target, own, full, source_kv
+        self.maps, self._mapped = maps, {}
+        self.context = example.ids.numel() - example.continuation
+        self.labels = example.ids[self.context:]
+
+    def mapped(self, label: str) -> MappedCache:
+        """A copy of the context mapped by the ``label`` maps (the target's own sink in place), mapped once."""
+        if label not in self._mapped:
+            self._mapped[label] = MappedCache.from_source(self.source_kv, self.maps[label], self.target,
+                                                          input_ids=self.example.ids[None, :self.context],
+                                                          refresh_tokens=0, verify_models=False)
+        return self._mapped[label].copy()
+
+    def sink(self, variant: Variant) -> int:
+        return self.maps[variant.maps].config.sink_tokens
+
+    @torch.no_grad()
+    def logits(self, variant: Variant) -> torch.Tensor:
+        """``[M, vocab]`` continuation logits of ``variant``."""
+        ids, context, target = self.example.ids, self.context, self.target
+        kind, sink = variant.kind, self.sink(variant)
+        if kind == "full":
+            return self.full
+        if kind == "no_context":
+            return window_logits(target, ids, context, 1, 0)
+        if kind == "window":
+            return window_logits(target, ids, context, variant.budget, sink)
+        if kind in ("plain", "hybrid"):
+            computed = 1 if kind == "plain" else variant.budget
+            cache = self.mapped(variant.maps)
+            cache.truncate(context - computed)
+            for field in variant.oracle.split("+") if variant.oracle else ():  # "keys", "values" or both
+                for layer, states in zip(cache.layers, getattr(self.own, field)):
+                    setattr(layer, field, states[:, :, :context - computed].to(layer.keys.dtype))
+            return cached_logits(target, cache, ids, context, computed)
+        start = context - PROBE
+        cache = self.mapped(variant.maps)
+        cache.truncate(start)
+        positions = self.picked(variant, cache)
+        if kind == "index":
+            return window_logits(target, ids, context, variant.recent, sink, also=positions)
+        recent = torch.arange(context - variant.recent, start)
+        refresh_positions(target, cache, ids[None, :start], torch.cat([positions, recent]),
+                          append_ids=ids[None, start:context])
+        cache.truncate(context - 1)  # the last context token's logits predict the first label: the target redoes it
+        return cached_logits(target, cache, ids, context, 1)
+
+    def picked(self, variant: Variant, cache: MappedCache) -> torch.Tensor:
+        """The ``variant.picked`` positions (spans, past the sink, before its recent window) the probe's last token
+        attends to most on ``cache``, the mapped context up to the probe (left as it was)."""
+        start = cache.get_seq_length()
+        scores = attention_scores(self.target, cache, self.example.ids[None, start:self.context])
+        return select_spans(scores[: self.context - variant.recent], variant.picked, SPAN, first=self.sink(variant))
+
+    @torch.no_grad()
+    def score(self, variant: Variant) -> dict:
+        logits = self.logits(variant)
+        return {"correct": int((logits.argmax(-1) == self.labels).sum()),
+                "kl": float(token_kl(self.full, logits).mean()),
+                "agree": int((logits.argmax(-1) == self.full.argmax(-1)).sum())}
+
+
+def full_pass(model, ids: torch.Tensor, continuation: int) -> tuple[torch.Tensor, CapturedKV]:
+    """One pass of ``model`` over ``ids[:-1]``: its continuation logits ``[M, vocab]`` and its own KV."""
+    out = forward(model, ids[None, :-1], None, logits_to_keep=continuation)
+    return out.logits[0].float().cpu(), cache_states(output_cache(out))
+
+
+# ----- records -----
+
+
+def map_fingerprint(folder: Path) -> str:
+    """The first 16 hex digits of the sha256 of a map folder's weights (what a record was measured with)."""
+    digest = hashlib.sha256()
+    with open(folder / "model.safetensors", "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def records_path(role: str, context: int) -> Path:
+    return RECORDS / f"{role}-{context}.jsonl"
+
+
+def read_records(path: Path) -> list[dict]:
+    """Every complete record of ``path`` (a line cut short by a stop mid-write is skipped)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def record_key(example_id: str, direction: str, variant: str, fingerprint: str | None) -> tuple:
+    return example_id, direction, variant, fingerprint
+
+
+def drop_partial_line(path: Path) -> None:
+    """Cut a last line that a stop left without its newline, so the next append starts a line of its own."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def append(path: Path, record: dict) -> None:
+    """One JSON line, flushed and synced: a stop loses at most the line being written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ----- the run -----
+
+
+@torch.no_grad()
+def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str, context: int, windows: int,
+        per_file: int, recall_cases: int, directions: tuple[str, ...] = ("up", "down"), only: str | None = None,
+        progress: bool = True, records: Path | None = None) -> Path:
+    """Compute every missing (example, direction, variant) of the role at ``context`` and append it.
+    ``map_sets[label][direction]``: the map folder (``published`` required). ``only``: a variant name substring."""
+    path = records or records_path(role, context)
+    drop_partial_line(path)
+    run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    append(path.with_name("runs.jsonl"), {"run": run_id, "role": role, "context": context, **provenance()})
+    commit = code_state()["commit"]
+    maps = {d: {label: KVMap.from_pretrained(folders[d]) for label, folders in map_sets.items()} for d in directions}
+    prints = {d: {label: map_fingerprint(folders[d]) for label, folders in map_sets.items()} for d in directions}
+    levers = tuple(label for label in map_sets if label != "published")
+    plan = {}
+    for d in directions:
+        recipe = maps[d]["published"].config.refresh
+        plan[d] = [v for v in variants_for(2 * recipe.probe_tokens + recipe.tokens, levers)
+                   if only is None or only in v.name or v.kind in ("full", "no_context")]
+    done = {record_key(r["example"], r["direction"], r["variant"], r["map"]) for r in read_records(path)}
+    dtype = str(next(models["large"].parameters()).dtype).removeprefix("torch.")
+
+    def fingerprint(d: str, v: Variant) -> str | None:
+        return prints[d][v.maps] if v.uses_map else None
+
+    items = examples(tokenizer, role, context, windows, per_file, recall_cases)
+    for example in tqdm(items, desc=f"{role} @{context}", disable=not progress):
+        todo = {d: [v for v in plan[d] if record_key(example.id, d, v.name, fingerprint(d, v)) not in done]
+                for d in directions}
+        if not any(todo.values()):
+            continue
+        # one pass of each model serves both directions: the target's prefill of one, the source's cache of the other
+        passes = {size: full_pass(models[size], example.ids, example.continuation) for size in ("small", "large")}
+        for d in directions:
+            if not todo[d]:
+                continue
+            source, target = siblings.DIRECTIONS[d]
+            full, own = passes[target]
+            source_kv = passes[source][1].prefix(example.ids.numel() - example.continuation)
+            state = ExampleRun(example, models[target], own, full, source_kv, maps[d])
+            for v in todo[d]:
+                started = time.perf_counter()
+                scores = state.score(v)
+                append(path, {"example": example.id, "file": example.file, "task": example.task, "direction": d,
+                              "context": context, "variant": v.name, **{k: val for k, val in asdict(v).items()},
+                              "compute": v.compute, "map": fingerprint(d, v), "dtype": dtype, "commit": commit,
+                              "run": run_id, "tokens": example.continuation, **scores,
+                              "seconds": round(time.perf_counter() - started, 3)})
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    go = sub.add_parser("run", help="compute what is missing and append it")
+    go.add_argument("--maps", type=Path, required=True, help="folder holding the two published maps (pair_name)")
+    go.add_argument("--lever", action="append", default=[], metavar="LABEL=FOLDER",
+                    help="a lever's map set: FOLDER holds its two maps, named as the published ones")
+    go.add_argument("--windows", type=int, default=48, help="continuation windows")
+    go.add_argument("--per-file", type=int, default=2, help="continuation windows per file at most")
+    go.add_argument("--recall-cases", type=int, default=8, help="recall examples per kind and depth")
+    go.add_argument("--directions", nargs="+", default=["up", "down"], choices=list(siblings.DIRECTIONS))
+    go.add_argument("--only", help="only variants whose name holds this text (full and no_context always)")
+    go.add_argument("--threads", type=int, default=2)
+    for p in (go, sub.add_parser("report", help="tables from the records (benchmarks.recipe_report)")):
+        p.add_argument("--role", choices=list(siblings.ROLES), required=True)
+        p.add_argument("--context", type=int, default=2048)
+    args = parser.parse_args(argv)
+    if args.command == "report":
+        from .recipe_report import report
+
+        report(args.role, args.context)
+        return
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    code_state()
+    map_sets = {"published": {d: args.maps / siblings.pair_name(d) for d in siblings.DIRECTIONS}}
+    for spec in args.lever:
+        label, _, folder = spec.partition("=")
+        map_sets[label] = {d: Path(folder) / siblings.pair_name(d) for d in siblings.DIRECTIONS}
+    models, tokenizer = siblings.load_pair()
+    run(models, tokenizer, map_sets, args.role, args.context, args.windows, args.per_file, args.recall_cases,
+        tuple(args.directions), args.only)
+
+
+if __name__ == "__main__":
+    main()

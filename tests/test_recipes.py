@@ -1,0 +1,128 @@
+"""The sibling recipes' runner (benchmarks/recipes.py) and report (benchmarks/recipe_report.py): each variant computes
+what its name says, the published split is the library's refresh, records resume, and the bootstrap resamples
+whole files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_ids
+
+from benchmarks import recipe_report, recipes
+from benchmarks.recipes import PROBE, Example, ExampleRun, Variant, full_pass
+from peft_kvcache import MappedCache
+from peft_kvcache.calibration.retention import cached_logits, window_logits
+from peft_kvcache.maps.config import Refresh
+
+CONTEXT, CONTINUATION = 56, 8
+
+
+@pytest.fixture(scope="module")
+def example_run(sibling_pair, sibling_map):
+    source, target = sibling_pair
+    ids = random_ids(1, CONTEXT + CONTINUATION, seed=3)[0]
+    example = Example("continuation/a.py@0", "a.py", "continuation", ids, CONTINUATION)
+    full, own = full_pass(target, ids, CONTINUATION)
+    _, source_kv = full_pass(source, ids, CONTINUATION)
+    return ExampleRun(example, target, own, full, source_kv.prefix(CONTEXT), {"published": sibling_map})
+
+
+def test_the_published_split_is_the_librarys_refresh(example_run, sibling_map):
+    budget = 2 * PROBE + 8
+    ids = example_run.example.ids
+    cache = MappedCache.from_source(example_run.source_kv, sibling_map, example_run.target, input_ids=ids[None, :CONTEXT],
+                                    refresh_tokens=Refresh(8, PROBE, 8), verify_models=False)
+    cache.truncate(CONTEXT - 1)
+    library = cached_logits(example_run.target, cache, ids, CONTEXT, 1)
+    assert torch.allclose(example_run.logits(Variant("refresh", budget, budget - 2 * PROBE)), library, atol=1e-5)
+
+
+def test_the_target_own_keys_and_values_in_the_mapped_prefix_are_the_full_prefill(example_run):
+    both = example_run.logits(Variant("hybrid", 8, oracle="keys+values"))
+    assert torch.allclose(both, example_run.full, atol=1e-4)
+    plain = example_run.logits(Variant("hybrid", 8))
+    for oracle in ("keys", "values"):  # each swap alone changes the answer, and neither is the whole prefill
+        one = example_run.logits(Variant("hybrid", 8, oracle=oracle))
+        assert not torch.allclose(one, plain, atol=1e-4) and not torch.allclose(one, example_run.full, atol=1e-4)
+
+
+def test_a_hybrid_computing_the_whole_context_is_the_full_prefill(example_run, sibling_map):
+    whole = Variant("hybrid", CONTEXT - sibling_map.config.sink_tokens)
+    assert torch.allclose(example_run.logits(whole), example_run.full, atol=1e-4)
+
+
+def test_index_keeps_the_picked_positions_and_the_recent_window_without_the_mapped_middle(example_run, sibling_map):
+    variant = Variant("index", 48, 16)
+    cache = example_run.mapped("published")
+    cache.truncate(CONTEXT - PROBE)
+    picked = example_run.picked(variant, cache)
+    assert picked.numel() == 16 and int(picked.max()) < CONTEXT - variant.recent
+    expected = window_logits(example_run.target, example_run.example.ids, CONTEXT, variant.recent,
+                             sibling_map.config.sink_tokens, also=picked)
+    assert torch.equal(example_run.logits(variant), expected)
+    refreshed = example_run.logits(Variant("refresh", 48, 16))  # the same positions, over the mapped middle
+    assert not torch.allclose(refreshed, expected, atol=1e-4)
+
+
+def test_compute_counts_the_probe_once_and_every_recipe_at_a_budget_spends_it():
+    budget = 160
+    assert Variant("refresh", budget, budget - 2 * PROBE).recent == PROBE  # the published recipe: the probe only
+    for v in recipes.variants_for(budget, levers=("l2048",)):
+        if v.kind in ("refresh", "index"):
+            assert v.picked + v.recent + PROBE == v.budget == v.compute and v.recent >= PROBE
+    names = [v.name for v in recipes.variants_for(budget, levers=("l2048",))]
+    assert len(names) == len(set(names)) and "refresh@160/p128" in names and "l2048:hybrid@160" in names
+    assert "window@160" in names and "hybrid@160+true-keys" in names
+
+
+def test_records_resume_where_a_run_stopped(tmp_path, sibling_pair, sibling_map, monkeypatch):
+    source, target = sibling_pair
+    monkeypatch.setattr(sibling_map.config, "refresh", Refresh(8, PROBE, 8))
+    for direction in ("up", "down"):
+        sibling_map.save_pretrained(tmp_path / "maps" / recipes.siblings.pair_name(direction), chart=False)
+    ids = random_ids(3, CONTEXT + CONTINUATION, seed=9)
+    items = [Example(f"continuation/{i}.py@0", f"{i}.py", "continuation", x, CONTINUATION) for i, x in enumerate(ids)]
+    monkeypatch.setattr(recipes, "examples", lambda *args: items)
+    plan = [Variant("full"), Variant("no_context"), Variant("window", 40), Variant("hybrid", 40)]
+    monkeypatch.setattr(recipes, "variants_for", lambda budget, levers=(): plan)
+    path = tmp_path / "records.jsonl"
+    maps = {"published": {d: tmp_path / "maps" / recipes.siblings.pair_name(d) for d in ("up", "down")}}
+    run = lambda: recipes.run({"small": source, "large": target}, None, maps, "selection", CONTEXT, 3, 1, 0,
+                              directions=("up",), progress=False, records=path)
+    run()
+    first = recipes.read_records(path)
+    assert len(first) == 3 * len(plan) and {r["map"] for r in first if r["variant"] == "hybrid@40"} != {None}
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:5]) + "\n" + lines[5][:20])  # a stop mid-write
+    run()
+    again = recipes.read_records(path)
+    assert len(again) == 3 * len(plan)
+    assert [r["correct"] for r in again] == [r["correct"] for r in first]  # recomputed exactly as before
+
+
+def test_the_bootstrap_resamples_whole_files():
+    weights = recipe_report.cluster_weights(["a", "a", "b", "c", "c", "c"], count=200)
+    assert torch.equal(weights[:, 0], weights[:, 1]) and torch.equal(weights[:, 3], weights[:, 5])
+    assert torch.equal(weights[:, [0, 2, 3]].sum(1), torch.full((200,), 3.0))  # three files drawn per resample
+    assert not torch.equal(weights[:, 0], weights[:, 2])
+
+
+def _row(kind: str, compute: int, continuation: float, interval: tuple, recall: float) -> dict:
+    return {"kind": kind, "compute": compute,
+            "continuation": {"examples": 40, "normalized": continuation, "minus_control": sum(interval) / 2,
+                             "minus_control_interval": list(interval)},
+            recipe_report.RECALL: {"examples": 48, "normalized": recall}}
+
+
+def test_the_default_is_the_best_recipe_not_below_the_control_that_keeps_recall():
+    rows = {"hybrid@160": _row("hybrid", 160, 0.80, (0.01, 0.1), 0.40),  # best continuation, loses recall
+            "refresh@160/p64": _row("refresh", 160, 0.75, (-0.02, 0.05), 0.97),
+            "refresh@160/p128": _row("refresh", 160, 0.70, (0.00, 0.08), 1.00),
+            "index@160/p32": _row("index", 160, 0.78, (-0.12, -0.01), 0.99),  # below the control
+            "hybrid@160+true-keys": _row("hybrid", 160, 0.95, (0.1, 0.3), 1.0),  # an oracle is no recipe
+            "hybrid@320": _row("hybrid", 320, 0.90, (0.1, 0.2), 1.0)}  # another budget
+    choice = recipe_report.choose_default(rows, 160)
+    assert choice["default"] == "refresh@160/p64"
+    assert set(choice["candidates"]) == {"hybrid@160", "refresh@160/p64", "refresh@160/p128", "index@160/p32"}
+    rows["refresh@160/p64"]["continuation"]["minus_control_interval"] = [-0.2, -0.01]
+    assert recipe_report.choose_default(rows, 160)["default"] == "refresh@160/p128"
