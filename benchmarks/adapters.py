@@ -30,7 +30,7 @@ from peft_kvcache.calibration.retention import RetentionReport, VariantScores, e
 from peft_kvcache.lab.corpus import DOCSTRING_INSTRUCTION as INSTRUCTION
 from peft_kvcache.lab.corpus import docstring_chat as encode
 from peft_kvcache.lab.corpus import functions_with_docstrings, stdlib_texts, task_answer, token_ids
-from peft_kvcache.lab.fixtures import load_model
+from peft_kvcache import load_model
 from peft_kvcache.maps.apply import map_cache
 from peft_kvcache.maps.config import Refresh
 from peft_kvcache.modeling.adapters import adapter_active, is_activated_lora, load_adapters
@@ -429,7 +429,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2(ADAPTERS + ("shout_alora",))
-    maps = AdapterMaps.from_pretrained(args.maps, PREFIX, ADAPTERS)
+    maps = AdapterMaps.from_pretrained(args.maps, model, ADAPTERS)
     results = run(model, tokenizer, maps, args)
     save(args.output, results, markdown(results), data=results.pop("data"))
 

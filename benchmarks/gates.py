@@ -21,7 +21,7 @@ import torch
 from peft_kvcache import AdapterMaps, KVMap
 from peft_kvcache.calibration.gate import measure_quality
 from peft_kvcache.lab.corpus import corpus_description, stdlib_texts, token_ids
-from peft_kvcache.lab.fixtures import load_model
+from peft_kvcache import load_model
 from peft_kvcache.maps.adapter_maps import folder_name
 from peft_kvcache.maps.config import DataRecord, TextRecord, to_json
 
@@ -106,7 +106,7 @@ def main() -> None:
     else:
         model, tokenizer = adapters.load_smollm2()
         base, _ = load_model(SMOLLM)
-        run_adapters(model, base, tokenizer, AdapterMaps.from_pretrained(args.maps, adapters.PREFIX, ADAPTERS))
+        run_adapters(model, base, tokenizer, AdapterMaps.from_pretrained(args.maps, model, ADAPTERS))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ tokens (the switch's new message):
 
 The recommended threshold is the smallest measured length from which on (that length and every longer one) the cold
 mapped switch takes at most ``1 - SAVING`` of the prefill's median TTFT for every adapter: mapping must at least
-halve the time to first token to be offered. `peft_kvcache.serving.prefix_store.DEFAULT_MIN_MAPPED_TOKENS` equals it
+halve the time to first token to be offered. `peft_kvcache.runtime.reuse.MIN_MAPPED_TOKENS` equals it
 (tests/test_server_policy.py checks).
 
     python -m benchmarks.map_threshold                               # 16 .. 1024 tokens, 7 repeats, 8 texts
@@ -34,13 +34,14 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from peft_kvcache.lab.corpus import stdlib_texts, token_sequences
-from peft_kvcache.lab.fixtures import load_model
+from peft_kvcache import load_model
 from peft_kvcache.maps.adapter_maps import AdapterMaps
 from peft_kvcache.modeling.adapters import adapter_active, load_adapters
 from peft_kvcache.modeling.capture import run_with_cache
 from peft_kvcache.runtime.cache import clear_target_sinks
-from peft_kvcache.runtime.sessions import SharedPeftModel
-from peft_kvcache.serving.prefix_store import PrefixEngine, PrefixStore
+from peft_kvcache.runtime.turn import SharedPeftModel
+from peft_kvcache.serving.engine import PrefixEngine
+from peft_kvcache.serving.store import PrefixStore
 
 from .common import ROOT, SMOLLM, save, start_run, table, timed
 
@@ -133,7 +134,7 @@ def run(lengths, suffix: int, repeats: int, num_texts: int, threads: int) -> dic
     torch.set_num_threads(threads)
     base, tokenizer = load_model(SMOLLM)
     model = load_adapters(base, {a: str(ROOT / "adapters" / a) for a in ADAPTERS})
-    maps = AdapterMaps.from_pretrained(ROOT / "hub_cards", PREFIX, ADAPTERS, reverse=False)
+    maps = AdapterMaps.from_pretrained(ROOT / "hub_cards", model, ADAPTERS, reverse=False)
     shared = SharedPeftModel(model, maps)
     need = max(lengths) + suffix
     texts = token_sequences(stdlib_texts("evaluation", 4 * num_texts).values(), tokenizer, need)[:num_texts]

@@ -38,13 +38,15 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from peft_kvcache.errors import PeftKVCacheError
 from peft_kvcache.lab.corpus import DOCSTRING_INSTRUCTION, stdlib_texts
-from peft_kvcache.lab.fixtures import cache_root, load_model
+from peft_kvcache.modeling.fixtures import cache_root, load_model
 from peft_kvcache.lab.provenance import write_results
 from peft_kvcache.maps.adapter_maps import AdapterMaps
 from peft_kvcache.modeling.adapters import adapter_active, load_adapters
-from peft_kvcache.runtime.sessions import SharedPeftModel
-from peft_kvcache.serving.command import calibrate_missing, load_maps
-from peft_kvcache.serving.prefix_store import PrefixEngine, PrefixStore
+from peft_kvcache.runtime.turn import SharedPeftModel
+from peft_kvcache.calibration.loop import calibrate_missing
+from peft_kvcache.serving.command import find_maps
+from peft_kvcache.serving.engine import PrefixEngine
+from peft_kvcache.serving.store import PrefixStore
 
 from .adapters import PREFIX
 from .common import RESULTS, ROOT, SMOLLM, start_run
@@ -310,10 +312,11 @@ def main(argv=None) -> int:
     parser.add_argument("--time-limit", type=float, default=900, help="seconds all three load runs may take")
     parser.add_argument("--min-mapped-tokens", type=int, default=0, help="the servers' threshold for mapping (default "
                         "0: every switch mapped, as the committed results were measured before the threshold existed; "
-                        "the server's own default is peft_kvcache.serving.prefix_store.DEFAULT_MIN_MAPPED_TOKENS)")
+                        "the server's own default is peft_kvcache.runtime.reuse.MIN_MAPPED_TOKENS)")
     parser.add_argument("--output", type=Path, default=RESULTS / "serve-load")
     args = parser.parse_args(argv)
-    from peft_kvcache.serving.app import create_app, running
+    from peft_kvcache.serving.app import create_app
+    from peft_kvcache.serving.hosting import running
 
     torch.set_num_threads(args.threads)
     conversations = scripts(args.conversations, args.turns)

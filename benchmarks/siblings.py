@@ -28,7 +28,7 @@ from peft_kvcache.calibration.retention import (
     window_logits,
 )
 from peft_kvcache.lab.corpus import corpus_description, prose_texts, stdlib_texts
-from peft_kvcache.lab.fixtures import load_model
+from peft_kvcache import load_model
 from peft_kvcache.maps.config import CalibrationConfig, CalibrationRecord, ModelSpec, Refresh
 from peft_kvcache.modeling.capture import run_with_cache
 

@@ -19,7 +19,7 @@ import torch
 
 from peft_kvcache import AdapterMaps, KVMap
 from peft_kvcache.lab.corpus import stdlib_texts
-from peft_kvcache.lab.fixtures import load_model
+from peft_kvcache import load_model
 from peft_kvcache.maps.adapter_maps import folder_name
 
 from . import adapters, scaling, siblings
@@ -98,7 +98,7 @@ def main() -> None:
     if "adapters" in args.families:
         model, tokenizer = adapters.load_smollm2()
         base, _ = load_model(SMOLLM)
-        cases.append(adapter_cases(model, base, tokenizer, AdapterMaps.from_pretrained(args.maps, adapters.PREFIX,
+        cases.append(adapter_cases(model, base, tokenizer, AdapterMaps.from_pretrained(args.maps, model,
                                                                                        ADAPTERS)))
     run(itertools.chain(*cases))
 

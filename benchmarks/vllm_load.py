@@ -45,12 +45,13 @@ import torch
 
 from peft_kvcache._files import atomic_write
 from peft_kvcache.lab.corpus import stdlib_texts
-from peft_kvcache.lab.fixtures import converted_path, load_model
+from peft_kvcache.modeling.fixtures import converted_path, load_model
 from peft_kvcache.lab.provenance import code_state, write_results
 from peft_kvcache.maps.adapter_maps import AdapterMaps
 from peft_kvcache.modeling.adapters import load_adapters
-from peft_kvcache.runtime.sessions import SharedPeftModel
-from peft_kvcache.serving.prefix_store import PrefixEngine, PrefixStore
+from peft_kvcache.runtime.turn import SharedPeftModel
+from peft_kvcache.serving.engine import PrefixEngine
+from peft_kvcache.serving.store import PrefixStore
 from peft_kvcache.vllm.options import DEFAULT_MIN_MAPPED_TOKENS
 
 from .adapters import PREFIX
@@ -151,11 +152,12 @@ def vllm_server(python: str, model: Path, options: dict | None, log: Path, max_m
 @contextmanager
 def our_server(max_tokens: int):
     """``peft-kvcache serve``'s app in this process, on the same model, adapters and published maps."""
-    from peft_kvcache.serving.app import create_app, running
+    from peft_kvcache.serving.app import create_app
+    from peft_kvcache.serving.hosting import running
 
     base, tokenizer = load_model(SMOLLM)
     model = load_adapters(base, {a: str(ROOT / "adapters" / a) for a in ADAPTERS})
-    maps = AdapterMaps.from_pretrained(ROOT / "hub_cards", PREFIX, ADAPTERS)
+    maps = AdapterMaps.from_pretrained(ROOT / "hub_cards", model, ADAPTERS)
     engine = PrefixEngine(SharedPeftModel(model, maps), PrefixStore(2 * 2**30))
     with running(create_app(engine, tokenizer, NAME, max_tokens)) as url:
         yield url

@@ -31,7 +31,7 @@ from peft_kvcache import (
     run_with_cache,
 )
 from peft_kvcache.lab.corpus import DOCSTRING_INSTRUCTION, functions_with_docstrings, stdlib_texts, token_ids
-from peft_kvcache.lab.fixtures import load_model
+from peft_kvcache import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPARE = 8  # first greedy tokens compared with the adapter's own re-prefill
@@ -100,7 +100,7 @@ def main() -> None:
     print("loading SmolLM2-135M-Instruct, its adapters and their published maps ...", flush=True)
     base, tokenizer = load_model("gguf:smollm2-135m-instruct")
     model = load_adapters(base, {name: ROOT / "adapters" / name for name in ("docstring", "shout")})
-    maps = AdapterMaps.from_pretrained(ROOT / "hub_cards", "smollm2-135m-instruct", ["docstring", "shout"])
+    maps = AdapterMaps.from_pretrained(ROOT / "hub_cards", model, ["docstring", "shout"])
     generation = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
                       eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
     session = AdapterSession(SharedPeftModel(model, maps), **generation)

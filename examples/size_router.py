@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from peft_kvcache import KVMap, MappedCache, run_with_cache
-from peft_kvcache.lab.fixtures import load_model
+from peft_kvcache import load_model
 
 CARDS = Path(__file__).resolve().parent.parent / "hub_cards"
 MAPS = {("small", "large"): "qwen2.5-coder-0.5b-to-1.5b-top2", ("large", "small"): "qwen2.5-coder-1.5b-to-0.5b-top2"}

@@ -7,9 +7,11 @@ base model of a PEFT adapter into the target's KV space.
     out = target_model.generate(input_ids=prompt, cache=cache, max_new_tokens=32)
 
 The package's parts (each subpackage's docstring says what it owns and what it may import): ``modeling`` (facts
-about a model and running it), ``maps`` (the artifact and the one apply function), ``runtime`` (what runs at a
-switch), ``calibration`` (fitting and measuring maps), ``serving`` (the OpenAI-compatible server), ``lab`` (real
-models, text and provenance for measurements). Errors not exported here are in `peft_kvcache.errors`.
+about a model, loading and running it), ``maps`` (the artifact, which map fits which models, and the one apply
+function), ``runtime`` (what runs at a switch, and the reuse core both serving wings stand on), ``calibration``
+(fitting and measuring maps), ``serving`` (the OpenAI-compatible server), ``vllm`` (the vLLM KV connector), ``lab``
+(text and provenance for measurements), ``cli`` (the command line). Errors not exported here are in
+`peft_kvcache.errors`.
 """
 
 from ._version import __version__  # noqa: F401
@@ -26,13 +28,16 @@ from .maps.config import CalibrationConfig, KVMapConfig, Refresh
 from .maps.kvmap import KVMap
 from .modeling.adapters import adapter_active, load_adapters
 from .modeling.capture import CapturedKV, run_with_cache
-from .runtime.cache import MappedCache
+from .modeling.fixtures import load_model
+from .runtime.cache import ContextCache, MappedCache
 from .runtime.check import ContextCheck, check_context, meets_quality, prefill_context
-from .runtime.sessions import AdapterSession, SharedPeftModel, TurnResult
+from .runtime.sessions import AdapterSession
+from .runtime.turn import SharedPeftModel, TurnResult
 
 __all__ = [
     # the artifact and the cache
-    "KVMap", "KVMapConfig", "CalibrationConfig", "Refresh", "MappedCache", "CapturedKV", "run_with_cache",
+    "KVMap", "KVMapConfig", "CalibrationConfig", "Refresh", "MappedCache", "ContextCache", "CapturedKV",
+    "run_with_cache", "load_model",
     # PEFT adapters
     "AdapterMaps", "AdapterSession", "SharedPeftModel", "TurnResult", "adapter_active", "load_adapters",
     # quality at a switch

@@ -1,4 +1,6 @@
-"""The exception hierarchy: every error this library raises on bad input is a `PeftKVCacheError`."""
+"""The exception hierarchy: every error this library raises on bad input is a `PeftKVCacheError`. The errors of the
+library's layers live here; each surface keeps its own (the command line: `peft_kvcache.cli.CLIUsageError`, the
+server: `peft_kvcache.serving.errors`, the vLLM connector: `peft_kvcache.vllm.options.ConnectorError`)."""
 
 from __future__ import annotations
 
@@ -58,23 +60,18 @@ class FixtureError(PeftKVCacheError, RuntimeError):
     """A fixture model could not be fetched, verified or converted."""
 
 
-class CLIUsageError(PeftKVCacheError, ValueError):
-    """An argument of the command line names something that cannot be used (a missing file, an empty corpus)."""
+class RecordError(PeftKVCacheError, ValueError):
+    """A typed record (a map's config, calibration options, connector options) holds a field of the wrong type or out
+    of range; the message names the dotted field."""
 
 
-class ServerError(PeftKVCacheError, ValueError):
-    """The chat server was started with options it cannot serve (unknown model, missing map, bad memory bound)."""
+class AdapterError(PeftKVCacheError, ValueError):
+    """A PEFT adapter was named that the model does not have, or none was given where one is needed."""
 
 
-class RequestError(ServerError):
-    """A chat request the server cannot serve (unknown model, malformed JSON or fields, a prompt longer than
-    the model's context): ``status`` is the HTTP status it is answered with, ``param`` and ``code`` fill the
-    OpenAI-style error body."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
+class DataError(PeftKVCacheError, ValueError):
+    """Text for calibration or evaluation cannot be read (a missing file, an empty folder, a corpus too small)."""
 
 
-class ConnectorError(PeftKVCacheError, ValueError):
-    """The vLLM KV connector was configured with options it cannot use (``kv_connector_extra_config``)."""
+class MapNotFoundError(PeftKVCacheError, LookupError):
+    """No map among those given fits the models (their fingerprints, KV layout and rotary parameters)."""

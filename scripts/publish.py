@@ -54,7 +54,7 @@ from peft_kvcache.lab.corpus import (
     stdlib_texts,
     token_ids,
 )
-from peft_kvcache.lab.fixtures import fixture_available, load_model
+from peft_kvcache.modeling.fixtures import fixture_available, load_model
 from peft_kvcache.maps.adapter_maps import folder_name
 from peft_kvcache.maps.config import CalibrationConfig, GateRecord, QualityRecord, Refresh, from_json
 from peft_kvcache.modeling.adapters import adapter_active
@@ -271,7 +271,7 @@ class Publisher:
         return self._adapters
 
     def adapter_maps(self) -> AdapterMaps:
-        return AdapterMaps.from_pretrained(self.workdir / "adapters", PREFIX, ADAPTERS)
+        return AdapterMaps.from_pretrained(self.workdir / "adapters", self.adapter_model()[0], ADAPTERS)
 
     def calibrate_adapters(self) -> None:
         """The base <-> adapter maps: the first 512 tokens of 128 calibration-split files and 8 chat-formatted
@@ -438,7 +438,7 @@ def unmet_needs(stages: list[Stage], publisher: Publisher) -> list[str]:
     coming, lines = set(), []
     for stage in stages:
         fetch = [m for m in stage.models if not fixture_available(m)]
-        missing = [f"the fixtures {', '.join(fetch)} (python -m peft_kvcache.lab.fixtures {' '.join(fetch)})"] if fetch else []
+        missing = [f"the fixtures {', '.join(fetch)} (python -m peft_kvcache.modeling.fixtures {' '.join(fetch)})"] if fetch else []
         for item in stage.needs:
             absent = [] if item in coming else [p for p in publisher.paths(item) if not p.exists()]
             if absent:

@@ -66,7 +66,7 @@ def answer_nll(model, examples, pad_id: int, batch_size: int = 8) -> float:
 def train(name: str, task: str, args, train_pairs, eval_pairs) -> dict:
     from peft import LoraConfig, get_peft_model
 
-    from peft_kvcache.lab.fixtures import load_model
+    from peft_kvcache import load_model
 
     model, tokenizer = load_model(MODEL)  # fresh base weights for every adapter
 
@@ -105,7 +105,7 @@ def train(name: str, task: str, args, train_pairs, eval_pairs) -> dict:
     peft_model.eval()
     adapter_nll = answer_nll(peft_model, eval_examples, pad_id)
     folder = Path(args.out) / name
-    from peft_kvcache.lab.fixtures import FIXTURES
+    from peft_kvcache.modeling.fixtures import FIXTURES
 
     # The Hub id, not this machine's cache path (the weights are its GGUF Q4_1 dequantization).
     peft_model.peft_config["default"].base_model_name_or_path = FIXTURES[MODEL].hub_id
@@ -134,7 +134,7 @@ def adapter_card(name: str, task: str, alora: bool, base_nll: float, adapter_nll
             f"without its docstring, it {what}. Trained by `scripts/train_adapters.py` on functions from the "
             f"Python standard library (calibration split of `peft_kvcache.lab.corpus`), r={args.rank} on {modules}, "
             f"{args.steps} steps on {args.threads} CPU thread(s); base weights: the GGUF Q4_1 dequantization "
-            f"(`peft_kvcache.lab.fixtures`).\n\nHeld-out answer NLL (evaluation-split functions): base "
+            f"(`peft_kvcache.modeling.fixtures`).\n\nHeld-out answer NLL (evaluation-split functions): base "
             f"{base_nll:.3f} -> adapter {adapter_nll:.3f}. See `training.json`.\n")
 
 

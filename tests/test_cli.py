@@ -333,11 +333,11 @@ def test_calibrate_adapters_writes_both_directions_for_every_adapter(workspace, 
 
     # the saved maps are the right ones for the models: each adapter's map passes its fingerprint check
     # with that adapter active and is refused with the other one
-    maps = AdapterMaps.from_pretrained(tmp_path, "tiny", ["terse", "loud"])
-    assert all(m.config.blend for m in [*maps.to_adapter.values(), *maps.to_base.values()])  # chosen on held-out text
     base = AutoModelForCausalLM.from_pretrained(workspace["target"])
     model = PeftModel.from_pretrained(base, str(adapter_folders["terse"]), adapter_name="terse")
     model.load_adapter(str(adapter_folders["loud"]), adapter_name="loud")
+    maps = AdapterMaps.from_pretrained(tmp_path, model, ["terse", "loud"])  # found by what they fit
+    assert all(m.config.blend for m in [*maps.to_adapter.values(), *maps.to_base.values()])  # chosen on held-out text
     ids = torch.randint(3, 100, (1, 20))
     with adapter_active(model, None):
         captured = run_with_cache(model, ids)

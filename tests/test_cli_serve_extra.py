@@ -29,7 +29,7 @@ else:
                 raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
             return None
     sys.meta_path.insert(0, Refuse())
-import peft_kvcache.lab.fixtures as fixtures
+import peft_kvcache.modeling.fixtures as fixtures
 
 def load_model(*args, **kwargs):
     print("a model was loaded", file=sys.stderr)

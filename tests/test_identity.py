@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_model
 
 from peft_kvcache.errors import IncompatibleModelsError
-from peft_kvcache.lab.fixtures import converted_path, fixture_available
+from peft_kvcache.modeling.fixtures import converted_path, fixture_available
 from peft_kvcache.modeling.identity import fingerprint, fingerprint_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ def test_folders_without_weights_or_with_unsupported_adapters_are_refused(tmp_pa
 
 @pytest.mark.real_model
 @pytest.mark.skipif(not fixture_available("gguf:smollm2-135m-instruct"),
-                    reason="run `python -m peft_kvcache.lab.fixtures` first")
+                    reason="run `python -m peft_kvcache.modeling.fixtures` first")
 def test_the_published_adapter_maps_recognise_the_fixture_files():
     folder = converted_path("gguf:smollm2-135m-instruct")
     config = json.loads((ROOT / "hub_cards/smollm2-135m-instruct-base-to-shout/config.json").read_text())

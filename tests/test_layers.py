@@ -108,11 +108,25 @@ def test_no_cycle_inside_a_package():
 @pytest.mark.parametrize("package, forbidden", [
     ("maps", {"calibration", "runtime", "serving", "vllm", "lab", "cli"}),
     ("runtime", {"calibration", "serving", "vllm", "lab", "cli"}),
-    ("vllm", {"runtime", "calibration", "serving", "lab", "cli"}),
+    ("vllm", {"calibration", "serving", "lab", "cli"}),  # the wings stand on the runtime's reuse core
+    ("serving", {"vllm", "cli"}),  # and never reach each other
 ])
 def test_what_the_artifact_and_the_runtime_load(package, forbidden):
     reached = {m: {n for n in closure(m) if package_of(n) in forbidden} for m in modules() if package_of(m) == package}
     assert {m: names for m, names in reached.items() if names} == {}
+
+
+# Where a map's fingerprints may be read: the registry matches maps to models; the config and the artifact declare
+# and check them; the card shows them; calibration writes them.
+FINGERPRINT_READERS = {"maps.registry", "maps.config", "maps.kvmap", "maps.card", "calibration.loop"}
+
+
+def test_the_registry_is_the_only_place_that_matches_maps_to_models():
+    readers = {m for m, path in modules().items()
+               if "source_fingerprint" in path.read_text() or "target_fingerprint" in path.read_text()}
+    assert readers <= FINGERPRINT_READERS
+    matchers = {m for m, path in modules().items() if "same_rotary(" in path.read_text() and m != "modeling.positions"}
+    assert matchers <= {"maps.registry", "maps.kvmap"}  # the one tolerance: find a map, or check one given
 
 
 def test_the_artifact_runs_no_model():

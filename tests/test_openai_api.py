@@ -101,7 +101,7 @@ def _request(**fields):
     ({"peft_kvcache": {"reuse": "exact", "other": 1}}, r"^peft_kvcache\.other: Extra inputs are not permitted"),
 ])
 def test_client_mistakes_are_refused_naming_the_field(fields, pattern):
-    from peft_kvcache.errors import RequestError
+    from peft_kvcache.serving.errors import RequestError
 
     with pytest.raises(RequestError, match=pattern) as err:
         _request(**fields)
@@ -116,7 +116,7 @@ def test_what_is_allowed_stays_allowed():
 
 
 def test_json_nested_too_deep_is_a_400():
-    from peft_kvcache.errors import RequestError
+    from peft_kvcache.serving.errors import RequestError
     from peft_kvcache.serving.openai_api import decode_json
 
     with pytest.raises(RequestError, match="nests JSON too deeply"):
@@ -157,7 +157,7 @@ def test_text_without_control_tokens_is_tokenized_as_the_whole_prompt():
 
 
 def test_a_template_that_rewrites_the_text_refuses_a_control_token():
-    from peft_kvcache.errors import RequestError
+    from peft_kvcache.serving.errors import RequestError
     from peft_kvcache.serving.openai_api import ChatMessage, render_prompt
 
     tokenizer = _tiny()

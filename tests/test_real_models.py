@@ -9,7 +9,7 @@ import torch
 from peft_kvcache import AdapterMaps, MappedCache
 from peft_kvcache.calibration.retention import cached_logits, full_logits, token_kl
 from peft_kvcache.lab.corpus import stdlib_texts, token_sequences
-from peft_kvcache.lab.fixtures import fetch_gguf, fixture_available, load_model
+from peft_kvcache.modeling.fixtures import fetch_gguf, fixture_available, load_model
 from peft_kvcache.modeling.adapters import adapter_active, load_adapters
 from peft_kvcache.modeling.capture import run_with_cache
 from peft_kvcache.modeling.identity import fingerprint
@@ -17,7 +17,7 @@ from peft_kvcache.modeling.identity import fingerprint
 SMOLLM = "gguf:smollm2-135m-instruct"
 pytestmark = [
     pytest.mark.real_model,
-    pytest.mark.skipif(not fixture_available(SMOLLM), reason="run `python -m peft_kvcache.lab.fixtures` first"),
+    pytest.mark.skipif(not fixture_available(SMOLLM), reason="run `python -m peft_kvcache.modeling.fixtures` first"),
 ]
 
 
@@ -52,7 +52,7 @@ def test_a_published_adapter_map_beats_naive_reuse_on_held_out_text(adapter):
     prefill than when it reuses the base cache as is (what a prefix cache ignoring the adapter would do)."""
     base, tokenizer = load_model(SMOLLM)
     model = load_adapters(base, {adapter: f"adapters/{adapter}"})
-    kv_map = AdapterMaps.from_pretrained("hub_cards", "smollm2-135m-instruct", [adapter], reverse=False).to_adapter[adapter]
+    kv_map = AdapterMaps.from_pretrained("hub_cards", model, [adapter], reverse=False).to_adapter[adapter]
     context, continuation = 192, 32
     sequences = token_sequences(list(stdlib_texts("evaluation", 6).values()), tokenizer, context + continuation)[:4]
     mapped_kl, naive_kl = [], []

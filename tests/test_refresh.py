@@ -8,7 +8,7 @@ from conftest import random_ids, tiny_model
 
 from peft_kvcache import MappedCache
 from peft_kvcache.calibration.retention import evaluate_retention
-from peft_kvcache.errors import CacheMismatchError
+from peft_kvcache.errors import CacheMismatchError, RecordError
 from peft_kvcache.maps.config import Refresh
 from peft_kvcache.modeling._compat import attention_implementation, with_cache
 from peft_kvcache.modeling.capture import run_with_cache
@@ -144,9 +144,12 @@ def test_refresh_errors_are_clear(sibling_pair, sibling_map):
     batch = torch.stack(ids)
     with pytest.raises(CacheMismatchError, match="batch 1"):
         MappedCache.from_source(source, sibling_map, target, input_ids=batch, refresh_tokens=4)
-    for bad in (-1, Refresh(4, 0), Refresh(4, 2, 0), 2.5, "4"):
+    for bad in (-1, 2.5, "4"):
         with pytest.raises(CacheMismatchError, match="refresh_tokens"):
             MappedCache.from_source(source, sibling_map, target, input_ids=batch[:1], refresh_tokens=bad)
+    for probe, span in ((0, 8), (2, 0)):  # a Refresh is checked when built, never again at a switch
+        with pytest.raises(RecordError, match="probe_tokens and span >= 1"):
+            Refresh(4, probe, span)
 
 
 def test_a_budget_past_the_context_is_clamped_with_a_warning(sibling_pair, sibling_map, caplog):

@@ -15,7 +15,8 @@ from server_helpers import SINK, calibration_ids, tiny_peft, tiny_tokenizer
 from peft_kvcache import SharedPeftModel
 from peft_kvcache.calibration.loop import calibrate_adapters
 from peft_kvcache.modeling.capture import CapturedKV
-from peft_kvcache.serving.prefix_store import PrefixEngine, PrefixStore
+from peft_kvcache.serving.engine import PrefixEngine
+from peft_kvcache.serving.store import PrefixStore
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 1}
@@ -124,7 +125,7 @@ def test_store_keeps_exact_entries_beside_derived_ones():
     def kv(n):
         return CapturedKV([torch.zeros(1, 1, n, 2)], [torch.zeros(1, 1, n, 2)])
 
-    from peft_kvcache.serving.prefix_store import Made
+    from peft_kvcache.runtime.reuse import Made
 
     store = PrefixStore(2**20)
     ids = torch.arange(12)
@@ -139,7 +140,7 @@ def test_store_keeps_exact_entries_beside_derived_ones():
 
 
 def test_the_default_threshold_is_the_one_the_benchmark_measured():
-    from peft_kvcache.serving.prefix_store import DEFAULT_MIN_MAPPED_TOKENS
+    from peft_kvcache.serving.engine import DEFAULT_MIN_MAPPED_TOKENS
 
     results = json.loads((ROOT / "benchmarks" / "results" / "map-threshold.json").read_text())
     assert results["provenance"]["commit"], "the results file records the code it measured"

@@ -14,19 +14,22 @@ pytest.importorskip("openai", reason="the test extra: pip install -e '.[test]'")
 
 from peft_kvcache import AdapterSession, SharedPeftModel  # noqa: E402
 from peft_kvcache.errors import PeftKVCacheError  # noqa: E402
-from peft_kvcache.lab.fixtures import fixture_available, load_model  # noqa: E402
+from peft_kvcache.modeling.fixtures import fixture_available, load_model  # noqa: E402
 from peft_kvcache.maps.adapter_maps import AdapterMaps  # noqa: E402
 from peft_kvcache.modeling.adapters import load_adapters  # noqa: E402
-from peft_kvcache.serving.app import create_app, running  # noqa: E402
-from peft_kvcache.serving.command import calibrate_missing, load_maps  # noqa: E402
-from peft_kvcache.serving.prefix_store import PrefixEngine, PrefixStore  # noqa: E402
+from peft_kvcache.serving.app import create_app
+from peft_kvcache.serving.hosting import running  # noqa: E402
+from peft_kvcache.calibration.loop import calibrate_missing  # noqa: E402
+from peft_kvcache.serving.command import find_maps  # noqa: E402
+from peft_kvcache.serving.engine import PrefixEngine
+from peft_kvcache.serving.store import PrefixStore  # noqa: E402
 
 SMOLLM = "gguf:smollm2-135m-instruct"
 ROOT = Path(__file__).resolve().parents[1]
 ADAPTERS = ("shout", "docstring")
 pytestmark = [
     pytest.mark.real_model,
-    pytest.mark.skipif(not fixture_available(SMOLLM), reason="run `python -m peft_kvcache.lab.fixtures` first"),
+    pytest.mark.skipif(not fixture_available(SMOLLM), reason="run `python -m peft_kvcache.modeling.fixtures` first"),
 ]
 
 
@@ -103,7 +106,7 @@ def test_user_text_cannot_pose_as_the_system_role_on_smollm2(smollm_stack):
 def test_published_maps_are_found_for_a_model_folder_of_any_name(tmp_path, smollm_stack):
     """Issue 25, finding 8: SmolLM2 served from a folder named ``smol`` (no map folder starts with that) with
     ``--maps hub_cards``: both adapters get both published maps, chosen by fingerprint."""
-    from peft_kvcache.lab.fixtures import converted_path
+    from peft_kvcache.modeling.fixtures import converted_path
     from peft_kvcache.serving.command import ServeOptions, build
 
     (tmp_path / "smol").symlink_to(converted_path(SMOLLM.split(":")[1]), target_is_directory=True)
@@ -149,7 +152,7 @@ def test_concurrent_conversations_on_smollm2_are_exact_wherever_they_say_so(smol
     solo_app, solo = app(), {}
     with running(solo_app) as url:
         for i, turns in loaded.items():
-            solo_app.state.server.worker.submit(lambda: None).result(timeout=300)
+            solo_app.state.server.queue.worker.submit(lambda: None).result(timeout=300)
             solo_app.state.server.engine.store.clear()
             solo[i] = talk(url, i, [t["reply"] for t in turns])
     exact = [(i, t) for i, turns in loaded.items() for t, turn in enumerate(turns)

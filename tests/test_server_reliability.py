@@ -28,8 +28,11 @@ from server_helpers import SINK, calibration_ids, client, free_port, tiny_peft, 
 
 from peft_kvcache import SharedPeftModel  # noqa: E402
 from peft_kvcache.calibration.loop import calibrate_adapters  # noqa: E402
-from peft_kvcache.serving.app import create_app, running  # noqa: E402
-from peft_kvcache.serving.prefix_store import PrefixEngine, PrefixStore  # noqa: E402
+from peft_kvcache.serving.app import create_app
+from peft_kvcache.serving.hosting import running  # noqa: E402
+from peft_kvcache.serving.engine import PrefixEngine
+from peft_kvcache.serving.limits import ServerLimits  # noqa: E402
+from peft_kvcache.serving.store import PrefixStore  # noqa: E402
 
 NAME = "tiny-base"
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,9 +45,10 @@ def stack():
     return SharedPeftModel(model, maps), tiny_tokenizer()
 
 
-def _app(stack, **limits):
+def _app(stack, api_key: str | None = None, **limits):
     shared, tokenizer = stack
-    return create_app(PrefixEngine(shared, PrefixStore(64 * 2**20)), tokenizer, NAME, max_tokens=8, **limits)
+    return create_app(PrefixEngine(shared, PrefixStore(64 * 2**20)), tokenizer, NAME, max_tokens=8, api_key=api_key,
+                      limits=ServerLimits(**limits))
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +61,7 @@ def served(stack):
 
 
 def _idle(server) -> None:
-    server.worker.submit(lambda: None).result(timeout=60)
+    server.queue.worker.submit(lambda: None).result(timeout=60)
 
 
 def _hostport(url: str) -> tuple[str, int]:
@@ -202,7 +206,7 @@ def test_a_full_queue_answers_429_with_retry_after(stack, monkeypatch):
         second = threading.Thread(target=ask, args=("waiting",))
         second.start()
         deadline = time.monotonic() + 30
-        while server.waiting() < 1 and time.monotonic() < deadline:
+        while server.queue.waiting() < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         status, answer, headers = _post(url, _body("one too many", max_tokens=2))
         assert status == 429 and int(headers["retry-after"]) >= 1
@@ -318,7 +322,7 @@ def _saved_stack(tmp_path: Path, folder_name: str, max_positions: int = 512, slo
 
 
 def test_serve_checks_the_port_before_loading_the_model(monkeypatch, capsys):
-    import peft_kvcache.lab.fixtures as fixtures
+    import peft_kvcache.modeling.fixtures as fixtures
     from peft_kvcache.cli import main
 
     def load_model(*args, **kwargs):
@@ -336,7 +340,7 @@ def test_serve_checks_the_port_before_loading_the_model(monkeypatch, capsys):
 
 @pytest.mark.parametrize("api_key", [None, "sekret"])
 def test_serve_warns_about_a_bind_beyond_the_loopback_without_an_api_key(monkeypatch, capsys, api_key):
-    import peft_kvcache.lab.fixtures as fixtures
+    import peft_kvcache.modeling.fixtures as fixtures
     from peft_kvcache.cli import main
 
     monkeypatch.setattr(fixtures, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))

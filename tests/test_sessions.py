@@ -156,13 +156,27 @@ def test_the_reverse_map_policy_maps_back_and_serves_base_turns(real_shared):
     turn = session.turn(random_ids(1, 5, seed=2)[0], adapter="strong")
     assert turn.model_tokens["keep_base"] == 0 and turn.context_source == "mapped"
     turn = session.turn(random_ids(1, 5, seed=3)[0], adapter=None)
-    assert turn.context_source == "mapped" and turn.model_tokens["generate_prompt"] == 6
+    assert turn.context_source == "mapped" and turn.model_tokens["prefill"] == 6
+    # where it came from: the adapter whose KV was mapped back, not the base model (the label once said the base)
+    assert turn.context_from == "strong" and turn.label("tiny") == "mapped:strong"
+
+
+def test_sessions_and_the_server_count_model_tokens_by_the_same_phases(real_shared):
+    from peft_kvcache.serving.engine import PrefixEngine
+    from peft_kvcache.serving.store import PrefixStore
+
+    ids = random_ids(1, 30, seed=4)[0]
+    session_turn = AdapterSession(real_shared, **GEN).turn(ids, adapter="strong")
+    server_turn = PrefixEngine(real_shared, PrefixStore(2**24)).run("strong", ids, GEN)
+    assert set(session_turn.model_tokens) == set(server_turn.model_tokens) == {"prepare", "prefill", "generated",
+                                                                              "keep_base"}
+    assert session_turn.model_tokens == server_turn.model_tokens
 
 
 def test_generation_gets_the_prompt_and_its_mask_on_the_models_device():
     # generate derives positions from the mask, so a mask left on the CPU breaks a model on an accelerator
 
-    from peft_kvcache.runtime.sessions import generate_on_cache
+    from peft_kvcache.runtime.turn import generate_on_cache
 
     class OnMeta(torch.nn.Module):  # a model whose weights live off the CPU
         def __init__(self):
@@ -186,7 +200,8 @@ def test_generation_gets_the_prompt_and_its_mask_on_the_models_device():
 def test_sessions_keep_an_exact_base_cache_by_default_as_the_server_does(real_shared):
     """The default keep_base is "prefill" for sessions and the server alike: after an adapter's turn the base
     model runs over the new tokens, and its next turn continues an exact base cache."""
-    from peft_kvcache.serving.prefix_store import PrefixEngine, PrefixStore
+    from peft_kvcache.serving.engine import PrefixEngine
+    from peft_kvcache.serving.store import PrefixStore
 
     session = AdapterSession(real_shared, **GEN)
     assert session.keep_base == PrefixEngine(real_shared, PrefixStore(2**20)).keep_base == "prefill"

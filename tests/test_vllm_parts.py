@@ -13,10 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from peft_kvcache.errors import ConnectorError
-from peft_kvcache.lab.fixtures import converted_path, fixture_available
+from peft_kvcache.vllm.options import ConnectorError
+from peft_kvcache.modeling.fixtures import converted_path, fixture_available
 from peft_kvcache.vllm.options import ConnectorOptions, request_reuse
-from peft_kvcache.vllm.pairs import MapChoice, MapRegistry, Variant
+from peft_kvcache.maps.registry import MapMatch
+from peft_kvcache.vllm.pairs import Variant, VariantMaps
 from peft_kvcache.vllm.store import StoreIndex
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,7 +113,7 @@ def test_the_benchmarks_first_token_kl_is_a_lower_bound_from_two_top_lists():
 
 
 needs_smollm = pytest.mark.skipif(not fixture_available("gguf:smollm2-135m-instruct"),
-                                  reason="run `python -m peft_kvcache.lab.fixtures` first")
+                                  reason="run `python -m peft_kvcache.modeling.fixtures` first")
 
 
 @pytest.fixture(scope="module")
@@ -132,10 +133,10 @@ def _maps(tmp_path, *names) -> Path:
 @needs_smollm
 def test_the_map_is_chosen_by_the_weights_both_variants_load(tmp_path, engine_model):
     folder, config = engine_model
-    registry = MapRegistry(_maps(tmp_path, "smollm2-135m-instruct-base-to-shout", "smollm2-135m-instruct-shout-to-base",
+    registry = VariantMaps(_maps(tmp_path, "smollm2-135m-instruct-base-to-shout", "smollm2-135m-instruct-shout-to-base",
                                  "qwen2.5-coder-0.5b-to-1.5b-top2"), folder, config)
     choice = registry.find(BASE, SHOUT)
-    assert choice == MapChoice((str(tmp_path / "smollm2-135m-instruct-base-to-shout"),), 1)
+    assert choice == MapMatch((str(tmp_path / "smollm2-135m-instruct-base-to-shout"),), 1)
     assert registry.find(SHOUT, BASE).folders[0].endswith("shout-to-base")
     assert registry.find(BASE, Variant("docstring", str(ROOT / "adapters/docstring"))) == "no_map"
     assert registry.find(BASE, Variant("shout", str(ROOT / "adapters/docstring"))) == "no_map"  # a name is not enough
@@ -145,9 +146,9 @@ def test_the_map_is_chosen_by_the_weights_both_variants_load(tmp_path, engine_mo
 def test_between_two_adapters_the_maps_go_through_the_base_model(tmp_path, engine_model):
     folder, config = engine_model
     docstring = Variant("docstring", str(ROOT / "adapters/docstring"))
-    registry = MapRegistry(_maps(tmp_path, "smollm2-135m-instruct-shout-to-base", "smollm2-135m-instruct-base-to-docstring"),
+    registry = VariantMaps(_maps(tmp_path, "smollm2-135m-instruct-shout-to-base", "smollm2-135m-instruct-base-to-docstring"),
                            folder, config)
-    assert registry.find(SHOUT, docstring) == MapChoice((str(tmp_path / "smollm2-135m-instruct-shout-to-base"),
+    assert registry.find(SHOUT, docstring) == MapMatch((str(tmp_path / "smollm2-135m-instruct-shout-to-base"),
                                                          str(tmp_path / "smollm2-135m-instruct-base-to-docstring")), 1)
     assert registry.find(docstring, SHOUT) == "no_map"  # neither docstring -> base nor base -> shout is here
 
@@ -160,16 +161,16 @@ def test_a_map_for_these_weights_with_other_rotary_parameters_or_damaged_weights
     tensors = load_file(weights)
     tensors["target.inv_freq"] = tensors["target.inv_freq"] * 2
     save_file(tensors, weights)
-    assert MapRegistry(maps, folder, config).find(BASE, SHOUT) == "map_mismatch"
+    assert VariantMaps(maps, folder, config).find(BASE, SHOUT) == "map_mismatch"
     weights.write_bytes(weights.read_bytes()[:100])
-    assert MapRegistry(maps, folder, config).find(BASE, SHOUT) == "unusable_map"
+    assert VariantMaps(maps, folder, config).find(BASE, SHOUT) == "unusable_map"
 
 
 @needs_smollm
 def test_an_engine_model_whose_positions_cannot_be_removed_maps_nothing(tmp_path, engine_model):
     folder, config = engine_model
     windowed = type(config).from_dict({**config.to_dict(), "sliding_window": 64, "layer_types": None})
-    registry = MapRegistry(_maps(tmp_path, "smollm2-135m-instruct-base-to-shout"), folder, windowed)
+    registry = VariantMaps(_maps(tmp_path, "smollm2-135m-instruct-base-to-shout"), folder, windowed)
     assert registry.problem and registry.find(BASE, SHOUT) == "unsupported_model"
 
 
@@ -180,6 +181,6 @@ def test_unreadable_map_folders_are_skipped(tmp_path):
     (tmp_path / "broken" / "config.json").write_text(json.dumps({"source_fingerprint": "x", "format_version": 2}))
     (tmp_path / "broken" / "model.safetensors").write_bytes(b"")
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=64)
-    registry = MapRegistry(tmp_path, tmp_path, config)
-    assert registry.configs == {} and registry.find(BASE, SHOUT) == "unsupported_model"  # no weights to fingerprint
-    assert torch.is_tensor(registry.rotary.inv_freq)
+    registry = VariantMaps(tmp_path, tmp_path, config)
+    assert len(registry.registry) == 0 and registry.find(BASE, SHOUT) == "unsupported_model"  # nothing to fingerprint
+    assert registry.identity(BASE) is None

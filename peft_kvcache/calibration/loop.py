@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ..errors import CalibrationError
+from ..errors import CacheMismatchError, CalibrationError, RecordError
 from ..lab.corpus import token_ids
 from ..maps.adapter_maps import AdapterMaps
 from ..maps.config import CalibrationConfig, CalibrationRecord, DataRecord, KVMapConfig, ModelSpec, TextRecord
@@ -123,7 +123,10 @@ def _token_ids(item, tokenizer, vocab_size: int | None) -> torch.Tensor:
         item = token_ids(tokenizer, item)
     if (item.numel() if isinstance(item, torch.Tensor) else len(item) if isinstance(item, (list, tuple)) else 1) == 0:
         return torch.empty(0, dtype=torch.long)  # too short to use: dropped with the other short texts
-    return check_token_ids(item, vocab_size, "calibration token ids", dims=(1,), error=CalibrationError)
+    try:
+        return check_token_ids(item, vocab_size, "calibration token ids", dims=(1,))
+    except CacheMismatchError as err:
+        raise CalibrationError(str(err)) from None
 
 
 # ----- the loop -----
@@ -297,8 +300,11 @@ def resolve_config(config: CalibrationConfig | None, options: dict, **defaults) 
     unknown = sorted(set(options) - known)
     if unknown:
         raise CalibrationError(f"unknown calibration options {unknown}; CalibrationConfig has {sorted(known)}")
-    config = replace(config or CalibrationConfig(**defaults), **options)
-    config.validate()
+    try:
+        config = replace(config or CalibrationConfig(**defaults), **options)
+        config.validate()  # a config built earlier may have had a field set since
+    except RecordError as err:
+        raise CalibrationError(str(err)) from None
     return config
 
 
@@ -418,5 +424,20 @@ def calibrate_adapters(model: torch.nn.Module, calibration_data, tokenizer=None,
     return maps
 
 
+def calibrate_missing(model, tokenizer, adapters: Sequence[str], maps: AdapterMaps, files: int,
+                      tokens: int = 512) -> AdapterMaps:
+    """Fit the maps of ``adapters`` on the first ``tokens`` tokens of ``files`` calibration-split stdlib files and
+    add each direction ``maps`` lacks (a direction it holds keeps its map)."""
+    from ..lab.corpus import stdlib_texts
+
+    fitted = calibrate_adapters(model, stdlib_texts("calibration", files), tokenizer, adapters=list(adapters),
+                                progress=False, max_length=tokens, chunks_per_text=1,
+                                description=f"first {tokens} tokens of {files} calibration-split stdlib files")
+    for fitted_maps, kept in ((fitted.to_adapter, maps.to_adapter), (fitted.to_base, maps.to_base)):
+        for adapter, kv_map in fitted_maps.items():
+            kept.setdefault(adapter, kv_map)  # a direction that loaded keeps its published map
+    return maps
+
+
 __all__ = ["BASE", "CalibrationTexts", "ModelSide", "StatisticsRun", "build_map", "calibrate", "calibrate_adapters",
-           "collect", "heldout_flags", "join_process_group", "resolve_config", "stacked_features"]
+           "calibrate_missing", "collect", "heldout_flags", "join_process_group", "resolve_config", "stacked_features"]

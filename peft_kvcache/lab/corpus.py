@@ -20,7 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import CLIUsageError
+from ..errors import DataError
 
 if TYPE_CHECKING:  # for annotations only: the tokenizer makes the tensors
     import torch
@@ -108,7 +108,7 @@ def read_texts(data: str, split: str, num_files: int | None, default_files: int 
         try:
             return stdlib_texts(split, count), corpus_description(split, count)
         except ValueError as err:
-            raise CLIUsageError(f"--data stdlib: {err}") from None
+            raise DataError(f"--data stdlib: {err}") from None
     path = Path(data).expanduser()
     if path.is_file():
         return {path.name: path.read_text(encoding="utf-8", errors="replace")}, f"the text file {path.name}"
@@ -116,10 +116,10 @@ def read_texts(data: str, split: str, num_files: int | None, default_files: int 
         files = sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())
         files = files[:num_files] if num_files else files
         if not files:
-            raise CLIUsageError(f"--data {data}: the folder holds no {'/'.join(DATA_SUFFIXES)} files")
+            raise DataError(f"--data {data}: the folder holds no {'/'.join(DATA_SUFFIXES)} files")
         texts = {p.relative_to(path).as_posix(): p.read_text(encoding="utf-8", errors="replace") for p in files}
         return texts, f"{len(files)} distinct files ({'/'.join(DATA_SUFFIXES)}) from the folder {path.name}"
-    raise CLIUsageError(f"--data {data!r} is neither a file, a folder, nor 'stdlib'")
+    raise DataError(f"--data {data!r} is neither a file, a folder, nor 'stdlib'")
 
 
 def token_ids(tokenizer, text: str, length: int | None = None) -> torch.Tensor:

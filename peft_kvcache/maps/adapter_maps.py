@@ -1,13 +1,16 @@
 """`AdapterMaps`: the maps of one `PeftModel`'s adapters, base -> adapter and adapter -> base, saved as one map
-folder each and loaded by adapter name."""
+folder each and found again by what they fit (`registry`)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .kvmap import KVMap, is_map_folder
+from ..errors import MapNotFoundError
+from .kvmap import KVMap
+from .registry import MAP_MISMATCH, NO_MAP, UNSUPPORTED_MODEL, UNUSABLE_MAP, Identity, MapMatch, MapRegistry
 
 
 def folder_name(prefix: str, adapter: str, reverse: bool) -> str:
@@ -27,12 +30,14 @@ class AdapterMaps:
     """The maps of one `PeftModel`: ``to_adapter[name]`` (base -> adapter) and ``to_base[name]`` (adapter -> base).
 
     Example:
-        >>> maps = AdapterMaps.from_pretrained("hub_cards", "smollm2-135m-instruct", ["shout"])  # doctest: +SKIP
+        >>> maps = AdapterMaps.from_pretrained("hub_cards", peft_model, ["shout"])  # doctest: +SKIP
         >>> maps.to_adapter["shout"]                                                           # doctest: +SKIP
     """
 
     to_adapter: dict[str, KVMap] = field(default_factory=dict)
     to_base: dict[str, KVMap] = field(default_factory=dict)
+    found: dict[tuple[str, bool], str] = field(default_factory=dict)  # (adapter, reverse) -> where its map came from
+    missing: dict[tuple[str, bool], str] = field(default_factory=dict)  # (adapter, reverse) -> why it has none
 
     @classmethod
     def calibrate(cls, model, calibration_data, tokenizer=None, adapters: Sequence[str] | None = None, config=None,
@@ -64,16 +69,51 @@ class AdapterMaps:
         return folders
 
     @classmethod
-    def from_pretrained(cls, root: str | Path, prefix: str, adapters: Sequence[str], reverse: bool = True,
+    def from_pretrained(cls, maps: str | os.PathLike | Sequence[str | os.PathLike] | MapRegistry, model,
+                        adapters: Sequence[str] | None = None, reverse: bool = True,
                         missing_ok: bool = False) -> "AdapterMaps":
-        """Load the maps saved by `save_pretrained` for ``adapters`` (``missing_ok``: skip absent folders)."""
-        maps = cls()
+        """The maps between the `PeftModel` ``model``'s base and each of its ``adapters`` (default: all), found by
+        what they fit (`peft_kvcache.maps.registry`: the fingerprints of the base and of the base with the adapter
+        active, the KV layout and the rotary parameters) among ``maps``: folders of map folders such as
+        ``hub_cards``, single map folders or Hub repo ids, whatever the folders are named. ``reverse``: the
+        adapter -> base maps too. A direction without a map raises `MapNotFoundError` naming why, unless ``missing_ok``
+        (then ``missing[(adapter, reverse)]`` says why; ``found[(adapter, reverse)]`` names where each map came from).
+
+        Example:
+            >>> maps = AdapterMaps.from_pretrained("hub_cards", peft_model, ["shout"])  # doctest: +SKIP
+            >>> maps.to_adapter["shout"]                                              # doctest: +SKIP
+        """
+        from ..modeling.adapters import adapter_active
+
+        registry = maps if isinstance(maps, MapRegistry) else MapRegistry(maps)
+        adapters = list(model.peft_config) if adapters is None else list(adapters)
+        identities = {}
+        for adapter in [None, *adapters]:
+            with adapter_active(model, adapter):
+                identities[adapter] = Identity.of_model(model)
+        out = cls()
         for adapter in adapters:
-            for is_reverse, store in ((False, maps.to_adapter), (True, maps.to_base)):
+            for is_reverse, store in ((False, out.to_adapter), (True, out.to_base)):
                 if is_reverse and not reverse:
                     continue
-                folder = Path(root) / folder_name(prefix, adapter, reverse=is_reverse)
-                if missing_ok and not is_map_folder(folder):
-                    continue
-                store[adapter] = KVMap.from_pretrained(folder)
-        return maps
+                source, target = (identities[adapter], identities[None]) if is_reverse else \
+                    (identities[None], identities[adapter])
+                match = registry.find(source, target)
+                if isinstance(match, MapMatch):
+                    folder = match.folders[0]
+                    store[adapter] = registry.load(folder)
+                    spec = registry.origin[folder]  # a spec naming one map, else the folder found under it
+                    out.found[adapter, is_reverse] = spec if spec in registry.singles else folder
+                else:
+                    out.missing[adapter, is_reverse] = match
+        if out.missing and not missing_ok:
+            (adapter, is_reverse), why = next(iter(out.missing.items()))
+            direction = f"{adapter} -> base" if is_reverse else f"base -> {adapter}"
+            raise MapNotFoundError(f"no {direction} map among {registry.origin and sorted(set(registry.origin.values()))}: "
+                               f"{MISSES[why]}; fit one with `peft-kvcache calibrate-adapters` (or pass missing_ok=True)")
+        return out
+
+
+MISSES = {NO_MAP: "none was fitted for these weights", MAP_MISMATCH: "the maps fitted for these weights have "
+          "another KV layout or other rotary parameters", UNUSABLE_MAP: "the map fitted for these weights cannot be "
+          "read", UNSUPPORTED_MODEL: "the model's positional scheme is not supported"}

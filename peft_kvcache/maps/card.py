@@ -81,7 +81,7 @@ def _hub_ids(*names: str) -> list[str]:
 
 
 def _hub_id_of(spec: ModelSpec | None, fallback: str) -> str:
-    from ..lab.fixtures import FIXTURES
+    from ..modeling.fixtures import FIXTURES
 
     model = spec.model if spec is not None else fallback
     return FIXTURES[model].hub_id if model in FIXTURES else model.split("+")[0]
@@ -137,7 +137,7 @@ def usage_snippet(config: KVMapConfig, repo_hint: str) -> str:
     source, target = c.calibration.source, c.calibration.target
     adapter_side = target if target is not None and target.adapter else source
     lines = ["import torch", "from peft_kvcache import KVMap, MappedCache",
-             "from peft_kvcache.lab.fixtures import load_model  # Hub ids, local folders and fixture names alike"]
+             "from peft_kvcache import load_model  # Hub ids, local folders and fixture names alike"]
     if adapter_side is not None and adapter_side.adapter:
         lines.insert(1, "from peft import PeftModel")
         to_adapter = target is not None and target.adapter is not None
@@ -320,7 +320,7 @@ def model_license(spec: str) -> str | None:
     from huggingface_hub import try_to_load_from_cache
     from huggingface_hub.errors import HFValidationError
 
-    from ..lab.fixtures import FIXTURES
+    from ..modeling.fixtures import FIXTURES
 
     if spec in FIXTURES:
         spec = FIXTURES[spec].hub_id

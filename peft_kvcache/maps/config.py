@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._version import __version__
-from ..errors import ArtifactError, CalibrationError
+from ..errors import ArtifactError, RecordError
 from ..modeling.layout import KVLayout
 from ..modeling.positions import RotaryRecord
-from ._records import check_fields, from_json, to_json
+from .records import check_fields, from_json, to_json
 
 FORMAT_VERSION = 2
 KINDS = ("keys", "values")
@@ -58,10 +58,13 @@ class CalibrationConfig:
     lambda_grid: tuple[float, ...] = _help("ridge strengths tried per head, relative to the mean eigenvalue of the "
                                            "source Gram", default=DEFAULT_LAMBDA_GRID)
 
-    def validate(self, where: str = "CalibrationConfig", error: type[Exception] = CalibrationError) -> None:
-        """Refuse options of the wrong type or out of range; the message names the field (the CLI turns it into
-        its flag)."""
-        check_fields(self, where, error)
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self, where: str = "CalibrationConfig") -> None:
+        """Refuse options of the wrong type or out of range (`RecordError`); the message names the field (the CLI
+        turns it into its flag). Run when the options are built, and again by calibration (a field set later)."""
+        check_fields(self, where)
         checks = [
             ("top_k", self.top_k >= 1, "must be a positive integer"),
             ("heldout_fraction", 0 < self.heldout_fraction < 1, "must be strictly between 0 and 1"),
@@ -73,7 +76,7 @@ class CalibrationConfig:
         ]
         for name, ok, message in checks:
             if not ok:
-                raise error(f"{where}: {name} {message}, got {getattr(self, name)!r}")
+                raise RecordError(f"{where}: {name} {message}, got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -100,8 +103,8 @@ class DataRecord:
 
 @dataclass
 class ModelSpec:
-    """How to load one side of a pair: ``model`` is what `peft_kvcache.lab.fixtures.load_model` takes (a Hub id,
-    a folder or a fixture name); ``adapter`` names a PEFT adapter loaded from ``adapter_path`` on top."""
+    """How to load one side of a pair: ``model`` is what `peft_kvcache.load_model` takes (a Hub id, a folder or a
+    fixture name); ``adapter`` names a PEFT adapter loaded from ``adapter_path`` on top."""
 
     model: str
     adapter: str | None = None
@@ -142,12 +145,15 @@ class Refresh:
     probe_tokens: int = 16
     span: int = 8
 
-    def validate(self, where: str = "Refresh", error: type[Exception] = ArtifactError) -> None:
-        """Refuse fields of the wrong type, a negative budget, or a probe or span under 1 (``error`` names
-        ``where``)."""
-        check_fields(self, where, error)
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self, where: str = "Refresh") -> None:
+        """Refuse (`RecordError`) fields of the wrong type, a negative budget, or a probe or span under 1; run when it
+        is built, so a `Refresh` in hand is always valid."""
+        check_fields(self, where)
         if self.tokens < 0 or self.probe_tokens < 1 or self.span < 1:
-            raise error(f"{where}: tokens must be >= 0, probe_tokens and span >= 1, got {to_json(self)}")
+            raise RecordError(f"{where}: tokens must be >= 0, probe_tokens and span >= 1, got {to_json(self)}")
 
 
 # ----- figures -----
@@ -244,7 +250,7 @@ class KVMapConfig:
 
     source_name: str = _help("what the source model is: Hub id or path, '+adapter' for an active adapter")
     target_name: str = _help("what the target model is, same form")
-    source_fingerprint: str = _help("sha256 of the source weights (see models.fingerprint)")
+    source_fingerprint: str = _help("sha256 of the source weights (see peft_kvcache.modeling.identity.fingerprint)")
     target_fingerprint: str = _help("sha256 of the target weights")
     source_layout: KVLayout = _help("source KV cache shape")
     target_layout: KVLayout = _help("target KV cache shape")
@@ -295,49 +301,52 @@ class KVMapConfig:
         if type(version) is not int or version != FORMAT_VERSION:
             raise ArtifactError(f"{where}: map format_version {version!r} is not supported by peft-kvcache "
                                 f"{__version__} (expects {FORMAT_VERSION}); re-calibrate or re-publish the map")
-        return from_json(cls, data, where)
+        try:
+            return from_json(cls, data, where)
+        except RecordError as err:
+            raise ArtifactError(str(err)) from None
 
-    def validate(self, where: str = "config.json", error: type[Exception] = ArtifactError) -> None:
-        """Refuse shapes, layer lists, rotary and per-head figures that do not fit together (``error`` names the
-        field)."""
+    def validate(self, where: str = "config.json") -> None:
+        """Refuse (`RecordError`) shapes, layer lists, rotary and per-head figures that do not fit together, naming the
+        field."""
         for name, layout in (("source_layout", self.source_layout), ("target_layout", self.target_layout)):
             if not (0 < layout.num_layers <= MAX_LAYERS and 0 < layout.kv_heads <= MAX_HEADS
                     and 0 < layout.head_dim <= MAX_HEAD_DIM and layout.head_dim % 2 == 0):
-                raise error(f"{where}.{name} is implausible: {layout} (at most {MAX_LAYERS} layers, {MAX_HEADS} KV "
+                raise RecordError(f"{where}.{name} is implausible: {layout} (at most {MAX_LAYERS} layers, {MAX_HEADS} KV "
                             f"heads and an even head_dim up to {MAX_HEAD_DIM})")
         if self.pair_kind not in PAIR_KINDS:
-            raise error(f"{where}.pair_kind is {self.pair_kind!r}; expected one of {PAIR_KINDS}")
+            raise RecordError(f"{where}.pair_kind is {self.pair_kind!r}; expected one of {PAIR_KINDS}")
         if self.vocab_size <= 0:
-            raise error(f"{where}.vocab_size must be positive, got {self.vocab_size}")
+            raise RecordError(f"{where}.vocab_size must be positive, got {self.vocab_size}")
         sources, targets = self.source_layout.num_layers, self.target_layout.num_layers
         for name, groups in (("key_layers", self.key_layers), ("value_layers", self.value_layers)):
             if len(groups) != targets or not all(0 < len(g) <= sources and all(0 <= s < sources for s in g)
                                                  for g in groups):
-                raise error(f"{where}.{name} must list, for each of {targets} target layers, source layers in "
+                raise RecordError(f"{where}.{name} must list, for each of {targets} target layers, source layers in "
                             f"0..{sources - 1}")
         for side, rotary, layout in (("source", self.source_rotary, self.source_layout),
                                      ("target", self.target_rotary, self.target_layout)):
             if not (rotary.head_dim == layout.head_dim and 0 < rotary.rotary_dim <= rotary.head_dim
                     and rotary.rotary_dim % 2 == 0 and rotary.attention_scaling > 0):
-                raise error(f"{where}.{side}_rotary is malformed: {rotary} (expects head_dim {layout.head_dim}, an "
+                raise RecordError(f"{where}.{side}_rotary is malformed: {rotary} (expects head_dim {layout.head_dim}, an "
                             "even rotary_dim up to it and a positive attention_scaling)")
         heads = self.target_layout.kv_heads
         for name, width in (("key_r2", heads), ("value_r2", heads), ("key_lambdas", heads),
                             ("value_lambdas", heads), ("key_candidate_r2", sources), ("value_candidate_r2", sources)):
             rows = getattr(self, name)
             if rows and (len(rows) != targets or any(len(row) != width for row in rows)):
-                raise error(f"{where}.{name} must be empty or list {width} numbers for each of {targets} target layers")
+                raise RecordError(f"{where}.{name} must be empty or list {width} numbers for each of {targets} target layers")
         if self.nonlinear is not None:
             for kind in KINDS:
                 chosen = self.nonlinear.layers(kind)
                 if len(set(chosen)) != len(chosen) or not all(0 <= t < targets for t in chosen):
-                    raise error(f"{where}.nonlinear.{kind} must list distinct target layers in 0..{targets - 1}")
+                    raise RecordError(f"{where}.nonlinear.{kind} must list distinct target layers in 0..{targets - 1}")
             if not 0 < self.nonlinear.hidden <= 65536:
-                raise error(f"{where}.nonlinear.hidden must be in 1..65536, got {self.nonlinear.hidden}")
-        self.calibration.options.validate(f"{where}.calibration.options", error)
+                raise RecordError(f"{where}.nonlinear.hidden must be in 1..65536, got {self.nonlinear.hidden}")
+        self.calibration.options.validate(f"{where}.calibration.options")
         gate = self.quality.gate
         if gate is not None and len(gate.attention_cosine_per_layer) != targets:
-            raise error(f"{where}.quality.gate lists {len(gate.attention_cosine_per_layer)} layer cosines for "
+            raise RecordError(f"{where}.quality.gate lists {len(gate.attention_cosine_per_layer)} layer cosines for "
                         f"{targets} target layers")
 
 

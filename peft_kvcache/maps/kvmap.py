@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from .._files import UMASK, is_repo_id, recover_folder, replace_folder, staging_folder
 from ..errors import ArtifactError, FingerprintMismatchError
 from ..modeling.identity import cached_fingerprint, model_name
-from ..modeling.positions import RotarySpec, rotary_spec_of
+from ..modeling.positions import RotarySpec, rotary_spec_of, same_rotary
 from .card import CHART_NAME, plot_layer_selection, render_card
 from .config import FORMAT_VERSION, KVMapConfig, expected_shapes, parameter_count
 
@@ -77,12 +77,12 @@ class KVMap:
     @property
     def source_rotary(self) -> RotarySpec:
         """The source model's rotary parameters, as recorded in the map."""
-        return _spec(self.config.source_rotary, self.tensors["source.inv_freq"])
+        return rotary_of_record(self.config.source_rotary, self.tensors["source.inv_freq"])
 
     @property
     def target_rotary(self) -> RotarySpec:
         """The target model's rotary parameters, as recorded in the map."""
-        return _spec(self.config.target_rotary, self.tensors["target.inv_freq"])
+        return rotary_of_record(self.config.target_rotary, self.tensors["target.inv_freq"])
 
     def source_layers(self, kind: str, target_layer: int) -> list[int]:
         """Source layers whose features feed ``kind`` ('keys' or 'values') of ``target_layer``."""
@@ -147,8 +147,7 @@ class KVMap:
                     f"calibrate one with KVMap.calibrate.{hint}")
             spec = rotary_spec_of(model)
             stored = self.source_rotary if role == "source" else self.target_rotary
-            # rtol of bfloat16: model.to(bfloat16) also rounds the rotary buffers.
-            if spec.rotary_dim != stored.rotary_dim or not torch.allclose(spec.inv_freq, stored.inv_freq, rtol=1e-2):
+            if not same_rotary(spec, stored):
                 raise FingerprintMismatchError(
                     f"the {role} model {model_name(model)!r} uses other RoPE frequencies ({spec.describe()}) "
                     f"than this map was fitted with ({stored.describe()})")
@@ -365,6 +364,7 @@ def resolve_map_folder(path_or_repo_id: str | os.PathLike, *, revision: str | No
     return Path(folder)
 
 
-def _spec(record, inv_freq: torch.Tensor) -> RotarySpec:
+def rotary_of_record(record, inv_freq: torch.Tensor) -> RotarySpec:
+    """The rotary parameters a map's config records for one side, with that side's stored ``inv_freq``."""
     return RotarySpec(inv_freq=inv_freq, attention_scaling=record.attention_scaling, head_dim=record.head_dim,
                       rope_type=record.rope_type, max_position=record.max_position)

@@ -6,14 +6,12 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
-from .._files import is_repo_id
-from ..errors import CLIUsageError, ModelLoadError, SessionError
+from ..errors import AdapterError, ModelLoadError
 from ._compat import unwrap_peft
 
 
@@ -57,7 +55,7 @@ def adapter_active(model: torch.nn.Module, adapter: str | None) -> Iterator[None
             yield
         return
     if adapter not in model.peft_config:
-        raise SessionError(f"the model has no adapter {adapter!r}; it has {sorted(model.peft_config)}")
+        raise AdapterError(f"the model has no adapter {adapter!r}; it has {sorted(model.peft_config)}")
     previous = model.active_adapter
     model.set_adapter(adapter)
     try:
@@ -88,30 +86,8 @@ def load_adapters(base_model: torch.nn.Module, adapters: dict[str, str]) -> torc
             raise ModelLoadError(f"adapter {name!r} ({path}) cannot be loaded on "
                                  f"{getattr(base_model.config, 'name_or_path', 'the base model')}: {detail}") from None
     if model is None:
-        raise SessionError("load_adapters needs at least one adapter")
+        raise AdapterError("load_adapters needs at least one adapter")
     return model.eval()
-
-
-def parse_adapter_specs(specs: Sequence[str]) -> dict[str, str]:
-    """``{name: folder or Hub id}`` from ``--adapter NAME=PATH`` arguments, checked before any model loads (a
-    `CLIUsageError` for a malformed, repeated or unusable one; names hold no ':', which clients use as base:adapter).
-    """
-    adapters: dict[str, str] = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise CLIUsageError(f"--adapter {spec!r}: expected NAME=PATH (a folder saved by PEFT or a Hub repo id)")
-        if name in adapters:
-            raise CLIUsageError(f"--adapter {name!r} is given twice")
-        if ":" in name:
-            raise CLIUsageError(f"--adapter {name!r}: a name holds no ':' (clients may write base:adapter)")
-        local = Path(path).expanduser()
-        if local.exists() and not (local / "adapter_config.json").is_file():
-            raise CLIUsageError(f"--adapter {spec!r}: {path} holds no adapter_config.json (not a PEFT adapter)")
-        if not local.exists() and not is_repo_id(path):
-            raise CLIUsageError(f"--adapter {spec!r}: {path} is neither a folder nor a Hub repo id")
-        adapters[name] = str(local) if local.exists() else path
-    return adapters
 
 
 def is_activated_lora(model: torch.nn.Module, adapter: str) -> bool:

@@ -75,25 +75,24 @@ def vocab_size_of(model: torch.nn.Module) -> int:
     return int(unwrap_peft(model).get_input_embeddings().weight.shape[0])
 
 
-def check_token_ids(ids, vocab_size: int | None, name: str = "input_ids", dims: tuple[int, ...] = (2,),
-                    error: type[Exception] = CacheMismatchError) -> torch.Tensor:
-    """Refuse ids that are not an integer tensor of ``dims`` dimensions, are empty, or lie outside
-    ``[0, vocab_size)`` (``None``: any non-negative id), with ``error`` saying what to pass; returns them as a
-    long tensor."""
+def check_token_ids(ids, vocab_size: int | None, name: str = "input_ids", dims: tuple[int, ...] = (2,)
+                    ) -> torch.Tensor:
+    """Refuse (`CacheMismatchError`, saying what to pass) ids that are not an integer tensor of ``dims`` dimensions,
+    are empty, or lie outside ``[0, vocab_size)`` (``None``: any non-negative id); returns them as a long tensor."""
     if not isinstance(ids, torch.Tensor):
         try:
             ids = torch.as_tensor(ids)
         except (TypeError, ValueError, RuntimeError) as err:  # ragged lists, strings, objects
-            raise error(f"{name} must be a tensor of token ids (or a rectangular list): {err}") from None
+            raise CacheMismatchError(f"{name} must be a tensor of token ids (or a rectangular list): {err}") from None
     shape = " or ".join({1: "[seq]", 2: "[batch, seq]"}[d] for d in dims)
     if ids.dim() not in dims:
-        raise error(f"{name} must be a {shape} tensor of token ids, got shape {tuple(ids.shape)}")
+        raise CacheMismatchError(f"{name} must be a {shape} tensor of token ids, got shape {tuple(ids.shape)}")
     if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-        raise error(f"{name} must hold integer token ids, got {ids.dtype}")
+        raise CacheMismatchError(f"{name} must hold integer token ids, got {ids.dtype}")
     if ids.numel() == 0:
-        raise error(f"{name} is empty; pass at least one token id")
+        raise CacheMismatchError(f"{name} is empty; pass at least one token id")
     low, high = int(ids.min()), int(ids.max())
     if low < 0 or (vocab_size is not None and high >= vocab_size):
         bad = low if low < 0 else high
-        raise error(f"{name} holds token id {bad}, outside the vocabulary of {vocab_size} tokens")
+        raise CacheMismatchError(f"{name} holds token id {bad}, outside the vocabulary of {vocab_size} tokens")
     return ids.long()

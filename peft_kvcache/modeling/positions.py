@@ -174,6 +174,24 @@ def rotary_spec_of_config(config) -> RotarySpec:
                       head_dim=head_dim_of(config), rope_type=rope_type, max_position=max_position)
 
 
+# How close two models' RoPE frequencies must be to count as the same: bfloat16's precision, since model.to(bfloat16)
+# rounds the rotary buffers too. The one tolerance every place that matches maps to models uses.
+ROTARY_RTOL = 1e-2
+
+
+def same_rotary(a: RotarySpec, b: RotarySpec) -> bool:
+    """Whether keys rotated with ``a`` can be un-rotated with ``b``: the same rotated dims, frequencies within
+    `ROTARY_RTOL` and the same attention scaling.
+
+    Example:
+        >>> spec = RotarySpec(torch.tensor([1.0, 0.1]), 1.0, 4)
+        >>> same_rotary(spec, RotarySpec(spec.inv_freq.bfloat16().float(), 1.0, 4))
+        True
+    """
+    return (a.rotary_dim == b.rotary_dim and torch.allclose(a.inv_freq.float(), b.inv_freq.float(), rtol=ROTARY_RTOL)
+            and abs(a.attention_scaling - b.attention_scaling) <= ROTARY_RTOL * abs(b.attention_scaling))
+
+
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Absolute position of every token from a (left-padded) mask: ``cumsum - 1``, padding at 0.
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
-from ..errors import CacheMismatchError
+from ..errors import CacheMismatchError, RecordError
 from ..maps.apply import map_cache
 from ..maps.config import Refresh
 from ..maps.kvmap import KVMap
@@ -38,31 +38,28 @@ class CacheSnapshot:
     continuation_checked: bool
 
 
-class MappedCache(DynamicCache):
-    """A `DynamicCache` whose context came from another model through a `KVMap` (or, without a map, the KV of a
-    `CapturedKV` as it is: a model's own cache to continue, or another model's reused unmapped).
+class ContextCache(DynamicCache):
+    """A `DynamicCache` that knows where its context ends: every cache the library hands to ``generate()`` (a model's
+    own prefill, a cache reused from a store, or a `MappedCache`), or a `CapturedKV`'s KV as it is.
 
     generate() extends it like any DynamicCache. It knows the positions its context ends at (``next_positions``,
     kept right as it grows or is cut), and the first forward pass that extends it must continue right there: a
     prompt that repeats the cached context (a cache as long as the prompt) raises `CacheMismatchError` instead of
-    silently giving wrong output. ``refresh`` says what the refresh did (None when none ran).
+    silently giving wrong output.
 
     It owns the operations the library runs on a cache: `truncate`, `copy`, `snapshot` / `restore` (put it back
     exactly as it was after a failure), and the refresh (`peft_kvcache.runtime.refresh`) runs on it.
-
-    Example:
-        >>> cache = MappedCache.from_source(source_model, kv_map, target_model, input_ids=prompt[:, :-1])  # doctest: +SKIP
-        >>> out = target_model.generate(input_ids=prompt, cache=cache, max_new_tokens=32)                    # doctest: +SKIP
     """
 
     def __init__(self, layers_kv: CapturedKV | Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
                  next_positions: torch.Tensor | None = None, kv_map: KVMap | None = None):
         super().__init__()
         fill_cache(self, layers_kv.pairs() if isinstance(layers_kv, CapturedKV) else layers_kv)
-        self.kv_map = kv_map
+        self.kv_map = kv_map  # the map its context came through (None: not mapped)
         self.refresh: RefreshResult | None = None
         self._shift: torch.Tensor | None = None  # [batch] next position minus the cached length
         self._continuation_checked = True
+        self._refeed = False  # assisted decoding's first pass runs the whole prompt again (activate_past_recording)
         if next_positions is not None:
             self.next_positions = next_positions
 
@@ -89,9 +86,9 @@ class MappedCache(DynamicCache):
         for layer in self.layers:
             layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
 
-    def copy(self) -> "MappedCache":
+    def copy(self) -> "ContextCache":
         """A cache holding the same tensors and positions; extending either never changes the other."""
-        twin = MappedCache([(layer.keys, layer.values) for layer in self.layers], kv_map=self.kv_map)
+        twin = type(self)([(layer.keys, layer.values) for layer in self.layers], kv_map=self.kv_map)
         twin._shift, twin._continuation_checked, twin.refresh = self._shift, self._continuation_checked, self.refresh
         return twin
 
@@ -106,6 +103,7 @@ class MappedCache(DynamicCache):
         for layer, keys, values in snapshot.layers:
             layer.keys, layer.values = keys, values
         self._shift, self._continuation_checked = snapshot.shift, snapshot.continuation_checked
+        self._refeed = False
 
     @contextmanager
     def restored_on_error(self) -> Iterator[None]:
@@ -121,6 +119,118 @@ class MappedCache(DynamicCache):
     def captured(self) -> CapturedKV:
         """The cached keys and values, per layer (the tensors themselves)."""
         return cache_states(self)
+
+    # ----- generate()'s decoding modes (the transformers hooks a DynamicCache has) -----
+
+    def get_mask_sizes(self, query_length, *args, **kwargs):
+        """transformers' mask sizes; refuses a first pass that brings no token beyond the mapped context. While
+        assisted decoding feeds the whole prompt again (see `activate_past_recording`), the mask covers that pass
+        alone: its first tokens read the cached context in place of their own keys and values."""
+        if self._refeed:
+            return query_length, 0
+        if not self._continuation_checked and isinstance(query_length, int) and query_length == 0:
+            raise CacheMismatchError(  # generate() sliced away every token: the prompt is not longer than the cache
+                f"generate() was given no token beyond the {self.get_seq_length()} the mapped cache holds: pass the "
+                "whole conversation as input_ids (the mapped context plus at least one new token)")
+        return super().get_mask_sizes(query_length, *args, **kwargs)
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0 if self._refeed else super().get_query_offset(layer_idx)
+
+    def activate_past_recording(self) -> None:
+        """Assisted decoding (a draft model, or prompt lookup) calls this first, then runs the whole prompt from
+        position 0 through the model once, whatever the cache holds (transformers 5.24 gives wrong output on a
+        pre-filled `DynamicCache` there). This cache takes that pass as a re-feed: the tokens it already holds keep
+        their cached keys and values at every layer (a mapped context stays mapped), the rest are appended."""
+        super().activate_past_recording()
+        if self.get_seq_length() and not self._continuation_checked:
+            if self._shift is not None and bool((self._shift != 0).any()):
+                raise CacheMismatchError("assisted decoding runs the prompt from position 0: it cannot continue a cache "
+                                         "placed at a position_offset or built from a left-padded batch")
+            self._refeed = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """`DynamicCache.update`, checking once that the first tokens appended continue the cached context (a
+        batch expanded by generate() for beams or several sequences expands the cache with it)."""
+        if layer_idx == 0 and self.get_seq_length() and key_states.shape[0] != self.layers[0].keys.shape[0]:
+            self._expand_batch(key_states.shape[0])
+        if self._refeed:
+            return self._refed(key_states, value_states, layer_idx, kwargs)
+        if not self._continuation_checked and layer_idx == 0:
+            self._check_continuation(key_states, kwargs)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _refed(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, update_kwargs: dict):
+        layer = self.layers[layer_idx]
+        held = layer.keys.shape[2]
+        if layer_idx == 0:
+            position_ids = update_positions(update_kwargs)
+            starts = None if position_ids is None else int(position_ids.reshape(-1)[0])
+            if key_states.shape[2] <= held or starts not in (0, None):
+                raise CacheMismatchError(f"assisted decoding re-fed {key_states.shape[2]} tokens from position {starts} "
+                                         f"onto a cache of {held}: expected the whole prompt from position 0")
+        layer.keys = torch.cat([layer.keys, key_states[:, :, held:].to(layer.keys.dtype)], dim=2)
+        layer.values = torch.cat([layer.values, value_states[:, :, held:].to(layer.values.dtype)], dim=2)
+        if layer_idx == len(self.layers) - 1:
+            self._refeed, self._continuation_checked = False, True
+        return layer.keys, layer.values
+
+    def _expand_batch(self, batch: int) -> None:
+        """Repeat every row ``batch / rows`` times, as generate() expanded its inputs for beams or several return
+        sequences (transformers expands the ids, not a cache it was given)."""
+        rows = self.layers[0].keys.shape[0]
+        if batch % rows:
+            raise CacheMismatchError(f"the cache holds {rows} conversation(s); generate() ran {batch} rows")
+        self.batch_repeat_interleave(batch // rows)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self._shift is not None:
+            self._shift = self._shift.repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self._shift is not None:
+            self._shift = self._shift[indices.cpu()]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self._shift is not None:
+            self._shift = self._shift[beam_idx.cpu()]
+
+    def _check_continuation(self, key_states: torch.Tensor, update_kwargs: dict) -> None:
+        """The first tokens added must sit right after the cached context: a cache as long as the prompt
+        otherwise gives wrong output with no error."""
+        self._continuation_checked = True
+        position_ids = update_positions(update_kwargs)
+        if position_ids is None:
+            import transformers
+
+            logger.warning("cannot verify that the tokens added to the mapped cache continue its context: "
+                           "transformers %s passes no position_ids to the cache; the continuation check needs "
+                           "transformers >= 5.24", transformers.__version__)
+            return
+        first = position_ids[..., 0].reshape(-1).cpu()
+        expected = self.next_positions  # layer 0 is not extended yet
+        if first.numel() == 1 and expected.numel() > 1:
+            first = first.expand_as(expected)
+        if first.numel() == expected.numel() and not torch.equal(first, expected):
+            raise CacheMismatchError(
+                f"the cache covers positions up to {(expected - 1).tolist()}, but the next tokens start at "
+                f"positions {first.tolist()}: the prompt passed to generate() must be the whole conversation and "
+                "extend the cached context by at least one token (build the cache from input_ids=prompt[:, :-1] and "
+                "pass input_ids=prompt), or pass position_ids that continue a position_offset")
+
+
+class MappedCache(ContextCache):
+    """A `ContextCache` whose context came from another model through a `KVMap`: the source's cache mapped into the
+    target's KV space, the target's own attention sink in front and the map's recommended refresh applied
+    (``refresh`` says what it did; None when none ran).
+
+    Example:
+        >>> cache = MappedCache.from_source(source_model, kv_map, target_model, input_ids=prompt[:, :-1])  # doctest: +SKIP
+        >>> out = target_model.generate(input_ids=prompt, cache=cache, max_new_tokens=32)                    # doctest: +SKIP
+    """
 
     @classmethod
     def from_source(
@@ -205,43 +315,6 @@ class MappedCache(DynamicCache):
         cache.next_positions = target_positions[:, -1] + 1 if length else torch.full((batch,), position_offset)
         return cache
 
-    def get_mask_sizes(self, query_length, *args, **kwargs):
-        """transformers' mask sizes; refuses a first pass that brings no token beyond the mapped context."""
-        if not self._continuation_checked and isinstance(query_length, int) and query_length == 0:
-            raise CacheMismatchError(  # generate() sliced away every token: the prompt is not longer than the cache
-                f"generate() was given no token beyond the {self.get_seq_length()} the mapped cache holds: pass the "
-                "whole conversation as input_ids (the mapped context plus at least one new token)")
-        return super().get_mask_sizes(query_length, *args, **kwargs)
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """`DynamicCache.update`, checking once that the first tokens appended continue the mapped context."""
-        if not self._continuation_checked and layer_idx == 0:
-            self._check_continuation(key_states, kwargs)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    def _check_continuation(self, key_states: torch.Tensor, update_kwargs: dict) -> None:
-        """The first tokens added must sit right after the mapped context: a cache as long as the prompt
-        otherwise gives wrong output with no error."""
-        self._continuation_checked = True
-        position_ids = update_positions(update_kwargs)
-        if position_ids is None:
-            import transformers
-
-            logger.warning("cannot verify that the tokens added to the mapped cache continue its context: "
-                           "transformers %s passes no position_ids to the cache; the continuation check needs "
-                           "transformers >= 5.24", transformers.__version__)
-            return
-        first = position_ids[..., 0].reshape(-1).cpu()
-        expected = self.next_positions  # layer 0 is not extended yet
-        if first.numel() == 1 and expected.numel() > 1:
-            first = first.expand_as(expected)
-        if first.numel() == expected.numel() and not torch.equal(first, expected):
-            raise CacheMismatchError(
-                f"the mapped cache covers positions up to {(expected - 1).tolist()}, but the next tokens start at "
-                f"positions {first.tolist()}: the prompt passed to generate() must be the whole conversation and "
-                "extend the mapped context by at least one token (build the cache from input_ids=prompt[:, :-1] and "
-                "pass input_ids=prompt), or pass position_ids that continue a position_offset")
-
 
 def _refresh_policy(kv_map: KVMap, refresh_tokens: int | Refresh | None) -> Refresh | None:
     """The refresh to run: the map's recommendation, none, a budget with the recommended probe, or as given."""
@@ -251,11 +324,13 @@ def _refresh_policy(kv_map: KVMap, refresh_tokens: int | Refresh | None) -> Refr
     if isinstance(refresh_tokens, Refresh):
         policy = refresh_tokens
     elif isinstance(refresh_tokens, int) and not isinstance(refresh_tokens, bool):
-        policy = Refresh(tokens=refresh_tokens, **({} if recommended is None else
-                                                   {"probe_tokens": recommended.probe_tokens, "span": recommended.span}))
+        try:
+            policy = Refresh(tokens=refresh_tokens, **({} if recommended is None else {
+                "probe_tokens": recommended.probe_tokens, "span": recommended.span}))
+        except RecordError as err:
+            raise CacheMismatchError(f"refresh_tokens: {err}") from None
     else:
         raise CacheMismatchError(f"refresh_tokens must be None, an integer or a Refresh, got {refresh_tokens!r}")
-    policy.validate("refresh_tokens", CacheMismatchError)
     return policy if policy.tokens > 0 else None
 
 

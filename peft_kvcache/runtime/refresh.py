@@ -148,7 +148,6 @@ def refresh_cache(target_model, cache: "MappedCache", input_ids: torch.Tensor, p
     length = input_ids.shape[1]
     if input_ids.shape[0] != 1:
         raise CacheMismatchError("the refresh works on one conversation at a time (batch 1)")
-    policy.validate("refresh_cache's policy", CacheMismatchError)
     probe = min(policy.probe_tokens, length - sink_tokens - 1)
     if probe < 1:  # no context beyond the sink to refresh
         return RefreshResult(torch.empty(0, dtype=torch.long), 0, 0)

@@ -25,8 +25,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from transformers.generation.streamers import BaseStreamer
 
-from ..errors import RequestError
-from .prefix_store import Reuse
+from .engine import Reuse
+from .errors import RequestError
 
 # Used when the tokenizer has no chat template of its own: role-tagged turns, each closed by the EOS token,
 # and the assistant's turn opened for the reply.
@@ -64,7 +64,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ServerOptions(BaseModel):
+class RequestReuse(BaseModel):
     """The request's ``peft_kvcache`` field, this server's own (the openai client sends it with
     ``extra_body={"peft_kvcache": {"reuse": "exact"}}``): ``reuse`` "map" (the server's policy), "exact" (only
     caches this model computed on the exact context: nothing mapped or shared) or "none" (prefill everything)."""
@@ -91,7 +91,7 @@ class ChatRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what torch.manual_seed takes
     stop: str | list[str] | None = None
-    peft_kvcache: ServerOptions | None = None
+    peft_kvcache: RequestReuse | None = None
     # Asked for, these would change the answer's meaning: refused (`unsupported`) rather than ignored.
     n: int | None = None
     logprobs: bool | None = None
@@ -352,6 +352,6 @@ def chunk_event(request_id: str, created: int, model: str, delta: dict | None, f
 
 DONE_EVENT = "data: [DONE]\n\n"
 
-__all__ = ["ChatMessage", "ChatRequest", "DONE_EVENT", "FALLBACK_CHAT_TEMPLATE", "PromptRenderer", "ServerOptions",
+__all__ = ["ChatMessage", "ChatRequest", "DONE_EVENT", "FALLBACK_CHAT_TEMPLATE", "PromptRenderer", "RequestReuse",
            "TextDeltas", "chunk_event", "completion_body", "decode_json", "error_body", "parse_chat_request",
            "render_prompt", "usage"]

@@ -9,7 +9,8 @@
 vLLM builds one instance in its scheduler process and one in its worker process; each delegates to its half
 (`scheduler.SchedulerSide`, `worker.WorkerSide`), and they talk only through the connector metadata
 (`jobs`). Options: `options.ConnectorOptions`. Every response carries ``kv_transfer_params.peft_kvcache``: where its
-context came from (``reused``, ``mapped:<variant>``, ``shared:<variant>`` or ``prefilled``) and how many tokens.
+context came from (`peft_kvcache.runtime.reuse.label`: ``reused``, ``mapped:<variant>``, ``naive:<variant>`` or
+``prefilled``) and how many tokens.
 Metrics: vLLM's connector stats and Prometheus (``vllm:peft_kvcache_*`` on ``/metrics``).
 """
 
@@ -88,7 +89,7 @@ class PeftKVCachePromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.tokens = self._counter_cls(name="vllm:peft_kvcache_prompt_tokens", labelnames=labelnames + ["source"],
                                         documentation="Prompt tokens by where their KV came from (engine: vLLM's own "
-                                                      "prefix cache; reused, mapped, shared: the connector; prefilled)")
+                                                      "prefix cache; reused, mapped, naive: the connector; prefilled)")
         self.fallbacks = self._counter_cls(name="vllm:peft_kvcache_fallbacks", labelnames=labelnames + ["reason"],
                                            documentation="Requests served by ordinary prefill instead of a mapped "
                                                          "prefix, by reason")

@@ -38,7 +38,7 @@ class DropJob:
 @dataclass(frozen=True)
 class LoadJob:
     """Fill ``block_ids`` of request ``request_id`` with the positions ``start`` onwards of entry ``source_key``:
-    as they are (``kind`` "reused": the variant's own; "shared": another variant's, the naive baseline) or mapped
+    as they are (``kind`` "reused": the variant's own; "naive": another variant's, the baseline) or mapped
     by the maps in ``map_folders``, in order (``kind`` "mapped"), the leading positions replaced by the sink
     ``sink_key``."""
 

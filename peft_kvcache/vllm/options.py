@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
 
-from ..errors import ConnectorError
-from ..maps._records import check_fields, from_json
+from ..errors import PeftKVCacheError, RecordError
+from ..maps.records import check_fields, from_json
+from ..runtime.reuse import MIN_MAPPED_TOKENS
 
 # "map": another variant's prefix is mapped with the published map between the two; "naive": it is injected as it
 # is (the baseline: what a prefix cache that ignores the adapter would do); "exact": only a variant's own stored
@@ -20,11 +21,15 @@ MODES: tuple[str, ...] = get_args(Mode)
 # "exact" (nothing approximate for this request) or "none" (prefill everything the engine does not hold itself).
 RequestReuse = Literal["map", "exact", "none"]
 REQUEST_REUSE: tuple[str, ...] = get_args(RequestReuse)
-# Below this many mapped tokens mapping saves too little prefill to justify its drift: short shared boilerplate
-# (a chat template's system prompt) is prefilled exactly. benchmarks/vllm_load.py measures where mapping pays.
-DEFAULT_MIN_MAPPED_TOKENS = 128
+# Below this many mapped tokens mapping saves too little prefill to justify its drift (the reuse core's policy,
+# measured for vLLM by benchmarks/vllm_load.py).
+DEFAULT_MIN_MAPPED_TOKENS = MIN_MAPPED_TOKENS["vllm"]
 
 logger = logging.getLogger(__name__)
+
+
+class ConnectorError(PeftKVCacheError, ValueError):
+    """The vLLM KV connector was configured with options it cannot use (``kv_connector_extra_config``)."""
 
 
 @dataclass(frozen=True)
@@ -44,26 +49,32 @@ class ConnectorOptions:
     @classmethod
     def parse(cls, extra: dict | None) -> "ConnectorOptions":
         """The options from vLLM's ``kv_connector_extra_config`` (unknown keys and wrong types are refused)."""
-        return from_json(cls, dict(extra or {}), "kv_connector_extra_config", ConnectorError)
+        try:
+            return from_json(cls, dict(extra or {}), "kv_connector_extra_config")
+        except RecordError as err:
+            raise ConnectorError(str(err)) from None
 
     @property
     def store_bytes(self) -> int:
         return int(self.store_gib * 2**30)
 
-    def validate(self, where: str = "kv_connector_extra_config", error: type[Exception] = ConnectorError) -> None:
-        """Refuse a mode, bound or folder that cannot be used, naming the key."""
-        check_fields(self, where, error)
+    def validate(self, where: str = "kv_connector_extra_config") -> None:
+        """Refuse (`ConnectorError`) a mode, bound or folder that cannot be used, naming the key."""
+        try:
+            check_fields(self, where)
+        except RecordError as err:
+            raise ConnectorError(str(err)) from None
         if self.mode not in MODES:
-            raise error(f"{where}.mode must be one of {MODES}, got {self.mode!r}")
+            raise ConnectorError(f"{where}.mode must be one of {MODES}, got {self.mode!r}")
         if not self.store_gib > 0:
-            raise error(f"{where}.store_gib must be a positive number of GiB, got {self.store_gib!r}")
+            raise ConnectorError(f"{where}.store_gib must be a positive number of GiB, got {self.store_gib!r}")
         if self.min_mapped_tokens < 0:
-            raise error(f"{where}.min_mapped_tokens must be >= 0, got {self.min_mapped_tokens!r}")
+            raise ConnectorError(f"{where}.min_mapped_tokens must be >= 0, got {self.min_mapped_tokens!r}")
         if self.mode == "map" and self.maps is None:
-            raise error(f"{where}.maps is needed in mode 'map': a folder of map folders (e.g. hub_cards); use mode "
+            raise ConnectorError(f"{where}.maps is needed in mode 'map': a folder of map folders (e.g. hub_cards); use mode "
                         "'exact' to reuse only a variant's own prefixes")
         if self.maps is not None and not Path(self.maps).expanduser().is_dir():
-            raise error(f"{where}.maps: {self.maps!r} is not a folder (of map folders, e.g. hub_cards)")
+            raise ConnectorError(f"{where}.maps: {self.maps!r} is not a folder (of map folders, e.g. hub_cards)")
 
 
 def request_reuse(kv_transfer_params: dict | None) -> str:

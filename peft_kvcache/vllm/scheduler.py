@@ -8,10 +8,10 @@ whole blocks and always leaving the last prompt token to the engine:
 - else, the longest stored prefix of another variant A, mapped A -> B with the published map that fits both
   (``mapped:<A>``), when it saves at least ``min_mapped_tokens`` of prefill beyond vLLM's own hit and the store holds
   B's own attention sink for the conversation's first tokens (or vLLM holds B's first block itself); in mode
-  ``naive`` injected unmapped (``shared:<A>``), as the baseline;
+  ``naive`` injected unmapped (``naive:<A>``), as the baseline;
 - else nothing: ordinary prefill, and the reason is counted (and logged once).
 
-Approximate blocks (mapped or shared) are never served as exact: they are removed from vLLM's prefix cache as soon as
+Approximate blocks (mapped or naive) are never served as exact: they are removed from vLLM's prefix cache as soon as
 they are allocated (so a later request of B cannot hit them under B's block hashes), a request that used them is not
 kept in the store, and its response says where its context came from (``kv_transfer_params.peft_kvcache``).
 """
@@ -27,7 +27,9 @@ import torch
 
 from .jobs import DropJob, LoadJob, SaveJob, SinkJob, WorkerReport
 from .options import ConnectorOptions, request_reuse
-from .pairs import MapChoice, MapRegistry, Variant
+from ..maps.registry import MapMatch
+from ..runtime.reuse import EXACT, Made, label, mapping_pays
+from .pairs import Variant, VariantMaps
 from .store import IndexEntry, StoreIndex
 
 logger = logging.getLogger(__name__)
@@ -38,11 +40,11 @@ class Plan:
     """What a request would load (until vLLM allocates its blocks), or why it loads nothing."""
 
     local_blocks: int
-    kind: str | None = None  # "reused" | "mapped" | "shared"; None: nothing to load
+    kind: str | None = None  # "reused" | "mapped" | "naive"; None: nothing to load
     entry: IndexEntry | None = None
     blocks: int = 0  # whole blocks of the prefix after the load
     source: Variant | None = None
-    choice: MapChoice | None = None
+    choice: MapMatch | None = None
     sink_key: tuple | None = None
     fallback: str | None = None  # why another variant's longer prefix was not used
 
@@ -67,19 +69,24 @@ class RequestRecord:
     fallback: str | None = None
 
     @property
-    def approximate(self) -> bool:
-        """Whether some of its KV is not its variant's own (mapped or shared)."""
-        return self.kind in ("mapped", "shared") and self.loaded_tokens > 0
+    def made(self) -> Made:
+        """How its loaded KV was made (the reuse core's record)."""
+        if not self.loaded_tokens or self.kind in (None, "reused"):
+            return EXACT
+        return Made(self.kind, self.source.adapter, self.loaded_tokens)
 
-    def label(self) -> dict:
-        """The response's ``kv_transfer_params.peft_kvcache``: where the context came from and how much of it."""
-        if self.approximate:
-            source = f"{self.kind}:{self.source.label}"
-        else:
-            source = "reused" if self.local_tokens + self.loaded_tokens else "prefilled"
-        return {"context_source": source, "cached_tokens": self.local_tokens + self.loaded_tokens,
+    @property
+    def approximate(self) -> bool:
+        """Whether some of its KV is not its variant's own (mapped, or injected unmapped)."""
+        return self.made.approximate
+
+    def label(self, base: str) -> dict:
+        """The response's ``kv_transfer_params.peft_kvcache``: where the context came from (`reuse.label`, ``base``:
+        the served base model's name) and how much of it."""
+        cached = self.local_tokens + self.loaded_tokens
+        return {"context_source": label(self.made, cached, base), "cached_tokens": cached,
                 "engine_cached_tokens": self.local_tokens, "loaded_tokens": self.loaded_tokens,
-                "prefilled_tokens": self.prompt_tokens - self.local_tokens - self.loaded_tokens,
+                "prefilled_tokens": self.prompt_tokens - cached,
                 **({"fallback": self.fallback} if self.fallback else {})}
 
 
@@ -88,7 +95,7 @@ class Counts:
     """Counters since the last report (vLLM's connector stats)."""
 
     # prompt tokens by where their KV came from: engine (vLLM's own prefix cache), reused (the variant's own, from the
-    # store), mapped, shared (another variant's, unmapped), prefilled
+    # store), mapped, naive (another variant's, unmapped), prefilled
     tokens: Counter = field(default_factory=Counter)
     fallbacks: Counter = field(default_factory=Counter)  # by reason
     evictions: int = 0
@@ -104,13 +111,15 @@ class SchedulerSide:
         per_token = (model.get_num_layers(parallel) * 2 * model.get_num_kv_heads(parallel) * model.get_head_size()
                      * torch.empty(0, dtype=model.dtype).element_size())
         self.index = StoreIndex(options.store_bytes, self.block_size, per_token)
-        self.registry: MapRegistry | None = None
+        self.base_name = model.served_model_name or model.model
+        self.maps: VariantMaps | None = None
         if options.mode == "map":
-            self.registry = MapRegistry(options.maps, local_model_folder(model.model), model.hf_config)
-            if self.registry.problem:
-                logger.warning("peft-kvcache: nothing will be mapped on this engine: %s", self.registry.problem)
-            logger.info("peft-kvcache: %d map folder(s) under %s", len(self.registry.configs), options.maps)
-        self.sink_tokens = max([c.sink_tokens for c in self.registry.configs.values()] or [1]) if self.registry else 1
+            self.maps = VariantMaps(options.maps, local_model_folder(model.model), model.hf_config)
+            if self.maps.problem:
+                logger.warning("peft-kvcache: nothing will be mapped on this engine: %s", self.maps.problem)
+            logger.info("peft-kvcache: %d map folder(s) under %s", len(self.maps.registry), options.maps)
+        configs = self.maps.registry.configs.values() if self.maps else ()
+        self.sink_tokens = max([c.sink_tokens for c in configs] or [1])
         self.block_pool = None
         self.worker_ready = False
         self.plans: dict[str, Plan] = {}
@@ -157,11 +166,12 @@ class SchedulerSide:
         or why it cannot (a fallback reason)."""
         if reuse == "exact" or self.options.mode == "exact":
             return "exact_only"
-        if (blocks - local_blocks) * self.block_size < self.options.min_mapped_tokens:
+        saved = (blocks - local_blocks) * self.block_size
+        if not mapping_pays(Made("mapped", source.adapter, saved), saved, self.options.min_mapped_tokens):
             return "below_min_length"  # too few tokens saved to justify approximate KV
         if self.options.mode == "naive":
-            return "shared", None, None
-        choice = self.registry.find(source, target)
+            return "naive", None, None
+        choice = self.maps.find(source, target)
         if isinstance(choice, str):
             return choice
         sink_key = None
@@ -216,7 +226,7 @@ class SchedulerSide:
             record = RequestRecord(_variant(request), request.cache_salt, "map", len(request.prompt_token_ids or []))
         if not record.approximate:
             self._keep(request, record, block_ids)
-        return record.label()
+        return record.label(self.base_name)
 
     def _keep(self, request, record: RequestRecord, block_ids: list[int]) -> None:
         computed = min(request.num_computed_tokens, len(block_ids) * self.block_size)

@@ -15,7 +15,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from peft_kvcache.lab.fixtures import converted_path, fixture_available  # noqa: E402
+from peft_kvcache.modeling.fixtures import converted_path, fixture_available  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOLLM = "gguf:smollm2-135m-instruct"
@@ -29,13 +29,13 @@ FUNCTIONS = ["def clamp(x, lo, hi):\n    return max(lo, min(x, hi))\n",
              "def chunks(seq, n):\n    for i in range(0, len(seq), n):\n        yield seq[i:i + n]\n",
              "def mean(xs):\n    return sum(xs) / len(xs)\n"]
 
-needs_smollm = pytest.mark.skipif(not fixture_available(SMOLLM), reason="run `python -m peft_kvcache.lab.fixtures`")
+needs_smollm = pytest.mark.skipif(not fixture_available(SMOLLM), reason="run `python -m peft_kvcache.modeling.fixtures`")
 
 
 @pytest.fixture(scope="session")
 def model_folder() -> Path:
     if not fixture_available(SMOLLM):
-        pytest.skip("run `python -m peft_kvcache.lab.fixtures` first")
+        pytest.skip("run `python -m peft_kvcache.modeling.fixtures` first")
     return converted_path(SMOLLM)
 
 

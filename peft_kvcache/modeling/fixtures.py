@@ -240,7 +240,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, **kwargs):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m peft_kvcache.lab.fixtures NAME...``: fetch, verify and convert fixtures ahead of time."""
+    """``python -m peft_kvcache.modeling.fixtures NAME...``: fetch, verify and convert fixtures ahead of time."""
     names = (argv if argv is not None else sys.argv[1:]) or ["gguf:smollm2-135m-instruct"]
     for name in names:
         if name not in FIXTURES:
