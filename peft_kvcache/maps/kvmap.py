@@ -143,8 +143,9 @@ class KVMap:
                             "was fitted for (`peft_model.set_adapter(...)`).")
                 raise FingerprintMismatchError(
                     f"this map was fitted for {role} {name!r} (fingerprint {expected[:12]}) but the {role} model "
-                    f"given is {given!r} (fingerprint {actual[role][:12]}): use the map fitted for this pair, or "
-                    f"calibrate one with KVMap.calibrate.{hint}")
+                    f"given is {given!r} (fingerprint {actual[role][:12]}): a map fits the exact weights it was "
+                    f"fitted on (other checkpoints of the same model, e.g. the Hub's where the map was fitted on "
+                    f"dequantized GGUF weights, are other weights).{hint} {_how_to_fit(c)}")
             spec = rotary_spec_of(model)
             stored = self.source_rotary if role == "source" else self.target_rotary
             if not same_rotary(spec, stored):
@@ -185,8 +186,13 @@ class KVMap:
         staging = staging_folder(target)
         try:
             has_chart = chart and plot_layer_selection(self.config, staging / CHART_NAME) is not None
-            save_file({k: v.contiguous() for k, v in self.tensors.items()}, staging / WEIGHTS_NAME,
-                      metadata={"format": "pt", "peft_kvcache_format": str(FORMAT_VERSION)})
+            if target.is_dir() and _holds_tensors(target / WEIGHTS_NAME, self.tensors):
+                # the same weights (a card rendered again): keep the file's bytes, which safetensors' header order
+                # would otherwise shuffle
+                shutil.copy2(target / WEIGHTS_NAME, staging / WEIGHTS_NAME)
+            else:
+                save_file({k: v.contiguous() for k, v in self.tensors.items()}, staging / WEIGHTS_NAME,
+                          metadata={"format": "pt", "peft_kvcache_format": str(FORMAT_VERSION)})
             (staging / CONFIG_NAME).write_text(config_text)
             dtype = str(self.tensors["keys.0.weight"].dtype).removeprefix("torch.")
             render_card(self.config, repo_id or target.name, chart=has_chart, weights_dtype=dtype).save(
@@ -292,6 +298,18 @@ def _read_tensors(weights_path: Path, expected: dict[str, tuple[int, ...]]) -> d
     return tensors
 
 
+def _holds_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether the safetensors file ``path`` holds exactly ``tensors`` (names, dtypes and values)."""
+    try:
+        with safe_open(path, framework="pt") as handle:
+            if set(handle.keys()) != set(tensors):
+                return False
+            return all(torch.equal(handle.get_tensor(name), tensor) and handle.get_tensor(name).dtype == tensor.dtype
+                       for name, tensor in tensors.items())
+    except (SafetensorError, OSError, RuntimeError):
+        return False
+
+
 def is_map_folder(folder: Path, complete: bool = False) -> bool:
     """Whether ``folder`` holds a peft-kvcache map (its ``config.json`` carries our keys); with ``complete``, its
     weights file too."""
@@ -362,6 +380,15 @@ def resolve_map_folder(path_or_repo_id: str | os.PathLike, *, revision: str | No
         raise ArtifactError(f"the Hub cache's revision of {spec!r} points outside the cache ({folder}); delete "
                             f"{cache / ('models--' + spec.replace('/', '--'))} and download it again")
     return Path(folder)
+
+
+def _how_to_fit(config: KVMapConfig) -> str:
+    """What to run to fit a map like ``config``'s for the user's own weights."""
+    if config.pair_kind == "same_shape":
+        return ("Fit maps for your weights: peft-kvcache calibrate-adapters --base <your base model> --adapter "
+                "NAME=<adapter folder> --data stdlib --output maps (or AdapterMaps.calibrate)")
+    return ("Fit a map for your weights: peft-kvcache calibrate --source <source model> --target <target model> "
+            "--data stdlib --output maps/<name> (or KVMap.calibrate)")
 
 
 def rotary_of_record(record, inv_freq: torch.Tensor) -> RotarySpec:

@@ -129,10 +129,13 @@ class ContextCache(DynamicCache):
         if self._refeed:
             return query_length, 0
         if not self._continuation_checked and isinstance(query_length, int) and query_length == 0:
-            raise CacheMismatchError(  # generate() sliced away every token: the prompt is not longer than the cache
-                f"generate() was given no token beyond the {self.get_seq_length()} the mapped cache holds: pass the "
-                "whole conversation as input_ids (the mapped context plus at least one new token)")
+            # generate() sliced away every token: the prompt is not longer than the cache
+            raise CacheMismatchError(self._nothing_beyond())
         return super().get_mask_sizes(query_length, *args, **kwargs)
+
+    def _nothing_beyond(self) -> str:
+        return (f"generate() was given no token beyond the {self.get_seq_length()} the cache holds: pass the whole "
+                "conversation as input_ids (the cached context plus at least one new token)")
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return 0 if self._refeed else super().get_query_offset(layer_idx)
@@ -166,7 +169,9 @@ class ContextCache(DynamicCache):
         if layer_idx == 0:
             position_ids = update_positions(update_kwargs)
             starts = None if position_ids is None else int(position_ids.reshape(-1)[0])
-            if key_states.shape[2] <= held or starts not in (0, None):
+            if key_states.shape[2] <= held:
+                raise CacheMismatchError(self._nothing_beyond())
+            if starts not in (0, None):
                 raise CacheMismatchError(f"assisted decoding re-fed {key_states.shape[2]} tokens from position {starts} "
                                          f"onto a cache of {held}: expected the whole prompt from position 0")
         layer.keys = torch.cat([layer.keys, key_states[:, :, held:].to(layer.keys.dtype)], dim=2)
