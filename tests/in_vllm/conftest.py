@@ -25,6 +25,7 @@ ADAPTERS = {"shout": ROOT / "adapters" / "shout", "docstring": ROOT / "adapters"
 SYSTEM = ("You are a careful Python documentation assistant. You read one Python function at a time and write the "
           "docstring that belongs to it: what it computes, every parameter with its type, the return value and the "
           "exceptions it raises on purpose. Keep the first line short, in the imperative mood. ") * 6
+BASE_NAME = "smollm2"  # the base model's served name: labels name it (mapped:smollm2)
 FUNCTIONS = ["def clamp(x, lo, hi):\n    return max(lo, min(x, hi))\n",
              "def chunks(seq, n):\n    for i in range(0, len(seq), n):\n        yield seq[i:i + n]\n",
              "def mean(xs):\n    return sum(xs) / len(xs)\n"]
@@ -81,8 +82,8 @@ def engine(model_folder: Path, *, dtype: str = "float32", llm_args: dict | None 
                                 kv_connector_module_path="peft_kvcache.vllm.connector",
                                 kv_connector_extra_config={key: str(v) if isinstance(v, Path) else v
                                                            for key, v in options.items()})
-    llm = LLM(model=str(model_folder), dtype=dtype, enforce_eager=True, enable_lora=True, max_lora_rank=8,
-              max_loras=4, max_model_len=2048, max_num_seqs=4, seed=0, kv_transfer_config=transfer,
+    llm = LLM(model=str(model_folder), served_model_name=BASE_NAME, dtype=dtype, enforce_eager=True, enable_lora=True,
+              max_lora_rank=8, max_loras=4, max_model_len=2048, max_num_seqs=4, seed=0, kv_transfer_config=transfer,
               disable_log_stats=False, **(llm_args or {}))
     try:
         yield llm

@@ -41,7 +41,7 @@ def test_a_switch_maps_the_base_prefix_and_matches_the_adapters_own_prefill(mapp
     mapped = run(mapping, prompt(1), "shout")
     reference = run(mapping, prompt(1), "shout", salt="reference", reuse="none")
     label = mapped.kv_transfer_params["peft_kvcache"]
-    assert label["context_source"] == "mapped:base" and label["loaded_tokens"] >= MIN_MAPPED
+    assert label["context_source"] == "mapped:smollm2" and label["loaded_tokens"] >= MIN_MAPPED
     assert label["loaded_tokens"] % 128 == 0 and label["prefilled_tokens"] >= 1 and label["engine_cached_tokens"] == 0
     assert mapped.num_cached_tokens == label["loaded_tokens"]
     assert source_of(reference) == "prefilled" and reference.num_cached_tokens == 0
@@ -57,7 +57,7 @@ def test_mapped_blocks_are_never_served_as_the_adapters_exact_cache(mapping, pro
     again = run(mapping, prompt(2), "shout")
     for out in (first, again):
         label = out.kv_transfer_params["peft_kvcache"]
-        assert label["context_source"] == "mapped:base" and label["engine_cached_tokens"] == 0
+        assert label["context_source"] == "mapped:smollm2" and label["engine_cached_tokens"] == 0
 
 
 def test_a_request_can_ask_for_exact_reuse_only(mapping, prompt):
@@ -104,7 +104,7 @@ def test_mapped_injection_gives_the_librarys_next_token_logits(mapping, prompt, 
     run(mapping, ids, None)
     out = run(mapping, ids, "shout")
     loaded = out.kv_transfer_params["peft_kvcache"]["loaded_tokens"]
-    assert source_of(out) == "mapped:base"
+    assert source_of(out) == "mapped:smollm2"
     base = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
     model = PeftModel.from_pretrained(base, str(ADAPTERS["shout"]), adapter_name="shout").eval()
     kv_map = KVMap.from_pretrained(mapping_maps(mapping) / "smollm2-135m-instruct-base-to-shout")
@@ -209,7 +209,7 @@ def test_naive_mode_injects_the_base_prefix_unmapped_and_says_so(model_folder, p
         out = run(llm, prompt(1), "shout")
         reference = run(llm, prompt(1), "shout", salt="reference", reuse="none")
     label = out.kv_transfer_params["peft_kvcache"]
-    assert label["context_source"] == "shared:base" and label["loaded_tokens"] >= MIN_MAPPED
+    assert label["context_source"] == "naive:smollm2" and label["loaded_tokens"] >= MIN_MAPPED
     assert source_of(reference) == "prefilled"
 
 
@@ -242,7 +242,7 @@ def test_an_engine_restart_loses_only_the_store(model_folder, maps_folder, promp
             assert label["context_source"] == "prefilled" and "fallback" not in label and out.num_cached_tokens == 0
             _warm_sink(llm, prompt, "shout")
             run(llm, prompt(1), None)
-            assert source_of(run(llm, prompt(1), "shout")) == "mapped:base"
+            assert source_of(run(llm, prompt(1), "shout")) == "mapped:smollm2"
 
 
 def test_a_quantized_kv_cache_is_refused_by_the_worker_and_served_by_prefill(model_folder, maps_folder, prompt):
