@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import weakref
 from collections.abc import Callable
@@ -76,24 +77,47 @@ def fingerprint_files(model_dir: str | os.PathLike, adapter_dir: str | os.PathLi
     them), with the PEFT adapter of ``adapter_dir`` active on top, read from the files without building the model:
     what a serving engine that loads those files (vLLM, say) serves. Tied weights count once, as in the model.
 
+    Only the sampled values are read (``safe_open(...).get_slice``: a few bytes per tensor, whatever the model's
+    size), and the result is memoized by the files' identity (path, size, modification time, inode): files replaced
+    at the same path are read again.
+
     Example:
         >>> fingerprint_files("models/smollm2", "adapters/shout") == fingerprint(peft_model)   # doctest: +SKIP
         True
     """
-    from safetensors import safe_open
-
     model_dir = Path(model_dir)
-    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise IncompatibleModelsError(f"{model_dir} holds no *.safetensors weights to fingerprint")
+    adapter_files = [] if adapter_dir is None else [Path(adapter_dir) / "adapter_config.json",
+                                                   Path(adapter_dir) / "adapter_model.safetensors"]
+    key = tuple(_file_identity(path) for path in [model_dir / "config.json", *files, *adapter_files])
+    if key not in _FILE_PRINTS:
+        if len(_FILE_PRINTS) >= 64:
+            _FILE_PRINTS.pop(next(iter(_FILE_PRINTS)))
+        _FILE_PRINTS[key] = _fingerprint_files(model_dir, files, adapter_dir)
+    return _FILE_PRINTS[key]
+
+
+_FILE_PRINTS: dict[tuple, str] = {}
+
+
+def _file_identity(path: Path) -> tuple:
+    stat = path.stat()
+    return str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino
+
+
+def _fingerprint_files(model_dir: Path, files: list[Path], adapter_dir) -> str:
+    from safetensors import safe_open
+
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     named = {}
     for path in files:
         with safe_open(path, framework="pt") as handle:
             for name in handle.keys():
                 if name == "lm_head.weight" and config.get("tie_word_embeddings", False):
                     continue  # the model shares the embeddings' tensor: one parameter
-                named[_canonical_name(name)] = handle.get_tensor(name)
+                named[_canonical_name(name)] = _sampled(handle.get_slice(name))
     if adapter_dir is not None:
         adapter_config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text(encoding="utf-8"))
         if adapter_config.get("peft_type") != "LORA" or adapter_config.get("modules_to_save"):
@@ -104,21 +128,48 @@ def fingerprint_files(model_dir: str | os.PathLike, adapter_dir: str | os.PathLi
                 parts = name.split(".")
                 lora = next(i for i, part in enumerate(parts) if part.startswith("lora_"))
                 named[_canonical_name(".".join(parts[: lora + 1] + ["adapter"] + parts[lora + 1:]))] = (
-                    handle.get_tensor(name))
-    return _digest(sorted((n, t) for n, t in named.items() if t.is_floating_point()))
+                    _sampled(handle.get_slice(name)))
+    return _digest_samples(sorted((n, s) for n, s in named.items() if s is not None))
+
+
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+
+
+def _sampled(sliced) -> tuple[tuple[int, ...], torch.Tensor] | None:
+    """``(shape, the sampled values)`` of a tensor in a safetensors file, reading only those values (None for a
+    tensor that is not floating point)."""
+    if sliced.get_dtype() not in _FLOAT_DTYPES:
+        return None
+    shape = tuple(sliced.get_shape())
+    numel = math.prod(shape)
+    values = []
+    for flat in _sample_index(numel).tolist():
+        index = []
+        for size in reversed(shape):
+            index.append(flat % size)
+            flat //= size
+        values.append(sliced[tuple(slice(i, i + 1) for i in reversed(index))].reshape(-1))
+    return shape, torch.cat(values) if values else torch.empty(0)
+
+
+def _sample_index(numel: int) -> torch.Tensor:
+    """The ``_SAMPLES_PER_TENSOR`` evenly spaced flat positions a fingerprint reads of a tensor of ``numel``."""
+    count = min(_SAMPLES_PER_TENSOR, numel)
+    return torch.arange(count) * (numel - 1) // max(count - 1, 1)
 
 
 def _digest(named: list[tuple[str, torch.Tensor]]) -> str:
     """sha256 over (canonical name, shape, ``_SAMPLES_PER_TENSOR`` evenly spaced values rounded to bfloat16)."""
+    return _digest_samples([(name, (tuple(tensor.shape), tensor.reshape(-1)[_sample_index(tensor.numel()).to(
+        tensor.device)])) for name, tensor in named])
+
+
+def _digest_samples(samples: list[tuple[str, tuple[tuple[int, ...], torch.Tensor]]]) -> str:
     digest = hashlib.sha256()
-    for name, tensor in named:
-        flat = tensor.reshape(-1)
-        count = min(_SAMPLES_PER_TENSOR, flat.numel())
-        index = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)
-        sample = flat[index].to(torch.bfloat16).cpu().view(torch.int16)
+    for name, (shape, values) in samples:
         digest.update(name.encode())
-        digest.update(str(tuple(tensor.shape)).encode())
-        digest.update(sample.numpy().tobytes())
+        digest.update(str(shape).encode())
+        digest.update(values.to(torch.bfloat16).cpu().view(torch.int16).numpy().tobytes())
     return digest.hexdigest()
 
 

@@ -20,18 +20,21 @@ import logging
 from collections import Counter
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+from .options import ConnectorOptions, check_vllm_version
+
+check_vllm_version()  # before vLLM's internals are imported: another release may have moved them
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats  # noqa: E402
 
-from .jobs import LoadJob, WorkerReport
-from .options import ConnectorOptions
-from .scheduler import SchedulerSide
-from .worker import WorkerSide
+from .jobs import LoadJob, WorkerReport  # noqa: E402
+from .scheduler import SchedulerSide  # noqa: E402
+from .worker import WorkerSide  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +130,7 @@ class PeftKVCacheConnector(KVConnectorBase_V1):
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
             self.scheduler = SchedulerSide(vllm_config, options)
         else:
-            self.worker = WorkerSide(vllm_config)
+            self.worker = WorkerSide(vllm_config, kv_cache_config)
 
     # ----- scheduler side -----
 

