@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from peft_kvcache import KVMap, MappedCache
-from peft_kvcache.calibration.loop import CalibrationTexts, ModelSide, StatisticsRun, build_map, collect
+from peft_kvcache.calibration.loop import ModelSide, StatisticsRun, build_map, collect
+from peft_kvcache.calibration.texts import CalibrationTexts
 from peft_kvcache.calibration.retention import (
     RetentionReport,
     VariantScores,

@@ -17,3 +17,22 @@ def test_a_target_model_with_nan_weights_fails_calibration_by_name():
     with pytest.raises(NumericalError, match="target 'target' features contain NaN or Inf"):
         KVMap.calibrate(source, target, random_ids(4, 10), **CALIBRATION_OPTIONS)
 
+
+
+def test_the_held_out_split_is_capped_by_tokens_when_texts_differ_in_length():
+    """Whole texts split by count: one long held-out text would hold out more tokens than the rest train on; its
+    chunks are capped (round robin, at least one per held-out text) to fraction / (1 - fraction) of the training
+    tokens. Texts of one length keep every chunk."""
+    from peft_kvcache.calibration.texts import capped_heldout, heldout_flags
+
+    lengths = [3, 3, 3, 3, 40, 3, 3, 3, 3, 30]  # chunks per text; texts 4 and 9 are held out (every 5th)
+    chunks = [[torch.zeros(10, dtype=torch.long)] * n for n in lengths]
+    flags = heldout_flags(len(chunks), 0.2)
+    assert [i for i, f in enumerate(flags) if f] == [4, 9]
+    capped = capped_heldout(chunks, flags, 0.2)
+    train = sum(10 * n for n, f in zip(lengths, flags) if not f)
+    held = sum(10 * len(capped[i]) for i in (4, 9))
+    assert held <= 0.25 * train < held + 20 and abs(len(capped[4]) - len(capped[9])) <= 1  # round robin
+    assert [len(capped[i]) for i, f in enumerate(flags) if not f] == [n for n, f in zip(lengths, flags) if not f]
+    even = [[torch.zeros(10, dtype=torch.long)] for _ in range(10)]
+    assert capped_heldout(even, flags, 0.2) is even

@@ -12,25 +12,25 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ..errors import CacheMismatchError, CalibrationError, RecordError
-from ..lab.corpus import token_ids
+from ..errors import CalibrationError, RecordError
 from ..maps.adapter_maps import AdapterMaps
-from ..maps.config import CalibrationConfig, CalibrationRecord, DataRecord, KVMapConfig, ModelSpec, TextRecord
+from ..maps.config import CalibrationConfig, CalibrationRecord, KVMapConfig, ModelSpec
 from ..maps.kvmap import KVMap
 from ..modeling.adapters import adapter_active, is_activated_lora, is_peft_model
 from ..modeling.capture import CapturedKV, batches, run_with_cache
 from ..modeling.identity import cached_fingerprint, check_pair, model_name
-from ..modeling.layout import KVLayout, check_token_ids, layer_features, vocab_size_of
+from ..modeling.layout import KVLayout, layer_features, vocab_size_of
 from ..modeling.positions import RotarySpec, position_free_keys, positions_from_mask, rotary_spec_of
 from .checkpoint import CalibrationCheckpoint, Progress, run_digest
 from .fit import SufficientStatistics, all_reduce_statistics, fit_layers, fit_same_layers
+from .texts import CalibrationTexts
 
 logger = logging.getLogger(__name__)
 
@@ -55,78 +55,6 @@ class ModelSide:
 
 
 # ----- data -----
-
-
-def heldout_flags(count: int, heldout_fraction: float) -> list[bool]:
-    """Which of ``count`` texts form the held-out split: every ``round(1 / fraction)``-th (at most every second),
-    at least one."""
-    if not 0 < heldout_fraction < 1:
-        raise CalibrationError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
-    if count < 2:
-        raise CalibrationError(f"calibration needs at least 2 texts (train and held-out), got {count}")
-    period = max(2, round(1 / heldout_fraction))
-    flags = [i % period == period - 1 for i in range(count)]
-    if not any(flags):
-        flags[-1] = True
-    return flags
-
-
-@dataclass
-class CalibrationTexts:
-    """The calibration data cut into chunks; every chunk belongs to one named text and every text to one split."""
-
-    names: list[str]
-    chunks: list[list[torch.Tensor]]  # per text
-    heldout: list[bool]  # per text
-
-    @classmethod
-    def build(cls, data: Mapping[str, str | torch.Tensor] | Iterable[str | torch.Tensor], tokenizer,
-              config: CalibrationConfig, vocab_size: int | None = None) -> "CalibrationTexts":
-        """Tokenize (texts need ``tokenizer``), cut into chunks of ``config.max_length`` (the first
-        ``config.chunks_per_text`` if set; chunks shorter than the sink + 2 tokens are dropped) and split whole
-        texts. A single text is split by chunks instead, each chunk named ``<name>#<i>``."""
-        items = list(data.items()) if isinstance(data, Mapping) else [(f"text-{i}", x) for i, x in enumerate(data)]
-        names, chunks = [], []
-        for name, item in items:
-            ids = _token_ids(item, tokenizer, vocab_size)
-            pieces = [c for c in ids.split(config.max_length) if c.numel() >= config.sink_tokens + 2]
-            pieces = pieces[: config.chunks_per_text] if config.chunks_per_text else pieces
-            if pieces:
-                names.append(str(name))
-                chunks.append(pieces)
-        if not names:
-            raise CalibrationError(f"the calibration set is empty: no text has {config.sink_tokens + 2} tokens")
-        if len(names) == 1 and len(chunks[0]) > 1:
-            names = [f"{names[0]}#{i}" for i in range(len(chunks[0]))]
-            chunks = [[c] for c in chunks[0]]
-        return cls(names, chunks, heldout_flags(len(names), config.heldout_fraction))
-
-    def split(self, split: str) -> list[torch.Tensor]:
-        """The chunks of ``split`` (``"train"`` or ``"heldout"``), text by text."""
-        return [c for pieces, held in zip(self.chunks, self.heldout) if held == (split == "heldout") for c in pieces]
-
-    def record(self, description: str = "") -> DataRecord:
-        """The `DataRecord` of these texts: each text's name, token count and split."""
-        texts = [TextRecord(name, sum(len(c) for c in pieces), "heldout" if held else "train")
-                 for name, pieces, held in zip(self.names, self.chunks, self.heldout)]
-        return DataRecord(description=description, texts=texts)
-
-    def all_chunks(self) -> list[torch.Tensor]:
-        """Every chunk of every text, in order (both splits)."""
-        return [c for pieces in self.chunks for c in pieces]
-
-
-def _token_ids(item, tokenizer, vocab_size: int | None) -> torch.Tensor:
-    if isinstance(item, str):
-        if tokenizer is None:
-            raise CalibrationError("calibration texts need a tokenizer: pass tokenizer=...")
-        item = token_ids(tokenizer, item)
-    if (item.numel() if isinstance(item, torch.Tensor) else len(item) if isinstance(item, (list, tuple)) else 1) == 0:
-        return torch.empty(0, dtype=torch.long)  # too short to use: dropped with the other short texts
-    try:
-        return check_token_ids(item, vocab_size, "calibration token ids", dims=(1,))
-    except CacheMismatchError as err:
-        raise CalibrationError(str(err)) from None
 
 
 # ----- the loop -----
@@ -439,5 +367,5 @@ def calibrate_missing(model, tokenizer, adapters: Sequence[str], maps: AdapterMa
     return maps
 
 
-__all__ = ["BASE", "CalibrationTexts", "ModelSide", "StatisticsRun", "build_map", "calibrate", "calibrate_adapters",
-           "calibrate_missing", "collect", "heldout_flags", "join_process_group", "resolve_config", "stacked_features"]
+__all__ = ["BASE", "ModelSide", "StatisticsRun", "build_map", "calibrate", "calibrate_adapters",
+           "calibrate_missing", "collect", "join_process_group", "resolve_config", "stacked_features"]
