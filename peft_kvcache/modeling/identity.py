@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import struct
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -77,9 +78,8 @@ def fingerprint_files(model_dir: str | os.PathLike, adapter_dir: str | os.PathLi
     them), with the PEFT adapter of ``adapter_dir`` active on top, read from the files without building the model:
     what a serving engine that loads those files (vLLM, say) serves. Tied weights count once, as in the model.
 
-    Only the sampled values are read (``safe_open(...).get_slice``: a few bytes per tensor, whatever the model's
-    size), and the result is memoized by the files' identity (path, size, modification time, inode): files replaced
-    at the same path are read again.
+    Only the sampled values are read (a few bytes per tensor, whatever the model's size), and each file's samples are memoized by its identity (path, size, modification time, inode): a base model
+    read once serves every adapter's fingerprint, and files replaced at the same path are read again.
 
     Example:
         >>> fingerprint_files("models/smollm2", "adapters/shout") == fingerprint(peft_model)   # doctest: +SKIP
@@ -89,67 +89,66 @@ def fingerprint_files(model_dir: str | os.PathLike, adapter_dir: str | os.PathLi
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise IncompatibleModelsError(f"{model_dir} holds no *.safetensors weights to fingerprint")
-    adapter_files = [] if adapter_dir is None else [Path(adapter_dir) / "adapter_config.json",
-                                                   Path(adapter_dir) / "adapter_model.safetensors"]
-    key = tuple(_file_identity(path) for path in [model_dir / "config.json", *files, *adapter_files])
-    if key not in _FILE_PRINTS:
-        if len(_FILE_PRINTS) >= 64:
-            _FILE_PRINTS.pop(next(iter(_FILE_PRINTS)))
-        _FILE_PRINTS[key] = _fingerprint_files(model_dir, files, adapter_dir)
-    return _FILE_PRINTS[key]
-
-
-_FILE_PRINTS: dict[tuple, str] = {}
-
-
-def _file_identity(path: Path) -> tuple:
-    stat = path.stat()
-    return str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino
-
-
-def _fingerprint_files(model_dir: Path, files: list[Path], adapter_dir) -> str:
-    from safetensors import safe_open
-
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     named = {}
     for path in files:
-        with safe_open(path, framework="pt") as handle:
-            for name in handle.keys():
-                if name == "lm_head.weight" and config.get("tie_word_embeddings", False):
-                    continue  # the model shares the embeddings' tensor: one parameter
-                named[_canonical_name(name)] = _sampled(handle.get_slice(name))
+        for name, sample in _file_samples(path).items():
+            if name == "lm_head.weight" and config.get("tie_word_embeddings", False):
+                continue  # the model shares the embeddings' tensor: one parameter
+            named[_canonical_name(name)] = sample
     if adapter_dir is not None:
         adapter_config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text(encoding="utf-8"))
         if adapter_config.get("peft_type") != "LORA" or adapter_config.get("modules_to_save"):
             raise IncompatibleModelsError(f"{adapter_dir}: only LoRA adapters without modules_to_save can be "
                                           "fingerprinted from their files")
-        with safe_open(Path(adapter_dir) / "adapter_model.safetensors", framework="pt") as handle:
-            for name in handle.keys():  # "...q_proj.lora_A.weight": the adapter's name is not in the file
-                parts = name.split(".")
-                lora = next(i for i, part in enumerate(parts) if part.startswith("lora_"))
-                named[_canonical_name(".".join(parts[: lora + 1] + ["adapter"] + parts[lora + 1:]))] = (
-                    _sampled(handle.get_slice(name)))
+        for name, sample in _file_samples(Path(adapter_dir) / "adapter_model.safetensors").items():
+            parts = name.split(".")  # "...q_proj.lora_A.weight": the adapter's name is not in the file
+            lora = next(i for i, part in enumerate(parts) if part.startswith("lora_"))
+            named[_canonical_name(".".join(parts[: lora + 1] + ["adapter"] + parts[lora + 1:]))] = sample
     return _digest_samples(sorted((n, s) for n, s in named.items() if s is not None))
 
 
-_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+_FILE_SAMPLES: dict[tuple, dict] = {}
 
 
-def _sampled(sliced) -> tuple[tuple[int, ...], torch.Tensor] | None:
-    """``(shape, the sampled values)`` of a tensor in a safetensors file, reading only those values (None for a
-    tensor that is not floating point)."""
-    if sliced.get_dtype() not in _FLOAT_DTYPES:
-        return None
-    shape = tuple(sliced.get_shape())
-    numel = math.prod(shape)
-    values = []
-    for flat in _sample_index(numel).tolist():
-        index = []
-        for size in reversed(shape):
-            index.append(flat % size)
-            flat //= size
-        values.append(sliced[tuple(slice(i, i + 1) for i in reversed(index))].reshape(-1))
-    return shape, torch.cat(values) if values else torch.empty(0)
+def _file_samples(path: Path) -> dict:
+    """``{tensor name: (shape, sampled values) or None}`` of one safetensors file, memoized by the file's identity.
+    Only the sampled values' bytes are read: the header gives each tensor's offset, and the file is mapped, not read."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    if key not in _FILE_SAMPLES:
+        if len(_FILE_SAMPLES) >= 256:
+            _FILE_SAMPLES.pop(next(iter(_FILE_SAMPLES)))
+        _FILE_SAMPLES[key] = _read_samples(path)
+    return _FILE_SAMPLES[key]
+
+
+# safetensors dtype names of floating-point tensors -> their torch dtypes (others are not fingerprinted)
+_FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _read_samples(path: Path) -> dict:
+    import numpy as np
+
+    with open(path, "rb") as f:
+        header_size = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(header_size))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_size)
+    samples = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _FLOAT_DTYPES.get(info["dtype"])
+        if dtype is None:
+            samples[name] = None
+            continue
+        shape, size = tuple(info["shape"]), dtype.itemsize
+        flat = _sample_index(math.prod(shape)).numpy()
+        offsets = (info["data_offsets"][0] + flat[:, None] * size + np.arange(size)).reshape(-1)
+        values = torch.frombuffer(bytearray(np.asarray(data[offsets]).tobytes()), dtype=dtype)
+        samples[name] = (shape, values)
+    return samples
 
 
 def _sample_index(numel: int) -> torch.Tensor:
