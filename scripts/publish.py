@@ -47,6 +47,7 @@ from benchmarks.tasks import continuation_examples
 from peft_kvcache import AdapterMaps, KVMap
 from peft_kvcache.calibration.blend import choose_adapter_blends
 from peft_kvcache.calibration.loop import calibrate_adapters
+from peft_kvcache.calibration.sinks import conversation_starts, ship_target_sinks
 from peft_kvcache.lab.corpus import (
     corpus_description,
     docstring_chat,
@@ -56,7 +57,8 @@ from peft_kvcache.lab.corpus import (
 )
 from peft_kvcache.modeling.fixtures import fixture_available, load_model
 from peft_kvcache.maps.adapter_maps import folder_name
-from peft_kvcache.maps.config import CalibrationConfig, GateRecord, QualityRecord, Refresh, from_json
+from peft_kvcache.maps.config import CalibrationConfig, GateRecord, QualityRecord, Refresh
+from peft_kvcache.maps.records import from_json
 from peft_kvcache.modeling.adapters import adapter_active
 from peft_kvcache.modeling.capture import run_with_cache
 from scripts import figures
@@ -344,6 +346,20 @@ class Publisher:
             _publish(kv_map, name, dtypes.get(folder_name(PREFIX, adapter, False), "float32"))
 
 
+    def adapter_sinks(self) -> None:
+        """Ship each published adapter map's target sink for the conversation starts of SmolLM2's chat template and
+        BOS (`peft_kvcache.calibration.sinks`): a serving engine maps a switch from its first request on. Weights and
+        figures are unchanged."""
+        model, tokenizer = self.adapter_model()
+        for adapter in ADAPTERS:
+            for reverse in (False, True):
+                name = folder_name(PREFIX, adapter, reverse)
+                kv_map = KVMap.from_pretrained(HUB_CARDS / name)
+                with adapter_active(model, None if reverse else adapter):
+                    shipped = ship_target_sinks(kv_map, model, conversation_starts(tokenizer, kv_map.config.sink_tokens))
+                shipped.save_pretrained(HUB_CARDS / name, repo_id=f"hub_cards/{name}", overwrite=True)
+                logger.info("shipped %d target sink(s) in %s", len(shipped.config.sinks), name)
+
     def render_cards(self) -> None:
         """Render every published card again from its own config.json (after a change of the card's template or of
         the code paths its snippet names): config and weights are written back as they are."""
@@ -426,6 +442,7 @@ STAGES = (
     Stage("cards", "serve_load", SMOL, makes=("serve-load",)),  # maps: the published ones, else fitted there
     Stage("cards", "readme", (), ("siblings", *ADAPTER_RETENTION, *SIBLING_TTFT, *ADAPTER_TTFT, "serve-load",
                                   "published sibling maps")),
+    Stage("cards", "adapter_sinks", SMOL, ("published adapter maps",)),
     Stage("cards", "render_cards"),
 )
 FAMILIES = tuple(dict.fromkeys(stage.family for stage in STAGES))

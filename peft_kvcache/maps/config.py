@@ -275,6 +275,9 @@ class KVMapConfig:
     nonlinear: NonlinearRecord | None = _help("residual MLP heads (None: a purely linear map)", default=None)
     blend: BlendRecord | None = _help("same-shape maps: the blend toward the source cache folded into the weights",
                                       default=None)
+    sinks: list[list[int]] = _help("conversation starts (their first sink_tokens token ids) whose target KV the map "
+                                   "ships (sink.<i>.keys / .values): the target's own attention sink, for an engine "
+                                   "that cannot run the target itself", default_factory=list)
     format_version: int = FORMAT_VERSION
     library_version: str = __version__
 
@@ -344,6 +347,10 @@ class KVMapConfig:
             if not 0 < self.nonlinear.hidden <= 65536:
                 raise RecordError(f"{where}.nonlinear.hidden must be in 1..65536, got {self.nonlinear.hidden}")
         self.calibration.options.validate(f"{where}.calibration.options")
+        if any(len(start) != self.sink_tokens or min(start, default=0) < 0 or max(start, default=0) >= self.vocab_size
+               for start in self.sinks) or len(set(map(tuple, self.sinks))) != len(self.sinks):
+            raise RecordError(f"{where}.sinks must list distinct starts of {self.sink_tokens} token ids in "
+                              f"0..{self.vocab_size - 1}")
         gate = self.quality.gate
         if gate is not None and len(gate.attention_cosine_per_layer) != targets:
             raise RecordError(f"{where}.quality.gate lists {len(gate.attention_cosine_per_layer)} layer cosines for "
@@ -363,9 +370,13 @@ def expected_shapes(config: KVMapConfig) -> dict[str, tuple[int, ...]]:
         for t in config.mlp_layers(kind):  # residual MLP heads (peft_kvcache.calibration.nonlinear)
             shapes.update({f"{kind}.{t}.mlp.w1": (tgt.layer_width, hidden), f"{kind}.{t}.mlp.b1": (hidden,),
                            f"{kind}.{t}.mlp.w2": (hidden, tgt.layer_width), f"{kind}.{t}.mlp.b2": (tgt.layer_width,)})
+    for i, start in enumerate(config.sinks):  # the target's own KV of each shipped conversation start
+        for kind in ("keys", "values"):
+            shapes[f"sink.{i}.{kind}"] = (tgt.num_layers, tgt.kv_heads, len(start), tgt.head_dim)
     return shapes
 
 
 def parameter_count(config: KVMapConfig) -> int:
     """Weights of a map with this config (the rotary frequencies excluded)."""
-    return sum(math.prod(shape) for name, shape in expected_shapes(config).items() if not name.endswith("inv_freq"))
+    return sum(math.prod(shape) for name, shape in expected_shapes(config).items()
+               if not name.endswith("inv_freq") and not name.startswith("sink."))

@@ -106,6 +106,16 @@ class KVMap:
             self._placed[key] = tuple(self.tensors[f"{kind}.{layer}.{p}"].to(device=device, dtype=dtype) for p in parts)
         return self._placed[key]
 
+    def shipped_sink(self, start) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The target's own keys and values ``[num_layers, kv_heads, sink_tokens, head_dim]`` (keys post-RoPE at
+        positions 0..) of a conversation that starts with the token ids ``start``, where the map ships them
+        (``config.sinks``); None otherwise."""
+        starts = [tuple(s) for s in self.config.sinks]
+        if tuple(start) not in starts:
+            return None
+        i = starts.index(tuple(start))
+        return self.tensors[f"sink.{i}.keys"], self.tensors[f"sink.{i}.values"]
+
     @property
     def num_parameters(self) -> int:
         """Weights of the map (rotary frequencies excluded)."""
