@@ -37,9 +37,25 @@ def test_matches_are_whole_blocks_per_variant_and_salt():
     index.add(SHOUT, None, _tokens(8))
     index.add(BASE, "tenant", _tokens(12))
     found = index.matches(None, _tokens(10) + [99, 99], limit_blocks=3)
-    assert {v: m.blocks for v, m in found.items()} == {BASE: 2, SHOUT: 2}  # block 3 differs
+    assert {v: m.blocks for v, m in found.items()} == {(BASE, True): 2, (SHOUT, True): 2}  # block 3 differs
     assert index.matches("other", _tokens(12), limit_blocks=3) == {}  # salted requests share only with their salt
-    assert index.matches("tenant", _tokens(12), limit_blocks=2)[BASE].blocks == 2  # never past the limit
+    assert index.matches("tenant", _tokens(12), limit_blocks=2)[BASE, True].blocks == 2  # never past the limit
+
+
+def test_derived_entries_sit_beside_exact_ones_and_never_replace_them():
+    """What a mapped request computed is kept as derived: served as such, superseded by a longer derived prefix or by
+    an exact one of at least its length, and never in an exact entry's place."""
+    from peft_kvcache.runtime.reuse import Made
+
+    index = StoreIndex(max_bytes=10**6, block_size=4, bytes_per_token=1)
+    derived, _ = index.add(SHOUT, None, _tokens(8), Made("mapped", None, 8, 1))
+    exact, _ = index.add(SHOUT, None, _tokens(4))
+    found = index.matches(None, _tokens(8), limit_blocks=2)
+    assert found[SHOUT, False].blocks == 2 and found[SHOUT, True].blocks == 1
+    assert index.add(SHOUT, None, _tokens(4), Made("mapped", None, 4, 1)) == (None, [])  # held: exactly
+    longer, dropped = index.add(SHOUT, None, _tokens(12))  # exact, longer: both go
+    assert set(dropped) == {derived.key, exact.key} and len(index) == 1
+    assert index.drop_variant(SHOUT) == [longer.key] and len(index) == 0
 
 
 def test_a_longer_prefix_supersedes_the_shorter_ones_of_its_variant_and_a_held_one_is_not_stored_twice():
@@ -79,10 +95,14 @@ def test_options_that_cannot_be_used_are_refused_by_name(extra, match):
         ConnectorOptions.parse(extra).validate()
 
 
-def test_a_requests_own_choice_is_read_and_a_malformed_one_is_served_exactly():
-    assert request_reuse(None) == request_reuse({}) == request_reuse({"other": 1}) == "map"
-    assert request_reuse({"peft_kvcache": {"reuse": "none"}}) == "none"
-    assert request_reuse({"peft_kvcache": {"reuse": "sometimes"}}) == request_reuse({"peft_kvcache": 3}) == "exact"
+def test_a_requests_own_choice_is_read_and_a_malformed_one_is_served_exactly_and_named_briefly():
+    assert request_reuse(None) == request_reuse({}) == request_reuse({"other": 1}) == ("map", None)
+    assert request_reuse({"peft_kvcache": {"reuse": "none"}}) == ("none", None)
+    for bad, said in (({"reuse": "sometimes"}, "reuse must be one of"), (3, "must be an object"),
+                      ({"reuse": "map", "mode": "fast"}, "unknown keys ['mode']"), ({"x" * 10**6: 1}, "unknown keys"),
+                      ({"reuse": "y" * 10**6}, "reuse must be one of")):
+        reuse, problem = request_reuse({"peft_kvcache": bad})
+        assert reuse == "exact" and said in problem and len(problem) < 200
 
 
 def test_the_default_min_mapped_tokens_is_the_one_the_load_benchmark_measured():
@@ -95,7 +115,7 @@ def test_the_default_min_mapped_tokens_is_the_one_the_load_benchmark_measured():
 
 
 def test_the_benchmarks_first_token_kl_is_a_lower_bound_from_two_top_lists():
-    from benchmarks.vllm_load import first_token_kl
+    from benchmarks.vllm_report import first_token_kl
 
     generator = torch.Generator().manual_seed(0)
     for _ in range(20):

@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats  # noqa: E402
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 from .jobs import LoadJob, WorkerReport  # noqa: E402
 from .scheduler import SchedulerSide  # noqa: E402
@@ -118,19 +119,29 @@ class PeftKVCachePromMetrics(KVConnectorPromMetrics):
 class PeftKVCacheConnector(KVConnectorBase_V1):
     """See the module. vLLM calls every method; each half answers its own."""
 
+    _cache_hit_source = CacheHitSource.HOST  # vLLM's hit metrics attribute the connector's tokens to host memory
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         options = ConnectorOptions.parse(self._kv_transfer_config.kv_connector_extra_config)
         options.validate()
+        async_loads = vllm_config.parallel_config.tensor_parallel_size == 1
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            # A load that fails in the worker is recomputed by the engine, never a failed request (the scheduler
-            # reads this right after building the connector).
-            self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            self.scheduler = SchedulerSide(vllm_config, options)
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                # the scheduler reads it right after building the connector
+                logger.warning("peft-kvcache: kv_load_failure_policy %r -> 'recompute': a load the connector cannot "
+                               "complete (a damaged map, a store entry lost) is recomputed by the engine instead of "
+                               "failing the request", self._kv_transfer_config.kv_load_failure_policy)
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            self.scheduler = SchedulerSide(vllm_config, options, async_loads)
         else:
-            self.worker = WorkerSide(vllm_config, kv_cache_config)
+            self.worker = WorkerSide(vllm_config, kv_cache_config, options.maps if options.mode == "map" else None)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a preempted request's in-flight output is never stale because of the connector
 
     # ----- scheduler side -----
 
@@ -139,11 +150,12 @@ class PeftKVCacheConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         try:
-            return self.scheduler.matched_tokens(request, num_computed_tokens), False
+            tokens = self.scheduler.matched_tokens(request, num_computed_tokens)
         except Exception:  # a request is never failed because of the connector: it is prefilled
             logger.exception("peft-kvcache: matching request %s failed; it is prefilled", request.request_id)
             self.scheduler.plans.pop(request.request_id, None)
             return 0, False
+        return tokens, bool(tokens) and self.scheduler.async_loads
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self.scheduler.allocated(request, blocks.get_block_ids()[0], num_external_tokens)
@@ -159,10 +171,14 @@ class PeftKVCacheConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         try:
-            return False, {"peft_kvcache": self.scheduler.finished(request, block_ids)}
+            hold, label = self.scheduler.finished(request, block_ids)
+            return hold, {"peft_kvcache": label}
         except Exception:
             logger.exception("peft-kvcache: keeping request %s failed; nothing of it is stored", request.request_id)
             return False, None
+
+    def reset_cache(self) -> bool:
+        return self.scheduler.reset()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.scheduler is None:
@@ -186,21 +202,25 @@ class PeftKVCacheConnector(KVConnectorBase_V1):
     def handle_preemptions(self, kv_connector_metadata) -> None:
         if isinstance(kv_connector_metadata, PeftKVCacheMetadata):
             self.worker.before_forward(kv_connector_metadata.ops)
+            kv_connector_metadata.ops = []  # each operation is queued once
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         metadata = self._get_connector_metadata() if self.has_connector_metadata() else None
         if isinstance(metadata, PeftKVCacheMetadata) and metadata.loads:
             self.worker.load(metadata.loads)
-            metadata.loads = []  # start_load_kv may run again in a step; each load is written once
+            metadata.loads = []  # start_load_kv may run again in a step; each load is queued once
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are written whole in start_load_kv, before the first layer runs
+        return  # a loading request waits outside the step until its load is done (or, synchronous, it is written)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
-        return  # finished requests are copied in handle_preemptions of the next step
+        return  # finished requests are copied by the job thread while vLLM holds their blocks
 
     def wait_for_save(self) -> None:
         return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker.finished() if self.worker is not None else (None, None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors() if self.worker is not None else set()

@@ -1,9 +1,9 @@
 """What the connector's two halves tell each other, as plain records (vLLM pickles them between its processes).
 
-The scheduler sends, with each engine step, an ordered list of store operations (keep a finished request's blocks,
-keep a variant's attention sink, drop an entry) and the loads of the requests it scheduled; the worker runs the
-operations before the step's forward pass (the blocks of a finished request may be handed to a new one in that very
-step) and the loads before the layers read them, and reports back what it could not do.
+The scheduler sends, with each engine step, an ordered list of store operations (copy a finished request's blocks and
+its variant's attention sink, drop an entry) and the loads of the requests it scheduled; the worker runs them in
+order, off the engine loop (vLLM holds a finished request's blocks until its copy is done, and a loading request
+waits for its load), and reports back what it finished and what it could not do.
 """
 
 from __future__ import annotations
@@ -13,34 +13,31 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class SaveJob:
-    """Copy ``block_ids`` (whole blocks, in order) into the store as entry ``key``."""
+    """Copy a finished request's ``block_ids`` (whole blocks, in order) into the store as entry ``key`` (None: no
+    entry), and the first ``sink_tokens`` positions of its first block as the sink ``sink_key`` (None: no sink); vLLM
+    holds the blocks until the worker says the request's copy is done."""
 
-    key: str
+    request_id: str
+    key: str | None
     block_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class SinkJob:
-    """Copy the first ``tokens`` positions of block ``block_id`` into the store as the sink ``key``."""
-
-    key: tuple
-    block_id: int
-    tokens: int
+    sink_key: tuple | None = None
+    sink_tokens: int = 1
 
 
 @dataclass(frozen=True)
 class DropJob:
-    """Forget the entry or sink ``key`` (evicted, or superseded by a longer prefix)."""
+    """Forget the entry or sink ``key`` (evicted, superseded by a longer prefix, or of a variant whose files changed);
+    None: everything (a reset)."""
 
-    key: str | tuple
+    key: str | tuple | None
 
 
 @dataclass(frozen=True)
 class LoadJob:
     """Fill ``block_ids`` of request ``request_id`` with the positions ``start`` onwards of entry ``source_key``:
     as they are (``kind`` "reused": the variant's own; "naive": another variant's, the baseline) or mapped
-    by the maps in ``map_folders``, in order (``kind`` "mapped"), the leading positions replaced by the sink
-    ``sink_key``."""
+    by the maps in ``map_folders``, in order (``kind`` "mapped"), the leading positions replaced by the target's own
+    sink: ``("store", key)`` kept from its earlier request, or ``("map", folder, start)`` shipped in a map."""
 
     request_id: str
     kind: str
@@ -60,9 +57,13 @@ class WorkerReport:
     problem: str | None = None
     failed_keys: list = field(default_factory=list)
     failed_loads: list[str] = field(default_factory=list)
+    failed_maps: dict[str, str] = field(default_factory=dict)  # map folder -> why the worker could not load it
 
     def merged(self, other: "WorkerReport") -> "WorkerReport":
-        """Two workers' reports as one (ready only if every worker that said something is)."""
+        """Two workers' reports as one (ready only if every worker that said something is; each rank reports the
+        same failed load: once)."""
         said = [r for r in (self.ready, other.ready) if r is not None]
         return WorkerReport(all(said) if said else None, self.problem or other.problem,
-                            self.failed_keys + other.failed_keys, self.failed_loads + other.failed_loads)
+                            list(dict.fromkeys(self.failed_keys + other.failed_keys)),
+                            list(dict.fromkeys(self.failed_loads + other.failed_loads)),
+                            {**self.failed_maps, **other.failed_maps})

@@ -71,6 +71,9 @@ class ConnectorOptions:
     mode: str = "map"
     store_gib: float = 2.0  # bound of the store of finished requests' KV, least recently used evicted first
     min_mapped_tokens: int = DEFAULT_MIN_MAPPED_TOKENS
+    # how many maps the KV of a stored entry may have passed through (a mapped switch, then the next switch from what
+    # it computed, ...): each one drifts a little further from the target's own (benchmarks/vllm_load.py measures it)
+    max_hops: int = 2
 
     @classmethod
     def parse(cls, extra: dict | None) -> "ConnectorOptions":
@@ -96,6 +99,9 @@ class ConnectorOptions:
             raise ConnectorError(f"{where}.store_gib must be a positive number of GiB, got {self.store_gib!r}")
         if self.min_mapped_tokens < 0:
             raise ConnectorError(f"{where}.min_mapped_tokens must be >= 0, got {self.min_mapped_tokens!r}")
+        if self.max_hops < 1:
+            raise ConnectorError(f"{where}.max_hops must be >= 1 (a mapped load passes through one map at least), got "
+                                 f"{self.max_hops!r}")
         if self.mode == "map" and self.maps is None:
             raise ConnectorError(f"{where}.maps is needed in mode 'map': a folder of map folders (e.g. hub_cards); use mode "
                         "'exact' to reuse only a variant's own prefixes")
@@ -103,16 +109,28 @@ class ConnectorOptions:
             raise ConnectorError(f"{where}.maps: {self.maps!r} is not a folder (of map folders, e.g. hub_cards)")
 
 
-def request_reuse(kv_transfer_params: dict | None) -> str:
-    """A request's reuse choice from its ``kv_transfer_params`` (``{"peft_kvcache": {"reuse": "exact"}}``); "map" by
-    default. A malformed choice is logged and read as "exact": a request is never failed because of the connector,
-    and nothing approximate is served to a request that asked for something else."""
+def request_reuse(kv_transfer_params) -> tuple[str, str | None]:
+    """A request's reuse choice from its ``kv_transfer_params`` (``{"peft_kvcache": {"reuse": "exact"}}``) and what
+    was wrong with it, if anything: ``("map", None)`` by default. Only the key ``reuse`` with one of `REQUEST_REUSE`
+    is taken; anything else (another key, another value, not an object) is read as ``"exact"`` (nothing approximate
+    is served to a request that asked for something else, and a request is never failed because of the connector),
+    and the problem is returned in a few words, its values shortened, for the request's label and one log line."""
+    import reprlib
+
     ours = kv_transfer_params.get("peft_kvcache") if isinstance(kv_transfer_params, dict) else None
     if ours is None:
-        return "map"
-    reuse = ours.get("reuse", "map") if isinstance(ours, dict) else None
-    if reuse not in REQUEST_REUSE:
-        logger.warning("kv_transfer_params.peft_kvcache must be {\"reuse\": one of %s}, got %r: served as \"exact\"",
-                       REQUEST_REUSE, ours)
-        return "exact"
-    return reuse
+        return "map", None
+    shortener = reprlib.Repr()
+    shortener.maxstring = shortener.maxother = 40
+    shortener.maxdict = shortener.maxlist = 4
+    shortener.maxlevel = 2
+    short = shortener.repr
+    if not isinstance(ours, dict):
+        return "exact", f"peft_kvcache must be an object, got {short(ours)}"
+    unknown = sorted(str(key)[:40] for key in ours if key != "reuse")[:4]
+    if unknown:
+        return "exact", f"peft_kvcache has unknown keys {unknown}; it takes only 'reuse'"
+    reuse = ours.get("reuse", "map")
+    if not isinstance(reuse, str) or reuse not in REQUEST_REUSE:
+        return "exact", f"peft_kvcache.reuse must be one of {list(REQUEST_REUSE)}, got {short(reuse)}"
+    return reuse, None

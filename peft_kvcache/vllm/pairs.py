@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import PeftKVCacheError
-from ..maps.registry import UNSUPPORTED_MODEL, Identity, MapMatch, MapRegistry
+from ..maps.registry import UNSUPPORTED_MODEL, UNUSABLE_MAP, Identity, MapMatch, MapRegistry
+from ..modeling.identity import fingerprint_files
 
 logger = logging.getLogger(__name__)
 
@@ -27,9 +28,10 @@ class Variant:
 
 
 class VariantMaps:
-    """The maps between the engine's variants: each variant's `Identity` read from the files the engine loads (once),
-    and the registry's route between two (an adapter's map to the base model, then the base model's map onward:
-    vLLM never computes the base model's KV of an adapter's turn).
+    """The maps between the engine's variants: each variant's `Identity` read from the files the engine loads (its
+    sampled fingerprint memoized by the files' identity, so a variant whose files change is seen to change), and the
+    registry's route between two (an adapter's map to the base model, then the base model's map onward: vLLM never
+    computes the base model's KV of an adapter's turn).
 
     Args:
         root: a folder of map folders (e.g. ``hub_cards``).
@@ -39,33 +41,61 @@ class VariantMaps:
 
     def __init__(self, root: str | Path, model_dir: str | Path, hf_config):
         self.registry = MapRegistry([root])
-        self.model_dir, self.hf_config = Path(model_dir), hf_config
-        self._identities: dict[Variant, Identity | None] = {}
-        self._choices: dict[tuple[Variant, Variant], MapMatch | str] = {}
-        base = self.identity(Variant(None))
-        self.problem = None if base is None else base.problem  # why nothing can be mapped on this engine, if so
+        self.model_dir = Path(model_dir)
+        self._choices: dict[tuple[str, str], MapMatch | str] = {}
+        self._unusable: set[str] = set()  # folders the worker could not load
+        self._base: Identity | None = None  # its layout and rotary are every variant's
+        try:
+            self._base = Identity.of_files(self.model_dir, None, hf_config)
+            self.problem = self._base.problem  # why nothing can be mapped on this engine, if so
+        except (PeftKVCacheError, OSError, ValueError) as err:
+            self.problem = f"the engine's model cannot be fingerprinted: {err}"
 
     def identity(self, variant: Variant) -> Identity | None:
-        """What ``variant`` loads (memoized); None when its files cannot be read."""
-        if variant not in self._identities:
-            try:
-                self._identities[variant] = Identity.of_files(self.model_dir, variant.path if variant.adapter else None,
-                                                              self.hf_config)
-            except (PeftKVCacheError, OSError, ValueError, KeyError, StopIteration) as err:
-                logger.warning("cannot fingerprint %s (%s): its requests are not mapped (%s)", variant.label,
-                               variant.path or self.model_dir, err)
-                self._identities[variant] = None
-        return self._identities[variant]
+        """What ``variant`` loads now (adapters keep the base's layout and rotary); None when its files cannot be
+        read."""
+        if self._base is None:
+            return None
+        try:
+            fingerprint = fingerprint_files(self.model_dir, variant.path if variant.adapter else None)
+            return Identity(fingerprint, self._base.layout, self._base.rotary, self._base.problem)
+        except (PeftKVCacheError, OSError, ValueError, KeyError, StopIteration) as err:
+            logger.warning("cannot fingerprint %s (%s): its requests are not mapped (%s)", variant.label,
+                           variant.path or self.model_dir, err)
+            return None
 
     def find(self, source: Variant, target: Variant) -> MapMatch | str:
         """The maps from ``source`` to ``target`` (through the base model between two adapters), or why there are
-        none (the registry's reasons); decided once per pair."""
-        if (source, target) not in self._choices:
-            ids = [self.identity(v) for v in (source, target, Variant(None))]
-            if None in ids:
-                choice: MapMatch | str = UNSUPPORTED_MODEL
-            else:
-                via = ids[2] if source.adapter is not None and target.adapter is not None else None
-                choice = self.registry.route(ids[0], ids[1], via)
-            self._choices[source, target] = choice
-        return self._choices[source, target]
+        none (the registry's reasons); decided once per pair of weights."""
+        ids = [self.identity(v) for v in (source, target, Variant(None))]
+        if None in ids:
+            return UNSUPPORTED_MODEL
+        key = (ids[0].fingerprint, ids[1].fingerprint)
+        if key not in self._choices:
+            via = ids[2] if source.adapter is not None and target.adapter is not None else None
+            choice = self.registry.route(ids[0], ids[1], via)
+            if isinstance(choice, MapMatch) and self._unusable.intersection(choice.folders):
+                choice = UNUSABLE_MAP
+            self._choices[key] = choice
+        return self._choices[key]
+
+    def set_unusable(self, folder: str) -> None:
+        """Never choose ``folder`` again (the worker could not load it): its pairs fall back as `UNUSABLE_MAP`."""
+        self._unusable.add(folder)
+        self._choices.clear()
+
+    def useful(self, variant: Variant, side: str = "source") -> bool:
+        """Whether some map takes ``variant``'s KV to another variant (``side`` "source": only then is its KV worth
+        keeping), or another's to it (``side`` "target": only then is its own sink)."""
+        identity = self.identity(variant)
+        return identity is not None and any(getattr(c, f"{side}_fingerprint") == identity.fingerprint
+                                            for c in self.registry.configs.values())
+
+
+def local_model_folder(model: str) -> Path:
+    """The folder the engine loads ``model`` from: the path itself, or its snapshot in the Hub cache."""
+    if Path(model).expanduser().is_dir():
+        return Path(model).expanduser()
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model, local_files_only=True))

@@ -2,38 +2,44 @@
 and how each request is labelled; it never touches a tensor.
 
 A request for variant B (the base model or an adapter) whose prompt vLLM's own prefix cache does not hold gets, in
-whole blocks and always leaving the last prompt token to the engine:
+whole blocks and always leaving the last prompt token to the engine, the longest of:
 
-- B's own stored prefix, as it is (``reused``);
-- else, the longest stored prefix of another variant A, mapped A -> B with the published map that fits both
-  (``mapped:<A>``), when it saves at least ``min_mapped_tokens`` of prefill beyond vLLM's own hit and the store holds
-  B's own attention sink for the conversation's first tokens (or vLLM holds B's first block itself); in mode
-  ``naive`` injected unmapped (``naive:<A>``), as the baseline;
+- B's own stored prefix, as it is: exact (``reused``), or derived from a mapped prefix (``mapped:<model>``: what an
+  earlier mapped request of B computed, kept so that a conversation switching at every turn prefills only its new
+  tokens);
+- another variant A's stored prefix, mapped A -> B with the published maps that fit both (``mapped:<A>``; in mode
+  ``naive`` injected unmapped, ``naive:<A>``, the baseline), when it saves at least ``min_mapped_tokens`` of prefill
+  beyond the exact options, has passed through at most ``max_hops`` maps, and B's own attention sink for the
+  conversation's first tokens is known (shipped in the map for its chat template's starts, kept from an earlier
+  request of B, or in vLLM's own first block);
 - else nothing: ordinary prefill, and the reason is counted (and logged once).
 
-Approximate blocks (mapped or naive) are never served as exact: they are removed from vLLM's prefix cache as soon as
-they are allocated (so a later request of B cannot hit them under B's block hashes), a request that used them is not
-kept in the store, and its response says where its context came from (``kv_transfer_params.peft_kvcache``).
+The reuse core decides and names it all (`peft_kvcache.runtime.reuse`: `Made`, `mapping_pays`, `label`). Approximate
+blocks are never served as exact: they are taken out of vLLM's prefix cache once vLLM has hashed them, a request
+that used them is kept only as derived, and its response says where its context came from. Nothing stale is
+served: a variant whose files changed (file identity and sampled fingerprint) loses its entries, here and in vLLM's
+prefix cache, and `reset` drops everything. A request with multimodal inputs or prompt embeddings is never served
+from the store (its tokens do not say what it holds).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from .jobs import DropJob, LoadJob, SaveJob, SinkJob, WorkerReport
-from .options import ConnectorOptions, request_reuse
 from ..maps.registry import MapMatch
 from ..runtime.reuse import EXACT, Made, label, mapping_pays
-from .pairs import Variant, VariantMaps
+from .jobs import DropJob, LoadJob, SaveJob, WorkerReport
+from .options import ConnectorOptions, request_reuse
+from .pairs import Variant, VariantMaps, local_model_folder
 from .parallel import unsupported_parallelism
 from .store import IndexEntry, StoreIndex
 
 logger = logging.getLogger(__name__)
+TRACKED_HASHES = 1 << 16  # per variant: vLLM block hashes of its finished requests (evicted if its files change)
 
 
 @dataclass
@@ -41,23 +47,24 @@ class Plan:
     """What a request would load (until vLLM allocates its blocks), or why it loads nothing."""
 
     local_blocks: int
-    kind: str | None = None  # "reused" | "mapped" | "naive"; None: nothing to load
+    kind: str | None = None  # "reused" (as stored) | "mapped" | "naive"; None: nothing to load
     entry: IndexEntry | None = None
     blocks: int = 0  # whole blocks of the prefix after the load
-    source: Variant | None = None
+    made: Made = EXACT  # how the loaded KV was made
     choice: MapMatch | None = None
     sink_key: tuple | None = None
-    fallback: str | None = None  # why another variant's longer prefix was not used
+    fallback: str | None = None  # why a longer prefix was not used
 
     @property
     def tokens(self) -> int:
-        """Blocks to load beyond vLLM's own hit (in blocks; the caller multiplies by the block size)."""
+        """Blocks to load beyond vLLM's own hit (the caller multiplies by the block size)."""
         return max(0, self.blocks - self.local_blocks)
 
 
 @dataclass
 class RequestRecord:
-    """How one request got its context, from allocation to its end."""
+    """How one request got its context, from its first admission to its end (a preempted request is admitted again:
+    its label keeps the most approximate context it ever ran on, its counts the admission that label describes)."""
 
     variant: Variant
     salt: str | None
@@ -65,21 +72,15 @@ class RequestRecord:
     prompt_tokens: int
     local_tokens: int = 0
     loaded_tokens: int = 0
-    kind: str | None = None
-    source: Variant | None = None
+    made: Made = EXACT
     fallback: str | None = None
 
-    @property
-    def made(self) -> Made:
-        """How its loaded KV was made (the reuse core's record)."""
-        if not self.loaded_tokens or self.kind in (None, "reused"):
-            return EXACT
-        return Made(self.kind, self.source.adapter, self.loaded_tokens)
-
-    @property
-    def approximate(self) -> bool:
-        """Whether some of its KV is not its variant's own (mapped, or injected unmapped)."""
-        return self.made.approximate
+    def admitted(self, local_tokens: int, loaded_tokens: int, made: Made, fallback: str | None) -> None:
+        """One admission (the first, or one after a preemption): kept unless an earlier one was approximate and this
+        one is not."""
+        if self.made.approximate and not made.approximate:
+            return
+        self.local_tokens, self.loaded_tokens, self.made, self.fallback = local_tokens, loaded_tokens, made, fallback
 
     def label(self, base: str) -> dict:
         """The response's ``kv_transfer_params.peft_kvcache``: where the context came from (`reuse.label`, ``base``:
@@ -87,34 +88,34 @@ class RequestRecord:
         cached = self.local_tokens + self.loaded_tokens
         return {"context_source": label(self.made, cached, base), "cached_tokens": cached,
                 "engine_cached_tokens": self.local_tokens, "loaded_tokens": self.loaded_tokens,
-                "prefilled_tokens": self.prompt_tokens - cached,
-                **({"fallback": self.fallback} if self.fallback else {})}
+                "prefilled_tokens": self.prompt_tokens - cached, **({"fallback": self.fallback} if self.fallback else {})}
 
 
 @dataclass
 class Counts:
     """Counters since the last report (vLLM's connector stats)."""
 
-    # prompt tokens by where their KV came from: engine (vLLM's own prefix cache), reused (the variant's own, from the
-    # store), mapped, naive (another variant's, unmapped), prefilled
+    # prompt tokens by where their KV came from, counted once per request when it finishes: engine (vLLM's own prefix
+    # cache), reused (the variant's own, from the store), mapped, naive (another variant's, unmapped), prefilled
     tokens: Counter = field(default_factory=Counter)
-    fallbacks: Counter = field(default_factory=Counter)  # by reason
+    fallbacks: Counter = field(default_factory=Counter)  # by reason, once per request
     evictions: int = 0
 
 
 class SchedulerSide:
-    """See the module. ``block_pool`` is vLLM's (bound after construction); ``vllm_config`` the engine's."""
+    """See the module. ``block_pool`` is vLLM's (bound after construction); ``vllm_config`` the engine's;
+    ``async_loads``: loads complete between steps (vLLM's ``load_kv_async``)."""
 
-    def __init__(self, vllm_config, options: ConnectorOptions):
+    def __init__(self, vllm_config, options: ConnectorOptions, async_loads: bool = True):
         model, parallel = vllm_config.model_config, vllm_config.parallel_config
-        self.options = options
+        self.options, self.async_loads = options, async_loads
         self.block_size = vllm_config.cache_config.block_size
         per_token = (model.get_num_layers(parallel) * 2 * model.get_num_kv_heads(parallel) * model.get_head_size()
                      * torch.empty(0, dtype=model.dtype).element_size())
         self.index = StoreIndex(options.store_bytes, self.block_size, per_token)
         self.base_name = model.served_model_name or model.model
         self.maps: VariantMaps | None = None
-        if options.mode == "map":
+        if options.mode == "map":  # the base model's identity is read here, at start
             self.maps = VariantMaps(options.maps, local_model_folder(model.model), model.hf_config)
             if self.maps.problem:
                 logger.warning("peft-kvcache: nothing will be mapped on this engine: %s", self.maps.problem)
@@ -123,138 +124,251 @@ class SchedulerSide:
         self.sink_tokens = max([c.sink_tokens for c in configs] or [1])
         self.block_pool = None
         self.worker_ready = False
+        self.worker_problem: str | None = None  # why the worker cannot use the engine's cache, once it said so
         self.refused = unsupported_parallelism(vllm_config)  # said at start; every request falls back with a reason
         if self.refused:
             logger.warning("peft-kvcache: the connector reuses nothing on this engine (unsupported_parallelism): %s",
                            self.refused)
         self.plans: dict[str, Plan] = {}
         self.records: dict[str, RequestRecord] = {}
+        self.evict_later: dict[str, tuple[int, ...]] = {}  # async loads: approximate blocks vLLM hashes at promotion
         self.ops: list = []  # store operations for the next step, in order
         self.loads: list[LoadJob] = []
         self.counts = Counts()
+        self.prints: dict[Variant, str] = {}  # the fingerprint each variant's stored entries were made with
+        self.hashes: dict[Variant, OrderedDict] = {}  # vLLM block hashes of each variant's finished requests
         self._logged: set[str] = set()
 
     # ----- a new request -----
 
-    def matched_tokens(self, request, local_tokens: int) -> int:
-        """Tokens beyond vLLM's own hit (``local_tokens``) the connector will write (whole blocks; 0 for none).
-        Side-effect free but for the plan it keeps: vLLM may ask again for the same request."""
-        plan = self._plan(request, local_tokens)
+    def matched_tokens(self, request, local_tokens: int) -> int | None:
+        """Tokens beyond vLLM's own hit (``local_tokens``) the connector will write (whole blocks; 0 for none), or
+        None: ask again next step (vLLM's hit was on a variant whose files changed, and is evicted now). Side-effect
+        free but for the plan it keeps: vLLM may ask again for the same request."""
+        variant = _variant(request)
+        if self._changed(variant) and local_tokens:
+            return None
+        plan = self._plan(request, variant, local_tokens)
         self.plans[request.request_id] = plan
         return plan.tokens * self.block_size
 
-    def _plan(self, request, local_tokens: int) -> Plan:
-        variant, salt, prompt = _variant(request), request.cache_salt, list(request.prompt_token_ids or [])
+    def _plan(self, request, variant: Variant, local_tokens: int) -> Plan:
         local_blocks = local_tokens // self.block_size
         plan = Plan(local_blocks)
+        prompt = list(request.prompt_token_ids or [])
         limit = (len(prompt) - 1) // self.block_size  # vLLM must compute at least the last prompt token
-        reuse = request_reuse(request.kv_transfer_params)
+        reuse, problem = request_reuse(request.kv_transfer_params)
+        if problem:
+            self._say("invalid_options", problem)
+            plan.fallback = "invalid_options"
         if self.refused:
             plan.fallback = "unsupported_parallelism"
             return plan
+        if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+            plan.fallback = "multimodal"  # its placeholder tokens would match another input's KV
+            return plan
+        if self.worker_problem:
+            plan.fallback = "unsupported_layout"
+            return plan
+        record = self.records.get(request.request_id)
+        if record is not None and record.fallback == "load_error":  # vLLM recomputes it: nothing is offered again
+            plan.fallback = "load_error"
+            return plan
         if not self.worker_ready or reuse == "none" or limit <= local_blocks:
             return plan
-        matches = self.index.matches(salt, prompt, limit)
-        own = matches.pop(variant, None)
-        if own is not None and own.blocks > local_blocks:
-            plan = Plan(local_blocks, "reused", own.entry, own.blocks)
-        for source, match in sorted(matches.items(), key=lambda item: -item[1].blocks):  # longest prefix first
-            if match.blocks <= max(local_blocks, plan.blocks):
+        matches = self.index.matches(request.cache_salt, prompt, limit)
+        exact = matches.pop((variant, True), None)
+        if exact is not None and exact.blocks > local_blocks:
+            plan = Plan(local_blocks, "reused", exact.entry, exact.blocks, fallback=plan.fallback)
+        floor = max(local_blocks, plan.blocks)  # what the exact options give
+        for match in sorted(matches.values(), key=lambda m: -m.blocks):  # longest prefix first
+            if match.blocks <= floor:
                 break
-            way = self._way(variant, source, match.blocks, local_blocks, reuse, prompt)
+            way = self._way(variant, match, floor, reuse, prompt)
             if isinstance(way, str):
                 plan.fallback = plan.fallback or way
                 continue
-            kind, choice, sink_key = way
-            return Plan(local_blocks, kind, match.entry, match.blocks, source, choice, sink_key, plan.fallback)
+            kind, made, choice, sink_key = way
+            return Plan(local_blocks, kind, match.entry, match.blocks, made, choice, sink_key, plan.fallback)
         return plan
 
-    def _way(self, target: Variant, source: Variant, blocks: int, local_blocks: int, reuse: str, prompt: list[int]):
-        """How ``source``'s stored prefix of ``blocks`` blocks can serve ``target``: ``(kind, map choice, sink key)``,
-        or why it cannot (a fallback reason)."""
+    def _way(self, target: Variant, match, floor: int, reuse: str, prompt: list[int]):
+        """How ``match`` (a stored prefix of ``target`` itself, derived, or of another variant) can serve
+        ``target`` beyond the ``floor`` blocks the exact options give: ``(kind, made, map choice, sink key)``, or why it
+        cannot (a fallback reason)."""
+        entry, blocks = match.entry, match.blocks
         if reuse == "exact" or self.options.mode == "exact":
             return "exact_only"
-        saved = (blocks - local_blocks) * self.block_size
-        if not mapping_pays(Made("mapped", source.adapter, saved), saved, self.options.min_mapped_tokens):
+        if self.block_pool is None:
+            return "no_block_pool"  # approximate blocks could not be kept out of vLLM's prefix cache
+        own = entry.variant == target
+        saved = (blocks - floor) * self.block_size
+        made = entry.made.cut(blocks * self.block_size) if own else self._made_for(entry, blocks)
+        if not mapping_pays(made, saved, self.options.min_mapped_tokens):
             return "below_min_length"  # too few tokens saved to justify approximate KV
+        if own:  # what an earlier mapped request of this variant computed: as stored, labelled as derived
+            return "reused", made, None, None
         if self.options.mode == "naive":
-            return "naive", None, None
-        choice = self.maps.find(source, target)
+            return "naive", Made("naive", entry.variant.adapter, blocks * self.block_size), None, None
+        choice = self.maps.find(entry.variant, target)
         if isinstance(choice, str):
             return choice
+        made = Made("mapped", made.source, made.tokens, made.hops + len(choice.folders) - 1)
+        if made.hops > self.options.max_hops:
+            return "max_hops"
         sink_key = None
-        if local_blocks == 0 and choice.sink_tokens > 0:  # the target's own first tokens, from the store
-            sink_key = (target, tuple(prompt[: choice.sink_tokens]))
-            if not self.index.has_sink(*sink_key):
+        if choice.sink_tokens > 0:  # the target's own first tokens
+            start = tuple(prompt[: choice.sink_tokens])
+            shipped = {tuple(s) for s in self.maps.registry.configs[choice.folders[-1]].sinks}
+            if self.index.has_sink(target, start):  # kept from the target's own earlier request
+                sink_key = ("store", (target, start))
+            elif start in shipped:  # shipped in the map for the chat template's (and BOS's) conversation starts
+                sink_key = ("map", choice.folders[-1], start)
+            else:
                 return "no_target_sink"
-        return "mapped", choice, sink_key
+        return "mapped", made, choice, sink_key
+
+    def _made_for(self, entry: IndexEntry, blocks: int) -> Made:
+        """How ``blocks`` blocks of another variant's entry are made once mapped (one map more than it passed)."""
+        tokens = blocks * self.block_size
+        if entry.made.exact:
+            return Made("mapped", entry.variant.adapter, tokens, 1)
+        return entry.made.mapped_again(tokens)
 
     def allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         """vLLM gave the request its blocks (``block_ids``: all of them) and will skip ``num_external_tokens``: queue
-        the load, and take approximate blocks out of vLLM's prefix cache."""
-        plan = self.plans.pop(request.request_id, None) or Plan(0)
+        the load, and take approximate blocks out of vLLM's prefix cache once vLLM has hashed them (a synchronous load
+        now; an asynchronous one when vLLM calls again after it, with no external tokens)."""
+        rid = request.request_id
+        if not num_external_tokens and rid in self.evict_later:
+            self._evict(self.evict_later.pop(rid))
+        plan = self.plans.pop(rid, None)
+        if plan is None:
+            return
         loaded = bool(num_external_tokens and plan.kind is not None)
+        ids: tuple[int, ...] = ()
         if loaded:  # first of all: vLLM will skip these tokens, so they must be written (or reported as failed)
             first = plan.local_blocks
             ids = tuple(block_ids[first: first + num_external_tokens // self.block_size])
-            self.loads.append(LoadJob(request.request_id, plan.kind, plan.entry.key, first * self.block_size, ids,
+            self.loads.append(LoadJob(rid, plan.kind, plan.entry.key, first * self.block_size, ids,
                                       plan.choice.folders if plan.choice else (), plan.sink_key))
-        try:
-            self._record(request, plan, num_external_tokens if loaded else 0, ids if loaded else ())
-        except Exception:  # bookkeeping only: the load above stands
-            logger.exception("peft-kvcache: recording request %s failed", request.request_id)
-
-    def _record(self, request, plan: Plan, loaded_tokens: int, loaded_ids: tuple[int, ...]) -> None:
-        variant = _variant(request)
-        record = RequestRecord(variant, request.cache_salt, request_reuse(request.kv_transfer_params),
-                               len(request.prompt_token_ids or []), plan.local_blocks * self.block_size,
-                               fallback=plan.fallback)
-        self.records[request.request_id] = record
-        if loaded_tokens:
             self.index.touch(plan.entry)
-            record.loaded_tokens, record.kind, record.source, record.fallback = (
-                loaded_tokens, plan.kind, plan.source, None)
-            if record.approximate and self.block_pool is not None:
-                self.block_pool.evict_blocks(set(loaded_ids))  # never an exact-cache hit for a later request
-        elif record.fallback:
-            self._fallback(record.fallback, f"{variant.label} request {request.request_id}")
-        self.counts.tokens["engine"] += record.local_tokens
-        if record.loaded_tokens:
-            self.counts.tokens[record.kind] += record.loaded_tokens
-        self.counts.tokens["prefilled"] += record.prompt_tokens - record.local_tokens - record.loaded_tokens
+            if plan.made.approximate:
+                if self.async_loads:
+                    self.evict_later[rid] = ids
+                else:
+                    self._evict(ids)
+        record = self.records.get(rid)
+        if record is None:
+            reuse, _ = request_reuse(request.kv_transfer_params)
+            record = self.records[rid] = RequestRecord(_variant(request), request.cache_salt, reuse,
+                                                       len(request.prompt_token_ids or []))
+            if plan.fallback and not loaded:
+                self.counts.fallbacks[plan.fallback] += 1
+                self._say(plan.fallback, f"{record.variant.label} request {rid}")
+        record.admitted(plan.local_blocks * self.block_size, num_external_tokens if loaded else 0,
+                        plan.made if loaded else EXACT, None if loaded else plan.fallback)
+
+    def _evict(self, block_ids) -> None:
+        """Take blocks out of vLLM's prefix cache: never an exact hit for a later request."""
+        if self.block_pool is not None and block_ids:
+            self.block_pool.evict_blocks(set(block_ids))
 
     # ----- a finished request -----
 
-    def finished(self, request, block_ids: list[int]) -> dict:
-        """Keep the request's KV (whole blocks of what it computed) unless it holds approximate blocks, and its
-        variant's sink if the store lacks it; returns its label for the response."""
+    def finished(self, request, block_ids: list[int]) -> tuple[bool, dict]:
+        """Count the request, keep what it computed (whole blocks: exact, or derived from a mapped prefix within
+        ``max_hops``) and its variant's sink if the store lacks it; returns whether vLLM must hold its blocks until
+        the worker has copied them, and its label for the response."""
         record = self.records.pop(request.request_id, None)
         self.plans.pop(request.request_id, None)
-        if record is None:
+        self.evict_later.pop(request.request_id, None)
+        if record is None:  # never admitted through the connector (aborted while waiting)
             record = RequestRecord(_variant(request), request.cache_salt, "map", len(request.prompt_token_ids or []))
-        if not record.approximate:
-            self._keep(request, record, block_ids)
-        return record.label(self.base_name)
+        self.counts.tokens["engine"] += record.local_tokens
+        if record.loaded_tokens:
+            self.counts.tokens[record.made.context_source] += record.loaded_tokens
+        self.counts.tokens["prefilled"] += record.prompt_tokens - record.local_tokens - record.loaded_tokens
+        self._track(record.variant, getattr(request, "block_hashes", ()))
+        return self._keep(request, record, block_ids), record.label(self.base_name)
 
-    def _keep(self, request, record: RequestRecord, block_ids: list[int]) -> None:
+    def _keep(self, request, record: RequestRecord, block_ids: list[int]) -> bool:
+        """Queue the copy of the request's whole computed blocks (and the variant's sink); whether one was queued."""
+        if self.refused:
+            return False
+        mapping = self.maps is not None and self.options.mode == "map"
+        # in mode "map", only what a map can take somewhere (vLLM's own cache keeps a variant's exact prefixes) and the
+        # sinks of variants a map leads to; derived KV only within the bound on maps passed
+        keep_entry = (not mapping or self.maps.useful(record.variant)) and record.made.hops <= self.options.max_hops
+        keep_sink = record.made.exact and (not mapping or self.maps.useful(record.variant, "target"))
         computed = min(request.num_computed_tokens, len(block_ids) * self.block_size)
         tokens = list(request.all_token_ids)[:computed]
-        blocks = computed // self.block_size
+        blocks = computed // self.block_size if keep_entry else 0
+        entry = None
         if blocks:
-            entry, dropped = self.index.add(record.variant, record.salt, tokens[: blocks * self.block_size])
-            if entry is not None:
-                self.ops.append(SaveJob(entry.key, tuple(block_ids[:blocks])))
+            self._remember(record.variant)
+            entry, dropped = self.index.add(record.variant, record.salt, tokens[: blocks * self.block_size],
+                                            record.made.cut(blocks * self.block_size))
             self._drop(dropped)
-        if computed >= self.sink_tokens and block_ids:
+        sink = None
+        if keep_sink and computed >= self.sink_tokens and block_ids:
             first = tokens[: self.sink_tokens]
             if not self.index.has_sink(record.variant, first):
-                key, evicted = self.index.add_sink(record.variant, first)
-                self.ops.append(SinkJob(key, block_ids[0], self.sink_tokens))
+                sink, evicted = self.index.add_sink(record.variant, first)
                 self._drop(evicted)
+        if entry is None and sink is None:
+            return False
+        # the sink is read from the first block, which a sink kept alone must carry too
+        self.ops.append(SaveJob(request.request_id, entry.key if entry else None, tuple(block_ids[: blocks or 1]),
+                                sink, self.sink_tokens))
+        return True
 
     def _drop(self, keys: list) -> None:
         self.ops.extend(DropJob(key) for key in keys)
         self.counts.evictions += sum(1 for key in keys if key)
+
+    # ----- what is stale -----
+
+    def _remember(self, variant: Variant) -> None:
+        if self.maps is not None and variant not in self.prints:
+            identity = self.maps.identity(variant)
+            if identity is not None:
+                self.prints[variant] = identity.fingerprint
+
+    def _changed(self, variant: Variant) -> bool:
+        """Whether ``variant``'s files changed since its entries were stored (an adapter replaced at the same path):
+        then its entries are dropped, here and in vLLM's prefix cache (the blocks of its finished requests)."""
+        if self.maps is None or variant not in self.prints:
+            return False
+        identity = self.maps.identity(variant)
+        if identity is not None and identity.fingerprint == self.prints[variant]:
+            return False
+        logger.warning("peft-kvcache: %s's files changed (%s): its stored KV and vLLM's cached blocks of it are "
+                       "dropped", variant.label, variant.path or "the base model")
+        self._drop(self.index.drop_variant(variant))
+        del self.prints[variant]
+        if self.block_pool is not None:
+            for block_hash in self.hashes.pop(variant, {}):
+                cached = self.block_pool.get_cached_block(block_hash, [0])
+                self._evict({block.block_id for block in cached or ()})
+        return True
+
+    def _track(self, variant: Variant, block_hashes) -> None:
+        tracked = self.hashes.setdefault(variant, OrderedDict())
+        for block_hash in block_hashes:
+            tracked[block_hash] = None
+            tracked.move_to_end(block_hash)
+        while len(tracked) > TRACKED_HASHES:
+            tracked.popitem(last=False)
+
+    def reset(self) -> bool:
+        """Drop every stored entry and sink (vLLM resets its prefix cache: a weight update, sleep and wake); the worker
+        frees their tensors with the next step."""
+        self.ops.append(DropJob(None))  # None: everything
+        self.index.clear()
+        self.prints.clear()
+        logger.info("peft-kvcache: the store was reset")
+        return True
 
     # ----- each step -----
 
@@ -268,15 +382,21 @@ class SchedulerSide:
         if report.ready is not None:
             self.worker_ready = report.ready
             if not report.ready:
-                self._fallback("unsupported_layout", report.problem or "the worker cannot use this engine's cache")
+                self.worker_problem = report.problem or "the worker cannot use this engine's cache"
+                self._say("unsupported_layout", self.worker_problem)
         for key in report.failed_keys:
             self.index.remove(key)
-        for request_id in report.failed_loads:  # vLLM recomputes the request's loaded blocks
+        for folder, why in report.failed_maps.items():  # never chosen again: its switches are prefilled
+            self.maps.set_unusable(folder)
+            self._say("unusable_map", f"the worker could not load map {folder}: {why[:200]}")
+        for request_id in set(report.failed_loads):  # vLLM recomputes the request's loaded blocks
             record = self.records.get(request_id)
+            self.evict_later.pop(request_id, None)
             if record is not None:
-                self.counts.tokens["prefilled"] += record.loaded_tokens
-                record.loaded_tokens, record.kind, record.fallback = 0, None, "load_error"
-            self._fallback("load_error", f"request {request_id}")
+                record.local_tokens, record.loaded_tokens, record.made, record.fallback = (
+                    record.local_tokens, 0, EXACT, "load_error")
+            self.counts.fallbacks["load_error"] += 1
+            self._say("load_error", f"request {request_id}")
 
     def stats(self) -> dict | None:
         """Counters since the last call and the store's size, or None when nothing happened."""
@@ -286,12 +406,11 @@ class SchedulerSide:
         return {"tokens": dict(counts.tokens), "fallbacks": dict(counts.fallbacks), "evictions": counts.evictions,
                 "store_bytes": self.index.nbytes, "store_entries": len(self.index)}
 
-    def _fallback(self, reason: str, detail: str) -> None:
-        self.counts.fallbacks[reason] += 1
+    def _say(self, reason: str, detail: str) -> None:
+        """Log a fallback or a problem once per reason (details shortened by the caller)."""
         if reason not in self._logged:
             self._logged.add(reason)
-            logger.warning("peft-kvcache: %s falls back to ordinary prefill (%s; logged once per reason)", detail,
-                           reason)
+            logger.warning("peft-kvcache: %s (%s; logged once per reason)", detail, reason)
 
 
 def _variant(request) -> Variant:
@@ -299,10 +418,4 @@ def _variant(request) -> Variant:
     return Variant(None) if lora is None else Variant(lora.lora_name, lora.lora_path)
 
 
-def local_model_folder(model: str) -> Path:
-    """The folder the engine loads ``model`` from: the path itself, or its snapshot in the Hub cache."""
-    if Path(model).expanduser().is_dir():
-        return Path(model).expanduser()
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(model, local_files_only=True))
+__all__ = ["Counts", "Plan", "RequestRecord", "SchedulerSide"]

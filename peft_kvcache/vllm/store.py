@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..runtime.reuse import EXACT, Made
+
 
 def block_chain(tokens: Sequence[int], block_size: int, blocks: int, salt: str | None) -> list[str]:
     """Chained hashes of the first ``blocks`` whole blocks of ``tokens``: element ``j`` names the prefix of ``j + 1``
@@ -31,13 +33,15 @@ def block_chain(tokens: Sequence[int], block_size: int, blocks: int, salt: str |
 
 @dataclass
 class IndexEntry:
-    """A stored prefix: ``variant``'s own KV of ``blocks`` whole blocks of tokens."""
+    """A stored prefix: ``variant``'s KV of ``blocks`` whole blocks of tokens, made as ``made`` says (exact: computed
+    by the variant itself on the exact context; else derived from another variant's mapped prefix)."""
 
-    key: str  # names the variant and the whole prefix, salt included
+    key: str  # names the variant, the whole prefix (salt included) and whether it is exact
     variant: Hashable
     salt: str | None
     chain: list[str]
     nbytes: int
+    made: Made = EXACT
 
     @property
     def blocks(self) -> int:
@@ -46,7 +50,7 @@ class IndexEntry:
 
 @dataclass
 class Match:
-    """The longest stored prefix of one variant that a request shares: the entry and how many whole blocks."""
+    """A stored prefix that a request shares: the entry and how many whole blocks."""
 
     entry: IndexEntry
     blocks: int
@@ -58,7 +62,7 @@ class StoreIndex:
     Example:
         >>> index = StoreIndex(max_bytes=10**6, block_size=2, bytes_per_token=8)
         >>> entry, evicted = index.add(None, None, [1, 2, 3, 4])
-        >>> index.matches(None, [1, 2, 3, 9, 9], limit_blocks=2)[None].blocks
+        >>> index.matches(None, [1, 2, 3, 9, 9], limit_blocks=2)[None, True].blocks
         1
     """
 
@@ -78,16 +82,17 @@ class StoreIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def matches(self, salt: str | None, tokens: Sequence[int], limit_blocks: int) -> dict[Hashable, Match]:
-        """Per variant, its stored entry sharing the most whole blocks with ``tokens`` (at most ``limit_blocks``)."""
-        found: dict[Hashable, Match] = {}
+    def matches(self, salt: str | None, tokens: Sequence[int], limit_blocks: int) -> dict[tuple[Hashable, bool], Match]:
+        """Per variant and exactness (``(variant, made.exact)``), its stored entry sharing the most whole blocks with
+        ``tokens`` (at most ``limit_blocks``)."""
+        found: dict[tuple[Hashable, bool], Match] = {}
         for depth, prefix in enumerate(block_chain(tokens, self.block_size, limit_blocks, salt), start=1):
             holders = self._holders.get(prefix)
             if not holders:
                 break
             for key in holders:
                 entry = self._entries[key]
-                found[entry.variant] = Match(entry, depth)
+                found[entry.variant, entry.made.exact] = Match(entry, depth)
         return found
 
     def touch(self, entry: IndexEntry) -> None:
@@ -95,29 +100,52 @@ class StoreIndex:
         if entry.key in self._entries:
             self._entries.move_to_end(entry.key)
 
-    def add(self, variant: Hashable, salt: str | None, tokens: Sequence[int]) -> tuple[IndexEntry | None, list]:
-        """Record ``variant``'s KV of ``tokens`` (whole blocks) as stored: returns the new entry (None when that prefix
-        is held already, or when it alone exceeds the bound) and the keys of what it evicts or supersedes (the same
-        variant's shorter prefixes of it), which the worker must drop."""
+    def add(self, variant: Hashable, salt: str | None, tokens: Sequence[int], made: Made = EXACT
+            ) -> tuple[IndexEntry | None, list]:
+        """Record ``variant``'s KV of ``tokens`` (whole blocks), made as ``made`` says, as stored: returns the new entry
+        (None when an entry as exact holds that prefix already, or when it alone exceeds the bound) and the keys of
+        what it evicts or supersedes (the same variant's shorter prefixes of it, made no better), which the worker
+        must drop. A derived entry never replaces an exact one."""
         blocks = len(tokens) // self.block_size
         chain = block_chain(tokens, self.block_size, blocks, salt)
         nbytes = blocks * self.block_size * self.bytes_per_token
         if not chain or nbytes > self.max_bytes:
             return None, []
-        held = self.matches(salt, tokens, blocks).get(variant)
-        if held is not None and held.blocks == blocks:  # an entry holds this prefix (or a longer one)
-            self.touch(held.entry)
-            return None, []
+        held = self.matches(salt, tokens, blocks)
+        for exact in {True, made.exact}:  # an exact entry serves a derived one's place too
+            match = held.get((variant, exact))
+            if match is not None and match.blocks == blocks:
+                self.touch(match.entry)
+                return None, []
         dropped = [key for key, e in self._entries.items()
-                   if e.variant == variant and e.salt == salt and e.blocks < blocks and e.chain[-1] == chain[e.blocks - 1]]
+                   if e.variant == variant and e.salt == salt and e.blocks < blocks and e.chain[-1] == chain[e.blocks - 1]
+                   and (made.exact or not e.made.exact)]
         for key in dropped:
             self._remove(key)
-        entry = IndexEntry(hashlib.sha256(repr((variant, chain[-1])).encode()).hexdigest(), variant, salt, chain, nbytes)
+        key = hashlib.sha256(repr((variant, made.exact, chain[-1])).encode()).hexdigest()
+        entry = IndexEntry(key, variant, salt, chain, nbytes, made)
         self._entries[entry.key] = entry
         for prefix in chain:
             self._holders.setdefault(prefix, set()).add(entry.key)
         self._bytes += nbytes
         return entry, dropped + self._evict()
+
+    def drop_variant(self, variant: Hashable) -> list:
+        """Forget every entry and sink of ``variant`` (its files changed); returns their keys for the worker."""
+        keys = [key for key, e in self._entries.items() if e.variant == variant]
+        for key in keys:
+            self._remove(key)
+        sinks = [key for key in self._sinks if key[0] == variant]
+        for key in sinks:
+            self._bytes -= self._sinks.pop(key)
+        return keys + sinks
+
+    def clear(self) -> None:
+        """Forget everything (a reset)."""
+        self._entries.clear()
+        self._holders.clear()
+        self._sinks.clear()
+        self._bytes = 0
 
     def remove(self, key: str | tuple) -> None:
         """Forget an entry or a sink (the worker could not store it)."""

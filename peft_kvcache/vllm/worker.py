@@ -1,23 +1,31 @@
 """The connector's worker half (vLLM's worker process): holds the store's tensors, copies finished requests' blocks
 into it, and writes loads into vLLM's paged cache, mapping another variant's KV with the library's one apply function
 (`peft_kvcache.maps.apply.map_cache`: RoPE removed with the source's rotary, one matmul per target layer, RoPE applied
-again at the target positions) and taking the leading positions from the target's own stored sink.
+again at the target positions) and taking the leading positions from the target's own sink.
 
-It runs what the scheduler sends, in order, and reports what it could not do; a load that fails is reported as
-failed blocks, which vLLM recomputes (the connector sets ``kv_load_failure_policy`` to ``"recompute"``): a request
-never receives wrong KV, and never fails, because of the connector.
+Nothing heavy runs in the engine's step: the maps are loaded at start, off the engine loop, and the copies and loads
+run in the order the scheduler sent them on a job thread, while vLLM holds a finished request's blocks until its copy
+is reported done and a loading request until its load is (under tensor parallelism a mapped load gathers the source
+heads with a collective of the engine's group, so loads run in the step, after the queued copies). It reports what
+it could not do; a load that fails is reported as failed blocks, which vLLM recomputes (the connector sets
+``kv_load_failure_policy`` to ``"recompute"``): a request never receives wrong KV, and never fails, because of the
+connector.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 
 import torch
 
 from ..errors import CacheMismatchError
 from ..maps.apply import map_cache
 from ..maps.kvmap import KVMap
-from .jobs import DropJob, LoadJob, SaveJob, SinkJob, WorkerReport
+from ..maps.registry import MapRegistry
+from ..modeling.layout import KVLayout
+from .jobs import DropJob, LoadJob, SaveJob, WorkerReport
 from .layout import CpuLayout, LogicalLayout, PagedLayout
 from .parallel import Shard, shard_of, unsupported_parallelism
 from .store import KVStore, StoredKV
@@ -28,17 +36,26 @@ logger = logging.getLogger(__name__)
 class WorkerSide:
     """See the module. ``kv_cache_config``: the engine's (block count); ``shard``: this rank's tensor-parallel place."""
 
-    def __init__(self, vllm_config, kv_cache_config=None, shard: Shard | None = None):
-        self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
+    def __init__(self, vllm_config, kv_cache_config=None, maps_root: str | None = None, shard: Shard | None = None):
+        self.vllm_config, self.kv_cache_config, self.maps_root = vllm_config, kv_cache_config, maps_root
         self.shard = shard or shard_of(vllm_config)
         self.layer_names: list[str] = []
         self.layers: list[torch.Tensor] = []  # per decoder layer, in order
         self.layout: PagedLayout | None = None
         self.problem: str | None = None
         self.store = KVStore()
-        self._maps: dict[str, KVMap] = {}
+        self._maps: dict[str, KVMap | str] = {}  # folder -> its map, or why it could not be loaded
+        self._preload: threading.Thread | None = None
         self._report = WorkerReport()
+        # the job thread's queue and what it finished, read by the engine's thread under the lock
+        self.async_loads = self.shard.world == 1
+        self._jobs: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._saved: set[str] = set()
+        self._loaded: set[str] = set()
         self._failed_blocks: set[int] = set()
+        self._reportable: set[int] = set()
+        threading.Thread(target=self._serve, name="peft-kvcache-jobs", daemon=True).start()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Keep the engine's layer tensors in decoder-layer order (``model.layers.3.self_attn.attn`` is layer 3), each
@@ -54,6 +71,23 @@ class WorkerSide:
                 seen.add(tensor.data_ptr())
                 self.layer_names.append(name)
                 self.layers.append(tensor)
+        if self.maps_root is not None:  # every map this engine's model could use, read off the engine loop
+            self._preload = threading.Thread(target=self._load_maps, name="peft-kvcache-maps", daemon=True)
+            self._preload.start()
+
+    def _load_maps(self) -> None:
+        """Load the maps under ``maps_root`` fitted for this engine's KV layout (a failure is kept as the reason)."""
+        layout = KVLayout.of_config(self.vllm_config.model_config.hf_config)
+        registry = MapRegistry([self.maps_root])
+        for folder, config in registry.configs.items():
+            if config.source_layout == config.target_layout == layout:
+                try:
+                    self._maps[folder] = KVMap.from_pretrained(folder)
+                except Exception as err:  # a damaged map: the scheduler is told, and stops choosing it
+                    self._maps[folder] = f"{type(err).__name__}: {err}"
+                    with self._lock:
+                        self._report.failed_maps[folder] = self._maps[folder]
+        logger.info("peft-kvcache: %d map(s) loaded at start", sum(isinstance(m, KVMap) for m in self._maps.values()))
 
     def _check_layout(self) -> None:
         """Once, before the first job: what the engine declares its cache to be, checked on every layer."""
@@ -99,42 +133,90 @@ class WorkerSide:
     # ----- each step -----
 
     def before_forward(self, ops: list) -> None:
-        """Run the scheduler's store operations (before the forward pass may overwrite freed blocks)."""
+        """Queue the scheduler's store operations (copies of finished requests' blocks, which vLLM holds until the
+        copy is done; drops), in order, for the job thread."""
         self._check_layout()
         for op in ops:
-            try:
-                if self.layout is None:
-                    raise CacheMismatchError(self.problem or "no layout")
-                self._run(op)
-            except Exception as err:  # never fail the engine: the scheduler forgets what was not stored
-                if not isinstance(op, DropJob):
-                    self._report.failed_keys.append(op.key)
-                logger.warning("peft-kvcache: could not %s %s: %s", type(op).__name__, op.key, err)
-
-    def _run(self, op) -> None:
-        if isinstance(op, SaveJob):
-            pairs = [self.layout.read(layer, op.block_ids) for layer in self.layers]
-            self.store.entries[op.key] = StoredKV([_to_host(k) for k, _ in pairs], [_to_host(v) for _, v in pairs])
-        elif isinstance(op, SinkJob):
-            pairs = [self.layout.read(layer, (op.block_id,)) for layer in self.layers]
-            self.store.sinks[op.key] = StoredKV([_to_host(k[:, :op.tokens]) for k, _ in pairs],
-                                                [_to_host(v[:, :op.tokens]) for _, v in pairs])
-        else:
-            self.store.entries.pop(op.key, None)
-            self.store.sinks.pop(op.key, None)
+            self._jobs.put(op)
 
     def load(self, loads: list[LoadJob]) -> None:
-        """Write the step's loads into their blocks (before the layers read them); a load that fails is reported."""
+        """Queue the step's loads for the job thread (vLLM holds each request until its load is reported done), or,
+        when loads are synchronous (tensor parallelism: the gather is a collective of the engine's group, which only
+        the engine's thread may call), run them now, after the queued copies."""
+        self._check_layout()
+        if self.async_loads:
+            for job in loads:
+                self._jobs.put(job)
+            return
+        self._jobs.join()  # the copies they may read are done
         for job in loads:
+            self._run_load(job)
+
+    def _serve(self) -> None:
+        """The job thread: store operations and loads, one at a time, in the order the scheduler sent them."""
+        while True:
+            job = self._jobs.get()
             try:
-                if self.layout is None:
-                    raise CacheMismatchError(self.problem or "no layout")
-                self._load(job)
-            except Exception as err:  # vLLM recomputes the failed blocks
+                if isinstance(job, LoadJob):
+                    self._run_load(job)
+                    with self._lock:
+                        self._loaded.add(job.request_id)
+                else:
+                    self._run_op(job)
+            finally:
+                self._jobs.task_done()
+
+    def _run_op(self, op) -> None:
+        try:
+            if isinstance(op, DropJob):
+                if op.key is None:  # a reset
+                    self.store.entries.clear()
+                    self.store.sinks.clear()
+                else:
+                    self.store.entries.pop(op.key, None)
+                    self.store.sinks.pop(op.key, None)
+                return
+            if self.layout is None:
+                raise CacheMismatchError(self.problem or "no layout")
+            if op.key is not None:
+                pairs = [self.layout.read(layer, op.block_ids) for layer in self.layers]
+                self.store.entries[op.key] = StoredKV([_to_host(k) for k, _ in pairs], [_to_host(v) for _, v in pairs])
+            if op.sink_key is not None:
+                if not op.block_ids or op.sink_tokens > self.layout.block_size:
+                    raise CacheMismatchError(f"a sink of {op.sink_tokens} token(s) needs the request's first block")
+                pairs = [self.layout.read(layer, op.block_ids[:1]) for layer in self.layers]
+                self.store.sinks[op.sink_key] = StoredKV([_to_host(k[:, :op.sink_tokens]) for k, _ in pairs],
+                                                         [_to_host(v[:, :op.sink_tokens]) for _, v in pairs])
+        except Exception as err:  # never fail the engine: the scheduler forgets what was not stored
+            with self._lock:
+                self._report.failed_keys.extend(k for k in (getattr(op, "key", None), getattr(op, "sink_key", None))
+                                                if k is not None)
+            logger.warning("peft-kvcache: could not %s %s: %s", type(op).__name__, getattr(op, "key", None), err)
+        finally:
+            if isinstance(op, SaveJob):  # vLLM may free its blocks now, whatever happened
+                with self._lock:
+                    self._saved.add(op.request_id)
+
+    def _run_load(self, job: LoadJob) -> None:
+        try:
+            if self.layout is None:
+                raise CacheMismatchError(self.problem or "no layout")
+            self._load(job)
+        except Exception as err:  # vLLM recomputes the failed blocks
+            with self._lock:
                 self._failed_blocks.update(job.block_ids)
                 self._report.failed_loads.append(job.request_id)
-                logger.warning("peft-kvcache: the %s load of request %s failed and is recomputed: %s", job.kind,
-                               job.request_id, err)
+            logger.warning("peft-kvcache: the %s load of request %s failed and is recomputed: %s", job.kind,
+                           job.request_id, err)
+
+    def finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """The requests whose copy (vLLM may free their blocks) and whose load (vLLM may schedule them) are done
+        since the last call; their failed blocks are reported by `load_errors` in the same pass."""
+        with self._lock:
+            saved, loaded, self._saved, self._loaded = self._saved, self._loaded, set(), set()
+            self._reportable |= self._failed_blocks
+            self._failed_blocks = set()
+        return saved or None, loaded or None
 
     def _load(self, job: LoadJob) -> None:
         entry = self.store.entries.get(job.source_key)
@@ -169,25 +251,46 @@ class WorkerSide:
         heads = self.shard.heads
         keys, values = [k[0, heads] for k in keys], [v[0, heads] for v in values]
         if job.sink_key is not None:  # positions 0.. of the conversation, computed by the target itself
-            sink = self.store.sinks[job.sink_key]
-            for k, v, k_own, v_own in zip(keys, values, sink.keys, sink.values):
-                k[:, : sink.length], v[:, : sink.length] = k_own.to(k.device), v_own.to(v.device)
+            own_keys, own_values = self._sink(job.sink_key)
+            for k, v, k_own, v_own in zip(keys, values, own_keys, own_values):
+                k[:, : k_own.shape[1]], v[:, : v_own.shape[1]] = k_own.to(k.device, k.dtype), v_own.to(v.device, v.dtype)
         return keys, values
 
+    def _sink(self, sink_key: tuple) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """This rank's heads of the target's own sink, per layer ``[heads, tokens, head_dim]``: kept in the store from
+        the target's earlier request (``("store", key)``), or shipped in a map (``("map", folder, start)``)."""
+        if sink_key[0] == "store":
+            sink = self.store.sinks[sink_key[1]]
+            return sink.keys, sink.values
+        keys, values = self._map(sink_key[1]).shipped_sink(sink_key[2])  # [layers, all heads, tokens, head_dim]
+        return list(keys[:, self.shard.heads]), list(values[:, self.shard.heads])
+
     def _map(self, folder: str) -> KVMap:
-        if folder not in self._maps:
+        """A map loaded at start (waiting for the loader if a switch comes first); one it could not load fails."""
+        if self._preload is not None:
+            self._preload.join()
+        if folder not in self._maps:  # not one of the maps found at start (another folder): read it now
             self._maps[folder] = KVMap.from_pretrained(folder)
-        return self._maps[folder]
+        found = self._maps[folder]
+        if isinstance(found, str):
+            raise CacheMismatchError(f"map {folder} could not be loaded at start: {found}")
+        return found
 
     def load_errors(self) -> set[int]:
-        """Blocks whose load failed since the last call (vLLM recomputes them)."""
-        failed, self._failed_blocks = self._failed_blocks, set()
+        """Blocks whose load failed (vLLM recomputes them): reported in the pass that reports the load done (a
+        synchronous load's: at once)."""
+        with self._lock:
+            if not self.async_loads:
+                self._reportable |= self._failed_blocks
+                self._failed_blocks = set()
+            failed, self._reportable = self._reportable, set()
         return failed
 
     def take_report(self) -> WorkerReport | None:
         """What to tell the scheduler after this step, or None."""
-        report, self._report = self._report, WorkerReport()
-        if report.ready is None and not report.failed_keys and not report.failed_loads:
+        with self._lock:
+            report, self._report = self._report, WorkerReport()
+        if report.ready is None and not report.failed_keys and not report.failed_loads and not report.failed_maps:
             return None
         return report
 

@@ -83,9 +83,10 @@ def engine(model_folder: Path, *, dtype: str = "float32", llm_args: dict | None 
                                 kv_connector_module_path="peft_kvcache.vllm.connector",
                                 kv_connector_extra_config={key: str(v) if isinstance(v, Path) else v
                                                            for key, v in options.items()})
-    llm = LLM(model=str(model_folder), served_model_name=served_name, dtype=dtype, enforce_eager=True, enable_lora=True,
-              max_lora_rank=8, max_loras=4, max_model_len=2048, max_num_seqs=4, seed=0, kv_transfer_config=transfer,
-              disable_log_stats=False, **(llm_args or {}))
+    arguments = dict(model=str(model_folder), served_model_name=served_name, dtype=dtype, enforce_eager=True,
+                     enable_lora=True, max_lora_rank=8, max_loras=4, max_model_len=2048, max_num_seqs=4, seed=0,
+                     kv_transfer_config=transfer, disable_log_stats=False)
+    llm = LLM(**{**arguments, **(llm_args or {})})
     llm.peft_kvcache_adapters = dict(ADAPTERS if adapters is None else adapters)  # what run() names by LoRA id
     try:
         yield llm
@@ -95,18 +96,32 @@ def engine(model_folder: Path, *, dtype: str = "float32", llm_args: dict | None 
 
 
 def run(llm, ids: list[int], adapter: str | None = None, *, salt: str | None = None, reuse: str | None = None,
-        max_tokens: int = 8, logprobs: int = 20):
-    """One greedy request (``adapter``: a name of the engine's adapters, which a test may extend); returns vLLM's
-    output (text, first-token logprobs, kv_transfer_params)."""
+        max_tokens: int = 8, logprobs: int = 20, params: dict | None = None, lora_id: int | None = None):
+    """One greedy request (``adapter``: a name of the engine's adapters, which a test may extend; ``lora_id``: its
+    LoRA id, default its place among them; ``params``: its ``kv_transfer_params.peft_kvcache``, default from
+    ``reuse``); returns vLLM's output (text, first-token logprobs, kv_transfer_params)."""
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
     adapters = llm.peft_kvcache_adapters
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs,
-                            extra_args={"kv_transfer_params": {"peft_kvcache": {"reuse": reuse}}} if reuse else None)
-    lora = None if adapter is None else LoRARequest(adapter, list(adapters).index(adapter) + 1, str(adapters[adapter]))
+    ours = params if params is not None else {"reuse": reuse} if reuse else None
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs,
+                              extra_args={"kv_transfer_params": {"peft_kvcache": ours}} if ours is not None else None)
+    lora = None if adapter is None else LoRARequest(adapter, lora_id or list(adapters).index(adapter) + 1,
+                                                    str(adapters[adapter]))
     request = {"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
-    return llm.generate([request], params, lora_request=lora, use_tqdm=False)[0]
+    return llm.generate([request], sampling, lora_request=lora, use_tqdm=False)[0]
+
+
+def reset(llm, connector: bool = False, timeout: float = 30.0) -> None:
+    """vLLM's prefix cache reset (and the connector's store with ``connector``), once the blocks of finished requests
+    are free (the connector holds them until its copy of them is done, a step or two)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not llm.reset_prefix_cache(reset_connector=connector):
+        assert time.monotonic() < deadline, "the prefix cache could not be reset"
+        time.sleep(0.05)
 
 
 def source_of(output) -> str:

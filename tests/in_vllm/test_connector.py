@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ADAPTERS, engine, run, source_of
+from conftest import ADAPTERS, SYSTEM, engine, reset, run, source_of
 
 pytest.importorskip("vllm")
 
@@ -22,21 +22,33 @@ def mapping(model_folder, maps_folder):
         yield llm
 
 
-def _warm_sink(llm, prompt, adapter: str) -> None:
-    """One short request of ``adapter``: the store then holds its own attention sink (no whole block to keep)."""
-    out = run(llm, prompt("x = 1", system=""), adapter, max_tokens=1)
-    assert source_of(out) == "prefilled"
-
-
-def test_the_first_switch_to_an_adapter_is_prefilled_for_want_of_its_own_sink(mapping, prompt):
+def test_the_first_switch_to_an_adapter_on_a_fresh_engine_is_mapped(mapping, prompt):
+    """The adapter's own attention sink for the chat template's conversation start ships in its map: the first switch
+    after a start needs no earlier request of the adapter."""
     run(mapping, prompt(0), None)
     out = run(mapping, prompt(0), "shout")
+    reference = run(mapping, prompt(0), "shout", salt="reference", reuse="none")
     label = out.kv_transfer_params["peft_kvcache"]
-    assert label["context_source"] == "prefilled" and label["fallback"] == "no_target_sink"
+    assert label["context_source"] == "mapped:smollm2" and label["loaded_tokens"] >= MIN_MAPPED and "fallback" not in label
+    assert out.outputs[0].text == reference.outputs[0].text
+
+
+def test_a_conversation_start_no_map_ships_waits_for_the_adapters_own_sink(mapping, tokenizer):
+    """Text sent without the chat template starts with a token the maps ship no sink for: that switch is prefilled
+    (no_target_sink) and teaches the store the adapter's own; the next one that starts so is mapped."""
+    from conftest import SYSTEM
+
+    ids = tokenizer(f"Plain text, no template. {SYSTEM}", add_special_tokens=False).input_ids
+    run(mapping, ids, None)
+    first = run(mapping, ids, "shout").kv_transfer_params["peft_kvcache"]
+    assert first["context_source"] == "prefilled" and first["fallback"] == "no_target_sink"
+    other = tokenizer(f"Plain text, no template, again. {SYSTEM}", add_special_tokens=False).input_ids
+    run(mapping, other, None)
+    second = run(mapping, other, "shout").kv_transfer_params["peft_kvcache"]
+    assert second["context_source"] == "mapped:smollm2", second
 
 
 def test_a_switch_maps_the_base_prefix_and_matches_the_adapters_own_prefill(mapping, prompt):
-    _warm_sink(mapping, prompt, "shout")
     base = run(mapping, prompt(1), None)
     mapped = run(mapping, prompt(1), "shout")
     reference = run(mapping, prompt(1), "shout", salt="reference", reuse="none")
@@ -51,7 +63,6 @@ def test_a_switch_maps_the_base_prefix_and_matches_the_adapters_own_prefill(mapp
 def test_mapped_blocks_are_never_served_as_the_adapters_exact_cache(mapping, prompt):
     """vLLM commits loaded blocks to its prefix cache under the adapter's block hashes: the connector takes them out,
     so the same request again is mapped again (and labelled so), never an exact hit on approximate KV."""
-    _warm_sink(mapping, prompt, "shout")
     run(mapping, prompt(2), None)
     first = run(mapping, prompt(2), "shout")
     again = run(mapping, prompt(2), "shout")
@@ -61,7 +72,6 @@ def test_mapped_blocks_are_never_served_as_the_adapters_exact_cache(mapping, pro
 
 
 def test_a_request_can_ask_for_exact_reuse_only(mapping, prompt):
-    _warm_sink(mapping, prompt, "shout")
     run(mapping, prompt("def f(): pass"), None)
     out = run(mapping, prompt("def f(): pass"), "shout", reuse="exact")
     label = out.kv_transfer_params["peft_kvcache"]
@@ -73,7 +83,7 @@ def test_identity_injection_of_the_same_variant_gives_vllms_own_greedy_output(ma
     store kept) is vLLM's own KV: the greedy reply is identical, token for token."""
     ids = prompt("def greet(name):\n    return f'hello {name}'\n")
     own = run(mapping, ids, None, max_tokens=24)
-    assert mapping.reset_prefix_cache()
+    reset(mapping)
     injected = run(mapping, ids, None, max_tokens=24)
     label = injected.kv_transfer_params["peft_kvcache"]
     assert label["context_source"] == "reused" and label["loaded_tokens"] > 0 and label["engine_cached_tokens"] == 0
@@ -83,7 +93,6 @@ def test_identity_injection_of_the_same_variant_gives_vllms_own_greedy_output(ma
 def test_a_short_shared_prefix_is_prefilled_exactly(mapping, prompt):
     """One shared block (128 tokens) is below the minimum mapped length: the adapter prefills it itself."""
     system = "You are terse. " * 30 + "Now:"  # about 150 tokens: one whole shared block
-    _warm_sink(mapping, prompt, "shout")
     run(mapping, prompt(0, system=system), None)
     out = run(mapping, prompt(1, system=system), "shout")
     label = out.kv_transfer_params["peft_kvcache"]
@@ -92,7 +101,9 @@ def test_a_short_shared_prefix_is_prefilled_exactly(mapping, prompt):
 
 def test_mapped_injection_gives_the_librarys_next_token_logits(mapping, prompt, model_folder):
     """vLLM with the connector and the library's MappedCache (transformers + PEFT) map the same prefix with the same
-    map: the first generated token's log-probabilities agree within 2e-3 nats (fp32; the engines' kernels differ)."""
+    map, and put the target's own sink in front (the library computes it; the engine keeps it from the adapter's own
+    earlier request): the first generated token's log-probabilities agree within 2e-3 nats (fp32; the engines'
+    kernels differ)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -100,7 +111,8 @@ def test_mapped_injection_gives_the_librarys_next_token_logits(mapping, prompt, 
     from peft_kvcache.modeling._compat import with_cache
 
     ids = prompt("def head(xs, n=5):\n    return list(xs)[:n]\n")
-    _warm_sink(mapping, prompt, "shout")
+    # another conversation of shout's, prefilled: the store keeps shout's own sink from it
+    run(mapping, prompt("def nothing(): pass", system=f"Another conversation. {SYSTEM}"), "shout", reuse="none")
     run(mapping, ids, None)
     out = run(mapping, ids, "shout")
     loaded = out.kv_transfer_params["peft_kvcache"]["loaded_tokens"]
@@ -143,7 +155,6 @@ def test_an_adapter_without_a_map_is_prefilled(mapping, prompt, tmp_path_factory
                    adapter_name="unmapped").save_pretrained(folder)
     mapping.peft_kvcache_adapters["unmapped"] = folder / "unmapped"
     try:
-        _warm_sink(mapping, prompt, "unmapped")
         run(mapping, prompt(0), None)
         out = run(mapping, prompt(0), "unmapped")
         reference = run(mapping, prompt(0), "unmapped", salt="reference", reuse="none")
@@ -154,32 +165,10 @@ def test_an_adapter_without_a_map_is_prefilled(mapping, prompt, tmp_path_factory
     assert out.outputs[0].token_ids == reference.outputs[0].token_ids
 
 
-def test_a_load_that_fails_in_the_worker_is_recomputed_by_the_engine(mapping, prompt, maps_folder):
-    """The worker reads a map when it first applies it: a map file damaged after the scheduler chose the map (it did
-    for a switch it could not map for want of the adapter's sink) makes that load fail; vLLM recomputes the blocks,
-    the reply is the adapter's own, and the label says so."""
-    from conftest import SYSTEM
-
-    other = prompt(2, system=f"Another conversation. {SYSTEM}")
-    run(mapping, other, None)
-    chosen = run(mapping, other, "docstring").kv_transfer_params["peft_kvcache"]
-    assert chosen["fallback"] == "no_target_sink"  # the map was found; the sink was missing
-    weights = maps_folder / "smollm2-135m-instruct-base-to-docstring" / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:1000])
-    _warm_sink(mapping, prompt, "docstring")
-    run(mapping, prompt(1), None)
-    out = run(mapping, prompt(1), "docstring")
-    reference = run(mapping, prompt(1), "docstring", salt="reference", reuse="none")
-    label = out.kv_transfer_params["peft_kvcache"]
-    assert label["context_source"] == "prefilled" and label["fallback"] == "load_error"
-    assert out.outputs[0].token_ids == reference.outputs[0].token_ids
-
-
 def test_a_switch_from_one_adapter_to_another_maps_through_the_base_model(mapping, prompt):
     """vLLM never computes the base model's KV of an adapter's turn: a switch from docstring to shout maps docstring's
     stored prefix to the base model and on to shout (two published maps), and keeps the adapter's own reply.
-    (After the load-error test: docstring's sink is known by then, and its maps to the base are intact.)"""
-    _warm_sink(mapping, prompt, "shout")
+    """
     run(mapping, prompt(1), "docstring")  # the conversation starts with an adapter: no base KV of it exists
     out = run(mapping, prompt(1), "shout")
     reference = run(mapping, prompt(1), "shout", salt="reference", reuse="none")
@@ -199,60 +188,5 @@ def test_the_connectors_metrics_count_tokens_by_source_and_fallbacks(mapping):
 
     assert value("vllm:peft_kvcache_prompt_tokens", source="mapped") >= 3 * MIN_MAPPED
     assert value("vllm:peft_kvcache_prompt_tokens", source="reused") > 0 and value("vllm:peft_kvcache_store_bytes") > 0
-    for reason in ("no_target_sink", "exact_only", "below_min_length", "no_map", "load_error"):
+    for reason in ("no_target_sink", "exact_only", "below_min_length", "no_map"):
         assert value("vllm:peft_kvcache_fallbacks", reason=reason) >= 1, reason
-
-
-def test_naive_mode_injects_the_base_prefix_unmapped_and_says_so(model_folder, prompt):
-    with engine(model_folder, mode="naive", min_mapped_tokens=MIN_MAPPED) as llm:
-        run(llm, prompt(1), None)
-        out = run(llm, prompt(1), "shout")
-        reference = run(llm, prompt(1), "shout", salt="reference", reuse="none")
-    label = out.kv_transfer_params["peft_kvcache"]
-    assert label["context_source"] == "naive:smollm2" and label["loaded_tokens"] >= MIN_MAPPED
-    assert source_of(reference) == "prefilled"
-
-
-def test_the_store_is_bounded_and_evicts_the_least_recently_used(model_folder, prompt):
-    """A store that holds one long prefix: keeping a second evicts the first, which is then prefilled again."""
-    first, second = prompt(0), prompt(1, system="Answer in one line. " * 80)
-    per_token = 30 * 2 * 3 * 64 * 4  # layers x (keys, values) x KV heads x head size x float32
-    bound = 1.5 * (len(first) // 128) * 128 * per_token
-    assert len(second) // 128 >= len(first) // 128
-    with engine(model_folder, mode="exact", store_gib=bound / 2**30) as llm:
-        run(llm, first, None)
-        assert llm.reset_prefix_cache()
-        assert source_of(run(llm, first, None)) == "reused"  # from the store
-        run(llm, second, None)
-        assert llm.reset_prefix_cache()
-        assert source_of(run(llm, first, None)) == "prefilled"  # evicted
-        evictions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:peft_kvcache_store_evictions")
-    assert evictions >= 1
-
-
-def test_an_engine_restart_loses_only_the_store(model_folder, maps_folder, prompt):
-    """The store lives in the engine's processes: a new engine starts with nothing to load, and maps again once it
-    holds a base prefix and the adapter's sink."""
-    from conftest import SYSTEM
-
-    for _ in range(2):
-        with engine(model_folder, maps=maps_folder, min_mapped_tokens=MIN_MAPPED) as llm:
-            out = run(llm, prompt(0, system=f"First of all. {SYSTEM}"), "shout")
-            label = out.kv_transfer_params["peft_kvcache"]
-            assert label["context_source"] == "prefilled" and "fallback" not in label and out.num_cached_tokens == 0
-            _warm_sink(llm, prompt, "shout")
-            run(llm, prompt(1), None)
-            assert source_of(run(llm, prompt(1), "shout")) == "mapped:smollm2"
-
-
-def test_a_quantized_kv_cache_is_refused_by_the_worker_and_served_by_prefill(model_folder, maps_folder, prompt):
-    """An fp8 cache packs blocks in no layout the connector knows: it maps nothing, and every request is the
-    engine's own prefill."""
-    with engine(model_folder, maps=maps_folder, dtype="bfloat16", llm_args={"kv_cache_dtype": "fp8"},
-                min_mapped_tokens=MIN_MAPPED) as llm:
-        _warm_sink(llm, prompt, "shout")
-        run(llm, prompt(1), None)
-        out = run(llm, prompt(1), "shout")
-        fallbacks = {m.labels.get("reason") for m in llm.get_metrics() if m.name == "vllm:peft_kvcache_fallbacks"}
-    assert source_of(out) == "prefilled" and out.outputs[0].text
-    assert "unsupported_layout" in fallbacks

@@ -1,0 +1,117 @@
+"""The connector in engines of their own (each test starts one, so that no other engine shares its metrics): a load
+that fails, naive mode, the store's bound, a restart, a quantized cache, preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ADAPTERS, SYSTEM, engine, reset, run, source_of
+
+pytest.importorskip("vllm")
+
+MIN_MAPPED = 256
+
+
+def test_a_load_that_fails_in_the_worker_is_recomputed_by_the_engine(model_folder, prompt, tmp_path):
+    """A map whose key weights overflow what they map into (finite, so it loads; its output is not) fails the load
+    that uses it: vLLM recomputes the blocks, the reply is the adapter's own, the label says so, and the request is
+    not offered the load again. A map the worker cannot load at all (NaN weights) is never chosen."""
+    import shutil
+
+    from conftest import ROOT
+    from safetensors.torch import load_file, save_file
+
+    for name, fill in (("smollm2-135m-instruct-base-to-docstring", 1e38), ("smollm2-135m-instruct-base-to-shout", None)):
+        shutil.copytree(ROOT / "hub_cards" / name, tmp_path / name)
+        tensors = load_file(tmp_path / name / "model.safetensors")
+        tensors["keys.3.weight"] = torch.full_like(tensors["keys.3.weight"], float("nan") if fill is None else fill)
+        save_file(tensors, tmp_path / name / "model.safetensors", metadata={"format": "pt"})
+    with engine(model_folder, maps=tmp_path, min_mapped_tokens=MIN_MAPPED) as llm:
+        run(llm, prompt(1), None)
+        out = run(llm, prompt(1), "docstring")
+        reference = run(llm, prompt(1), "docstring", salt="reference", reuse="none")
+        unloadable = run(llm, prompt(1), "shout")
+    label = out.kv_transfer_params["peft_kvcache"]
+    assert label["context_source"] == "prefilled" and label["fallback"] == "load_error"
+    assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert unloadable.kv_transfer_params["peft_kvcache"]["fallback"] == "unusable_map"
+
+
+def test_naive_mode_injects_the_base_prefix_unmapped_and_says_so(model_folder, prompt):
+    with engine(model_folder, mode="naive", min_mapped_tokens=MIN_MAPPED) as llm:
+        run(llm, prompt(1), None)
+        out = run(llm, prompt(1), "shout")
+        reference = run(llm, prompt(1), "shout", salt="reference", reuse="none")
+    label = out.kv_transfer_params["peft_kvcache"]
+    assert label["context_source"] == "naive:smollm2" and label["loaded_tokens"] >= MIN_MAPPED
+    assert source_of(reference) == "prefilled"
+
+
+def test_the_store_is_bounded_and_evicts_the_least_recently_used(model_folder, prompt):
+    """A store that holds one long prefix: keeping a second evicts the first, which is then prefilled again."""
+    first, second = prompt(0), prompt(1, system="Answer in one line. " * 80)
+    per_token = 30 * 2 * 3 * 64 * 4  # layers x (keys, values) x KV heads x head size x float32
+    bound = 1.5 * (len(first) // 128) * 128 * per_token
+    assert len(second) // 128 >= len(first) // 128
+    with engine(model_folder, mode="exact", store_gib=bound / 2**30) as llm:
+        run(llm, first, None)
+        reset(llm)
+        assert source_of(run(llm, first, None)) == "reused"  # from the store
+        run(llm, second, None)
+        reset(llm)
+        assert source_of(run(llm, first, None)) == "prefilled"  # evicted
+        evictions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:peft_kvcache_store_evictions")
+    assert evictions >= 1
+
+
+def test_an_engine_restart_loses_only_the_store(model_folder, maps_folder, prompt):
+    """The store lives in the engine's processes: a new engine starts with nothing to load, and maps again once it
+    holds a base prefix (the adapter's sink ships in its map)."""
+    from conftest import SYSTEM
+
+    for _ in range(2):
+        with engine(model_folder, maps=maps_folder, min_mapped_tokens=MIN_MAPPED) as llm:
+            out = run(llm, prompt(0, system=f"First of all. {SYSTEM}"), "shout")
+            label = out.kv_transfer_params["peft_kvcache"]
+            assert label["context_source"] == "prefilled" and "fallback" not in label and out.num_cached_tokens == 0
+            run(llm, prompt(1), None)
+            assert source_of(run(llm, prompt(1), "shout")) == "mapped:smollm2"
+
+
+def test_a_quantized_kv_cache_is_refused_by_the_worker_and_served_by_prefill(model_folder, maps_folder, prompt):
+    """An fp8 cache packs blocks in no layout the connector knows: it maps nothing, and every request is the
+    engine's own prefill."""
+    with engine(model_folder, maps=maps_folder, dtype="bfloat16", llm_args={"kv_cache_dtype": "fp8"},
+                min_mapped_tokens=MIN_MAPPED) as llm:
+        run(llm, prompt(1), None)
+        out = run(llm, prompt(1), "shout")
+        fallbacks = {m.labels.get("reason") for m in llm.get_metrics() if m.name == "vllm:peft_kvcache_fallbacks"}
+    assert source_of(out) == "prefilled" and out.outputs[0].text
+    assert "unsupported_layout" in fallbacks
+
+
+def test_preempted_requests_keep_their_label_and_are_counted_once(model_folder, maps_folder, prompt):
+    """A cache of a few blocks for four long switches at once: vLLM preempts some (and prefills them again); every
+    label still says where its context came from, and the tokens counted by source add up to the prompts'."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    with engine(model_folder, maps=maps_folder, min_mapped_tokens=MIN_MAPPED,
+                llm_args={"num_gpu_blocks_override": 14, "max_num_seqs": 4, "max_model_len": 1536}) as llm:
+        prompts = [prompt(i % 3, system=f"Preemption {i}. {SYSTEM}") for i in range(4)]
+        for ids in prompts:
+            run(llm, ids, None, max_tokens=1)
+        # about 400 prompt tokens (4 blocks) each, growing past 512 (a fifth block): three run at once, and the
+        # blocks they grow into are not there
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
+                            lora_request=LoRARequest("shout", 1, str(ADAPTERS["shout"])), use_tqdm=False)
+        by_source, preemptions = {}, 0
+        for m in llm.get_metrics():
+            if m.name == "vllm:peft_kvcache_prompt_tokens":
+                by_source[m.labels["source"]] = by_source.get(m.labels["source"], 0) + m.value
+            preemptions += m.value if m.name == "vllm:num_preemptions" else 0
+    assert preemptions >= 1
+    assert all(source_of(out).startswith("mapped:") for out in outs), [source_of(o) for o in outs]
+    total = sum(len(ids) for ids in prompts) * 2  # the base turns and the switches
+    assert sum(by_source.values()) == total, by_source
