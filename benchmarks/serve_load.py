@@ -140,9 +140,11 @@ def ask(api, model: str, messages: list[dict], max_tokens: int) -> dict:
 
 
 def load_run(url: str, conversations, model_name: str, max_tokens: int, deadline: float,
-             ask_turn=None) -> tuple[list, float]:
+             ask_turn=None, starts: list[float] | None = None) -> tuple[list, float]:
     """Every conversation in its own thread, turn after turn; returns the per-turn records and the wall time.
-    ``ask_turn(api, model, messages)`` sends one turn (default: `ask` with ``max_tokens``)."""
+    ``ask_turn(api, model, messages)`` sends one turn (default: `ask` with ``max_tokens``); ``starts``: seconds after
+    the run's start at which each conversation begins (default all at once: a closed loop; arrival times make it an
+    open one)."""
     from openai import OpenAI
 
     ask_turn = ask_turn or (lambda api, model, messages: ask(api, model, messages, max_tokens))
@@ -150,6 +152,8 @@ def load_run(url: str, conversations, model_name: str, max_tokens: int, deadline
 
     def talk(i: int) -> None:
         api, messages = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600), []
+        if starts is not None:
+            time.sleep(max(0.0, started + starts[i] - time.perf_counter()))
         for t, (adapter, text) in enumerate(conversations[i]):
             if time.monotonic() > deadline:
                 raise TimeoutError("the benchmark ran past its deadline")
@@ -190,13 +194,14 @@ def load_stack(calibration_files: int):
     sources = ((ROOT / "hub_cards", "published maps (hub_cards/)"), (cached, f"{calibrated} (kept in {cached})"))
     for folder, note in sources:
         try:
-            maps, _, unusable = load_maps(model, ADAPTERS, [str(folder)]) if folder.is_dir() else (None, {}, {})
+            maps = find_maps(model, ADAPTERS, [str(folder)]) if folder.is_dir() else None
         except PeftKVCacheError as err:
             skipped.append(f"{folder}: {err}")
             continue
-        if maps is not None and not unusable and all(a in maps.to_adapter and a in maps.to_base for a in ADAPTERS):
+        if maps is not None and all(a in maps.to_adapter and a in maps.to_base for a in ADAPTERS):
             return model, tokenizer, maps, note + "".join(f"; not used: {s}" for s in skipped)
-        skipped.append(f"{folder}: " + ("; ".join(unusable.values()) or "no complete set of maps"))
+        why = "; ".join(f"{a}{' -> base' if reverse else ''}: {w}" for (a, reverse), w in maps.missing.items()) if maps else ""
+        skipped.append(f"{folder}: " + (why or "no complete set of maps"))
     print(f"no usable maps ({skipped}); calibrating on {calibration_files} stdlib files ...", flush=True)
     maps = calibrate_missing(model, tokenizer, ADAPTERS, AdapterMaps(), files=calibration_files)
     maps.save_pretrained(cached, PREFIX)

@@ -40,10 +40,10 @@ def smollm_stack():
     base, tokenizer = load_model(SMOLLM)
     model = load_adapters(base, {a: str(ROOT / "adapters" / a) for a in ADAPTERS})
     try:
-        maps, _, unusable = load_maps(model, ADAPTERS, [str(ROOT / "hub_cards")])
+        maps = find_maps(model, ADAPTERS, [str(ROOT / "hub_cards")])
     except PeftKVCacheError:
-        maps, unusable = AdapterMaps(), {"all": "not loadable"}
-    if unusable or not all(a in maps.to_adapter and a in maps.to_base for a in ADAPTERS):
+        maps = AdapterMaps()
+    if not all(a in maps.to_adapter and a in maps.to_base for a in ADAPTERS):
         maps = calibrate_missing(model, tokenizer, ADAPTERS, AdapterMaps(), files=4, tokens=256)
     return SharedPeftModel(model, maps), tokenizer
 
