@@ -75,3 +75,7 @@ class DataError(PeftKVCacheError, ValueError):
 
 class MapNotFoundError(PeftKVCacheError, LookupError):
     """No map among those given fits the models (their fingerprints, KV layout and rotary parameters)."""
+
+
+class SettingError(PeftKVCacheError, ValueError):
+    """An environment variable the library reads holds a value it cannot use."""

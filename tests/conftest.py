@@ -46,6 +46,13 @@ def package_deprecations_are_errors(monkeypatch):
     monkeypatch.setattr(warnings, "warn", warn)
 
 
+@pytest.fixture
+def exact_matmuls(monkeypatch):
+    """Maps multiply in float32 whatever the CPU (`peft_kvcache.maps.compute`): for tests of an exact formula (an
+    identity map gives the cache back), which bfloat16's rounding would blur."""
+    monkeypatch.setenv("PEFT_KVCACHE_MATMUL_DTYPE", "float32")
+
+
 def tiny_model(kind: str = "qwen2", seed: int = 0, **overrides) -> torch.nn.Module:
     """A tiny random causal LM; ``overrides`` change the config (layers, widths, heads, rope...)."""
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -30,7 +30,7 @@ def _mapped_states(kv_map, source, target, ids):
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def test_blend_endpoints_are_the_map_and_the_source_cache(pair):
+def test_blend_endpoints_are_the_map_and_the_source_cache(pair, exact_matmuls):
     source, target, kv_map = pair
     ids = random_ids(1, 20, seed=9)[0][None]
     own = _mapped_states(kv_map, source, target, ids)

@@ -43,7 +43,7 @@ def test_the_reports_window_control_is_the_one_with_the_sink():
     torch.testing.assert_close(torch.cat(report.scores["window@4"].kl), torch.cat(expected), rtol=1e-4, atol=1e-6)
 
 
-def test_identity_map_retains_everything_and_naive_reuse_equals_full():
+def test_identity_map_retains_everything_and_naive_reuse_equals_full(exact_matmuls):
     model = tiny_model("qwen2")
     kv_map = KVMap.calibrate(model, model, random_ids(10, 40), progress=False)
     report = evaluate_retention(model, model, kv_map, random_ids(3, 48, seed=7), context_length=32,

@@ -68,7 +68,7 @@ def identity_map(model) -> KVMap:
 
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("cache_kind", ["own", "mapped by an identity map"])
-def test_every_mode_on_a_cache_of_the_context_equals_no_cache(model, draft, mode, cache_kind):
+def test_every_mode_on_a_cache_of_the_context_equals_no_cache(model, draft, mode, cache_kind, exact_matmuls):
     kwargs = _kwargs(mode, draft)
     kv_map = identity_map(model) if cache_kind != "own" else None
     for ids in _prompts():

@@ -147,11 +147,12 @@ def test_the_identity_map_of_a_model_reproduces_its_own_cache(config, mask, offs
     positions = positions_from_mask(mask)
     cache = run_with_cache(model, ids, mask)
     placements = [(torch.device("cpu"), torch.float32)] * layout.num_layers
-    mapped = map_cache(kv_map, cache.keys, cache.values, positions, positions, placements)
+    # float32 matmuls: the formula exactly (bfloat16's own rounding is measured against it in test_apply)
+    mapped = map_cache(kv_map, cache.keys, cache.values, positions, positions, placements, torch.float32)
     for (k, v), k_own, v_own in zip(mapped, cache.keys, cache.values):
         torch.testing.assert_close(k, k_own, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(v, v_own, rtol=0, atol=0)
     shifted = run_with_cache(model, ids, mask, position_ids=positions + offset)
-    moved = map_cache(kv_map, cache.keys, cache.values, positions, positions + offset, placements)
+    moved = map_cache(kv_map, cache.keys, cache.values, positions, positions + offset, placements, torch.float32)
     # Layer 0 keys depend on the tokens only, so the model's own keys at the offset are the reference.
     torch.testing.assert_close(moved[0][0], shifted.keys[0], rtol=1e-4, atol=1e-4)

@@ -137,7 +137,7 @@ def test_unknown_adapter_and_empty_turn_are_refused(real_shared):
         session.turn(torch.zeros((1, 0), dtype=torch.long), adapter=None)
 
 
-def test_feed_gives_the_full_prefill_logits_when_maps_are_exact(zero_shared):
+def test_feed_gives_the_full_prefill_logits_when_maps_are_exact(zero_shared, exact_matmuls):
     session = AdapterSession(zero_shared, **GEN)
     model = zero_shared.model
     for (length, adapter), message in zip(SCRIPT, _messages(8)):

@@ -1,8 +1,9 @@
 """The one function that applies a fitted map to a source cache; calibration-time evaluation and inference
 both call it, so what was measured is what runs.
 
-Per target layer: gather the position-free features of its chosen source layers, one matmul for all its
-KV heads (plus bias), re-rotate keys at the target positions, cast and place on the target layer's device.
+Per target layer: the position-free states of its chosen source layers, one matmul per (source head, target head)
+block of its weight (plus bias) in the cache's own layout, keys re-rotated at the target positions in place, cast
+and placed on the target layer's device.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import torch
 
 from ..errors import CacheMismatchError, NumericalError
 from ..modeling.layout import layer_features
-from ..modeling.positions import RotarySpec, apply_rotary, remove_rotary, rotary_cos_sin
+from ..modeling.positions import RotarySpec, rotary_cos_sin, rotate_
+from .compute import matmul_dtype
 
 
 class SourceFeatures:
@@ -26,8 +28,9 @@ class SourceFeatures:
         self._cache: dict[tuple[str, int], torch.Tensor] = {}
         self._rotations: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # cos/sin once per device
 
-    def get(self, kind: str, layer: int, device: torch.device) -> torch.Tensor:
-        """``[batch, seq, kv_heads * head_dim]`` features of one source layer, on ``device``."""
+    def heads(self, kind: str, layer: int, device: torch.device) -> torch.Tensor:
+        """``[batch, kv_heads, seq, head_dim]`` position-free states of one source layer in the compute dtype,
+        contiguous, on ``device`` (the cache's own layout: a head's rows are one matrix)."""
         key = (kind, layer)
         if key not in self._cache:
             states = self.keys[layer] if kind == "keys" else self.values[layer]
@@ -35,10 +38,15 @@ class SourceFeatures:
                 if states.device not in self._rotations:
                     self._rotations[states.device] = rotary_cos_sin(self.spec, self.positions, device=states.device)
                 cos, sin = self._rotations[states.device]
-                states = remove_rotary(states.float(), cos, sin, self.spec.attention_scaling)
-            # contiguous once here: several target layers read it as a [batch * seq, width] matrix
-            self._cache[key] = layer_features(states).to(self.dtype).contiguous()
+                states = rotate_(states.to(torch.float32, copy=True), cos, sin, inverse=True)
+                if self.spec.attention_scaling != 1.0:
+                    states[..., : cos.shape[-1]] /= self.spec.attention_scaling**2
+            self._cache[key] = states.to(self.dtype).contiguous()
         return self._cache[key].to(device, non_blocking=True)
+
+    def get(self, kind: str, layer: int, device: torch.device) -> torch.Tensor:
+        """``[batch, seq, kv_heads * head_dim]`` features of one source layer (heads side by side), on ``device``."""
+        return layer_features(self.heads(kind, layer, device))
 
 
 def mlp_residual(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
@@ -75,6 +83,32 @@ def map_layer(features: Sequence[torch.Tensor], weight: torch.Tensor, bias: torc
     return mapped.view(batch, seq, -1, head_dim).transpose(1, 2).contiguous()
 
 
+def map_layer_heads(features: Sequence[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor, heads: int,
+                    head_dim: int) -> torch.Tensor:
+    """`map_layer` without a residual MLP, read from and written in the cache's own layout: each target head's
+    ``[seq, head_dim]`` block accumulates one matmul per source head (``features``: per source layer ``[batch,
+    kv_heads, seq, head_dim]``), so no features or outputs are transposed -> ``[batch, heads, seq, head_dim]``."""
+    batch, _, seq, _ = features[0].shape
+    out = torch.empty(batch, heads, seq, head_dim, dtype=features[0].dtype, device=features[0].device)
+    bias = bias.to(out.dtype)
+    for b in range(batch):
+        for j in range(heads):
+            columns, target, row = slice(j * head_dim, (j + 1) * head_dim), out[b, j], 0
+            for x in features:
+                for i in range(x.shape[1]):
+                    rows = weight[row: row + x.shape[3], columns]
+                    if row == 0:
+                        torch.addmm(bias[columns], x[b, i], rows, out=target)
+                    else:
+                        target.addmm_(x[b, i], rows)
+                    row += x.shape[3]
+            if row != weight.shape[0]:
+                raise CacheMismatchError(f"the layer's features have {row} columns but its weight has "
+                                         f"{weight.shape[0]} rows")
+    return out
+
+
+@torch.no_grad()  # inference: a cache is mapped, never trained through
 def map_cache(
     kv_map,
     source_keys: Sequence[torch.Tensor],
@@ -93,7 +127,8 @@ def map_cache(
         source_keys, source_values: per source layer ``[batch, kv_heads, seq, head_dim]`` (keys post-RoPE).
         source_positions, target_positions: ``[batch, seq]`` absolute positions of each cached token.
         placements: per target layer (device, dtype) the mapped tensors must have.
-        compute_dtype: dtype of the matmuls; float32 by default (bfloat16/float16 inputs are upcast per layer).
+        compute_dtype: dtype of the matmuls; by default bfloat16 where this device multiplies it markedly
+            faster (`peft_kvcache.maps.compute.matmul_dtype`), else float32; the rotary always runs in float32.
         source_rotary, target_rotary: the models' own rotary parameters when the models are at hand (a model
             cast to bfloat16 rotates with rounded frequencies); the map's stored ones otherwise.
 
@@ -113,10 +148,11 @@ def map_cache(
                 f"source cache layer {i} has keys {tuple(k.shape)} and values {tuple(source_values[i].shape)}; "
                 f"the map expects [batch, {expected[0]}, seq, {expected[1]}]"
             )
-    compute_dtype = compute_dtype or torch.float32
+    compute_dtype = compute_dtype or matmul_dtype(source_keys[0].device)
     features = SourceFeatures(source_keys, source_values, source_rotary or kv_map.source_rotary, source_positions,
                               compute_dtype)
-    target_spec, head_dim = target_rotary or kv_map.target_rotary, config.target_layout.head_dim
+    target_spec = target_rotary or kv_map.target_rotary
+    heads, head_dim = config.target_layout.kv_heads, config.target_layout.head_dim
 
     mapped, rotations = [], {}
     for t, (device, dtype) in enumerate(placements):
@@ -126,11 +162,15 @@ def map_cache(
         layer = []
         for kind in ("keys", "values"):
             sources = kv_map.source_layers(kind, t)
-            inputs = [features.get(kind, s, device) for s in sources]
+            inputs = [features.heads(kind, s, device) for s in sources]
             weight, bias = kv_map.layer_weights(kind, t, device, compute_dtype)
-            states = map_layer(inputs, weight, bias, head_dim, kv_map.layer_mlp(kind, t, device, compute_dtype))
+            mlp = kv_map.layer_mlp(kind, t, device, compute_dtype)
+            if mlp is None:
+                states = map_layer_heads(inputs, weight, bias, heads, head_dim)
+            else:  # the residual MLP reads every head at once
+                states = map_layer([layer_features(x) for x in inputs], weight, bias, head_dim, mlp)
             if kind == "keys":
-                states = apply_rotary(states, cos, sin)
+                states = rotate_(states.float(), cos, sin)
             layer.append(_cast_checked(states, dtype, t, kind, dict(zip(sources, inputs))))
         mapped.append((layer[0], layer[1]))
     return mapped

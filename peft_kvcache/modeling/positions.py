@@ -235,6 +235,20 @@ def _rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     return out
 
 
+def rotate_(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """`apply_rotary` (``inverse``: its inverse, without the scaling) in place on ``keys`` (float32, ``[batch, kv_heads,
+    seq, head_dim]``), in four passes over half the dims and one copy of a half: what a mapping runs per layer."""
+    rotary_dim = cos.shape[-1]
+    half = rotary_dim // 2
+    c, s = cos[:, None, :, :half], sin[:, None, :, :half]
+    sign = -1.0 if inverse else 1.0
+    x1, x2 = keys[..., :half], keys[..., half:rotary_dim]
+    first = x1.clone()
+    x1.mul_(c).addcmul_(x2, s, value=-sign)
+    x2.mul_(c).addcmul_(first, s, value=sign)
+    return keys
+
+
 def apply_rotary(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate position-free keys ``[batch, kv_heads, seq, head_dim]`` with cos/sin ``[batch, seq, rotary_dim]``.
 
