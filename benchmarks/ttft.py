@@ -1,6 +1,7 @@
-"""Time to first token after a switch, measured one way for every map: the target's full prefill of L tokens vs
-the switch (map the source cache the source already holds, the target computes the sink and the last token),
-side by side in one run, each the median of ``--repeats`` runs with min and max.
+"""Time to first token after a switch, measured one way for every map: the target's full prefill of L tokens and
+the target continuing its own cache of the context (what a switch would cost if the target had kept one) vs the
+switch (map the source cache the source already holds, the target computes the sink and the last token), side by
+side in one run, each the median of ``--repeats`` runs with min and max.
 
 - ``cold``: the target's sink pass is paid (its memo is cleared before every run);
 - ``warm``: the sink memo already holds this conversation's first tokens (a chat template starts every
@@ -26,7 +27,7 @@ from peft_kvcache import KVMap, MappedCache
 from peft_kvcache.calibration.loop import ModelSide
 from peft_kvcache.maps.config import KVMapConfig
 from peft_kvcache.modeling.capture import forward, run_with_cache
-from peft_kvcache.runtime.cache import clear_target_sinks
+from peft_kvcache.runtime.cache import ContextCache, clear_target_sinks
 
 from .common import RESULTS, interval, save, start_run, table, timed
 
@@ -98,8 +99,12 @@ def measure(source_run, target, kv_map, ids: torch.Tensor, repeats: int = 5, rec
             forward(target, last, cache, position_ids=step, logits_to_keep=1)
         return run
 
+    own_kv = run_with_cache(target, context)  # untimed: what the target holds when it continues its own context
+
     clear = clear_target_sinks
     row = {"context": length, "full": full or timed(lambda: forward(target, ids, None, logits_to_keep=1), repeats),
+           "own": timed(lambda: forward(target, last, ContextCache(own_kv), position_ids=step, logits_to_keep=1),
+                        repeats),
            "cold": timed(switch(0), repeats, before=clear), "warm": timed(switch(0), repeats),
            "map_only": timed(lambda: MappedCache.from_source(source_kv, kv_map, target, input_ids=context,
                                                              refresh_tokens=0), repeats)}
@@ -108,6 +113,7 @@ def measure(source_run, target, kv_map, ids: torch.Tensor, repeats: int = 5, rec
     for name in ("cold", "warm", "recipe"):
         if name in row:
             row[f"speedup_{name}"] = row["full"]["median"] / row[name]["median"]
+    row["warm_to_own"] = row["warm"]["median"] / row["own"]["median"]
     layout = kv_map.config.target_layout
     element = torch.finfo(next(target.parameters()).dtype).bits // 8
     row["cache_bytes_written"] = 2 * layout.num_layers * layout.layer_width * (length - 1) * element
@@ -120,15 +126,17 @@ def markdown(name: str, rows: list[dict], machine: dict) -> str:
     def cell(timing: dict) -> str:
         return interval(timing["median"], timing["min"], timing["max"], 2) + " s"
 
-    header = ["context", "full prefill", "switch, cold", "switch, warm", "with the recipe", "speedup cold / warm / recipe",
-              "map only (tok/s)", "map vs bandwidth / matmul floor"]
+    header = ["context", "full prefill", "own cache", "switch, cold", "switch, warm", "with the recipe",
+              "speedup cold / warm / recipe", "warm switch / own cache", "map only (tok/s)",
+              "map vs bandwidth / matmul floor"]
     body = []
     for r in rows:
         speedups = " / ".join(f"{r[f'speedup_{k}']:.1f}x" if f"speedup_{k}" in r else "-" for k in ("cold", "warm", "recipe"))
         bandwidth = r["cache_bytes_written"] / machine["bandwidth_bytes_per_s"] / r["map_only"]["median"]
         compute = r["map_flops"] / machine["matmul_flops_per_s"] / r["map_only"]["median"]
-        body.append([r["context"], cell(r["full"]), cell(r["cold"]), cell(r["warm"]),
-                     cell(r["recipe"]) if "recipe" in r else "-", speedups,
+        body.append([r["context"], cell(r["full"]), cell(r["own"]) if "own" in r else "-", cell(r["cold"]),
+                     cell(r["warm"]), cell(r["recipe"]) if "recipe" in r else "-", speedups,
+                     f"{r['warm_to_own']:.2f}x" if "warm_to_own" in r else "-",
                      f"{r['map_only']['median']:.3f} s ({r['map_tokens_per_s']:,.0f})", f"{bandwidth:.0%} / {compute:.0%}"])
     return (f"## TTFT after a switch: {name}\n\nMedian [min, max] of the runs; {torch.get_num_threads()} threads.\n\n"
             + table(header, body) + "\n")
