@@ -77,7 +77,7 @@ NONLINEAR_FILES, NONLINEAR_RECALL = 24, 4  # MLP rows from the first 24 of a map
 FINAL_CONTEXT, FINAL_FILES, FINAL_RECALL = 1024, 12, 2  # the goal table (recall cases per kind and depth)
 TTFT_LENGTHS, TTFT_REPEATS = (512, 2048), 5
 ADAPTER_CONTEXT, ADAPTER_CONTINUATION, ADAPTER_EXAMPLES = 512, 64, 48  # the adapter maps' retention (both ways)
-ADAPTER_TTFT_LENGTHS = (1024, 4096)
+ADAPTER_TTFT_LENGTHS = (1024, 2048, 4096)
 
 
 class Publisher:
@@ -273,7 +273,13 @@ class Publisher:
         return self._adapters
 
     def adapter_maps(self) -> AdapterMaps:
-        return AdapterMaps.from_pretrained(self.workdir / "adapters", self.adapter_model()[0], ADAPTERS)
+        """The adapter maps this pipeline fitted (its workdir), or, on a machine that did not fit them, the published
+        ones (their weights as stored: what users load)."""
+        fitted = self.workdir / "adapters"
+        folder = fitted if fitted.is_dir() else HUB_CARDS
+        if folder == HUB_CARDS:
+            logger.info("no fitted adapter maps in %s: using the published ones in %s", fitted, HUB_CARDS)
+        return AdapterMaps.from_pretrained(folder, self.adapter_model()[0], ADAPTERS)
 
     def calibrate_adapters(self) -> None:
         """The base <-> adapter maps: the first 512 tokens of 128 calibration-split files and 8 chat-formatted
