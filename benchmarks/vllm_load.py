@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from peft_kvcache._files import atomic_write
-from peft_kvcache.lab.provenance import code_state, write_results
+from peft_kvcache.lab.provenance import code_state, cpu_model, write_results
 from peft_kvcache.modeling.fixtures import converted_path
 from peft_kvcache.vllm.options import DEFAULT_MIN_MAPPED_TOKENS
 
@@ -115,7 +115,8 @@ def measure(args, tokenizer) -> dict:
         started = time.monotonic()
         with vllm_server(args.vllm_python, model_folder, options, log) as url:
             measured = measure_phase(name, key, url, args, raw, tokenizer)
-        raw["phases"][f"{name}/{key}"] = {**measured, "measured_by": code_state()}  # the code of this measurement
+        # the code and the machine of this measurement (a run resumed in another session may run on another CPU)
+        raw["phases"][f"{name}/{key}"] = {**measured, "measured_by": {**code_state(), "cpu": cpu_model()}}
         print(f"{name} on ({key}): {time.monotonic() - started:.0f} s", flush=True)
         atomic_write(args.raw, lambda tmp: Path(tmp).write_text(json.dumps(raw)))
     return raw

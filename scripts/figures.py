@@ -15,6 +15,7 @@ HUB_CARDS = ROOT / "hub_cards"
 README_BEGIN, README_END = "<!-- figures:begin (scripts/publish.py writes this table) -->", "<!-- figures:end -->"
 SERVE_BEGIN, SERVE_END = "<!-- serve-figures:begin (scripts/publish.py writes this table) -->", "<!-- serve-figures:end -->"
 VLLM_BEGIN, VLLM_END = "<!-- vllm-figures:begin (scripts/publish.py writes this table) -->", "<!-- vllm-figures:end -->"
+CALIBRATE_BEGIN, CALIBRATE_END = "<!-- calibrate-time:begin (scripts/publish.py writes this line) -->", "<!-- calibrate-time:end -->"
 SERVERS = {"a": "(a) this server", "a'": "(a') this server, base cache kept by reverse maps",
            "b": "(b) prefix reuse keyed by adapter (vLLM, SGLang today)", "c": "(c) no prefix reuse"}
 
@@ -166,6 +167,18 @@ def vllm_table() -> str:
             + f" ({gate['rule']}: {gate['recommended_min_mapped_tokens']} tokens; the load runs used min_mapped_tokens "
               f"{setup['connector_min_mapped_tokens']}).\n\nFrom `benchmarks/results/vllm-load.json`, written by "
               "`python -m benchmarks.vllm_load`.")
+
+
+def calibrate_time_line() -> str:
+    """How long the README's calibrate-adapters command took (`benchmarks/results/calibrate-time.json`)."""
+    data = results("calibrate-time")
+    minutes, seconds = divmod(round(data["seconds"]), 60)
+    maps = data["maps"]
+    return (f"The `calibrate-adapters` command above took {minutes} min {seconds} s on {data['threads']} threads "
+            f"({data['provenance']['cpu']}) for {len(maps)} maps, each fitted on "
+            f"{min(m['train_tokens'] for m in maps):,}-{max(m['train_tokens'] for m in maps):,} tokens and checked on "
+            f"{min(m['heldout_tokens'] for m in maps):,}-{max(m['heldout_tokens'] for m in maps):,} held-out tokens "
+            "(`benchmarks/results/calibrate-time.json`, written by `python -m benchmarks.calibrate_time`).")
 
 
 # The README's generated blocks: (begin marker, end marker, what renders the table between them).

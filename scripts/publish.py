@@ -45,6 +45,7 @@ from benchmarks.common import ADAPTERS, LARGE, RESULTS, ROOT, SMALL, SMOLLM, rea
 from benchmarks.scaling import SCALES
 from benchmarks.tasks import continuation_examples
 from peft_kvcache import AdapterMaps, KVMap
+from peft_kvcache._files import atomic_write
 from peft_kvcache.calibration.blend import choose_adapter_blends
 from peft_kvcache.calibration.loop import calibrate_adapters
 from peft_kvcache.calibration.sinks import conversation_starts, ship_target_sinks
@@ -107,7 +108,7 @@ class Publisher:
     def artifacts(self) -> dict[str, list[Path]]:
         """The workdir artifacts (and published folders) stages make and read, by name (`Stage`)."""
         return {"sibling maps": [self.scale_folder(s, d) for s in self.scales for d in siblings.DIRECTIONS],
-                "adapter maps": [self.workdir / "adapters" / folder_name(PREFIX, a, r) for a in ADAPTERS
+                "adapter maps": [self.adapter_folder() / folder_name(PREFIX, a, r) for a in ADAPTERS
                                  for r in (False, True)],
                 "published sibling maps": [HUB_CARDS / siblings.pair_name(d) for d in siblings.DIRECTIONS],
                 "published adapter maps": [HUB_CARDS / folder_name(PREFIX, a, r) for a in ADAPTERS for r in (False, True)]}
@@ -272,13 +273,16 @@ class Publisher:
             self._adapters = adapters.load_smollm2(ADAPTERS + ("shout_alora",))
         return self._adapters
 
-    def adapter_maps(self) -> AdapterMaps:
-        """The adapter maps this pipeline fitted (its workdir), or, on a machine that did not fit them, the published
-        ones (their weights as stored: what users load)."""
+    def adapter_folder(self) -> Path:
+        """Where the adapter maps the stages read lie: the ones this pipeline fitted (its workdir), or, on a machine
+        that fitted none, the published ones (their weights as stored: what users load)."""
         fitted = self.workdir / "adapters"
-        folder = fitted if fitted.is_dir() else HUB_CARDS
+        return fitted if fitted.is_dir() else HUB_CARDS
+
+    def adapter_maps(self) -> AdapterMaps:
+        folder = self.adapter_folder()
         if folder == HUB_CARDS:
-            logger.info("no fitted adapter maps in %s: using the published ones in %s", fitted, HUB_CARDS)
+            logger.info("no fitted adapter maps in %s: using the published ones in %s", self.workdir, HUB_CARDS)
         return AdapterMaps.from_pretrained(folder, self.adapter_model()[0], ADAPTERS)
 
     def calibrate_adapters(self) -> None:
@@ -391,7 +395,7 @@ class Publisher:
         for begin, end, render in figures.README_BLOCKS:
             start, stop = text.index(begin) + len(begin), text.index(end)
             text = text[:start] + "\n" + render() + "\n" + text[stop:]
-        path.write_text(text)
+        atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
 def _publish(kv_map: KVMap, name: str, dtype: str) -> None:

@@ -81,3 +81,12 @@ def test_the_readme_tables_are_the_ones_the_results_give():
 def test_results_record_their_command_as_a_reader_would_type_it(path):
     command = json.loads(path.read_text())["provenance"]["command"]
     assert command.startswith("python -m ") and str(ROOT) not in command and " /" not in command, command
+
+
+def test_the_timed_calibrate_adapters_command_is_the_readmes_and_parses():
+    from benchmarks.calibrate_time import readme_command
+    from peft_kvcache.cli import build_parser
+
+    words = readme_command()
+    args = build_parser().parse_args(words[1:])  # argparse exits on a word the CLI does not take
+    assert args.command == "calibrate-adapters" and args.num_files == 44, args

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible chat server (server.py, prefix_store.py, openai_api.py, serve.py): a tiny model and two
+"""The OpenAI-compatible chat server (peft_kvcache/serving): a tiny model and two
 tiny adapters served on 127.0.0.1 at a free port, driven by the official `openai` client."""
 
 from __future__ import annotations

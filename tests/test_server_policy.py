@@ -1,4 +1,4 @@
-"""The prefix store's policy for approximate caches (prefix_store.py), without HTTP: every entry records how it was
+"""The prefix store's policy for approximate caches (serving/store.py, serving/engine.py), without HTTP: every entry records how it was
 made; an entry derived from a mapped prefix is served as mapped, never as reused; mapping is offered only where it
 saves ``min_mapped_tokens`` of prefill; a request may ask for exact reuse only; the default threshold is the one
 benchmarks/map_threshold.py measured."""

@@ -27,7 +27,8 @@ def _git(*args: str, cwd: Path) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo), recorded with every measurement."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -81,7 +82,7 @@ def provenance(seeds: dict[str, int] | None = None, data: Any = None, cwd: str |
         "command": command_line(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.machine(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
