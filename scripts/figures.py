@@ -174,13 +174,17 @@ def calibrate_time_line() -> str:
     data = results("calibrate-time")
     minutes, seconds = divmod(round(data["seconds"]), 60)
     maps = data["maps"]
+
+    def tokens(key: str) -> str:
+        low, high = min(m[key] for m in maps), max(m[key] for m in maps)
+        return f"{low:,}" if low == high else f"{low:,}-{high:,}"
+
     return (f"The `calibrate-adapters` command above took {minutes} min {seconds} s on {data['threads']} threads "
-            f"({data['provenance']['cpu']}) for {len(maps)} maps, each fitted on "
-            f"{min(m['train_tokens'] for m in maps):,}-{max(m['train_tokens'] for m in maps):,} tokens and checked on "
-            f"{min(m['heldout_tokens'] for m in maps):,}-{max(m['heldout_tokens'] for m in maps):,} held-out tokens "
-            "(`benchmarks/results/calibrate-time.json`, written by `python -m benchmarks.calibrate_time`).")
+            f"({data['provenance']['cpu']}) for its {len(maps)} maps (both directions of each adapter, one pass of the "
+            f"models), fitted on {tokens('train_tokens')} tokens each and checked on {tokens('heldout_tokens')} "
+            "held-out tokens (`benchmarks/results/calibrate-time.json`, written by `python -m benchmarks.calibrate_time`).")
 
 
 # The README's generated blocks: (begin marker, end marker, what renders the table between them).
 README_BLOCKS = ((README_BEGIN, README_END, readme_table), (SERVE_BEGIN, SERVE_END, serve_table),
-                 (VLLM_BEGIN, VLLM_END, vllm_table))
+                 (VLLM_BEGIN, VLLM_END, vllm_table), (CALIBRATE_BEGIN, CALIBRATE_END, calibrate_time_line))
