@@ -199,3 +199,43 @@ def test_calibration_with_fewer_tokens_than_features_gives_a_finite_map():
     source, target = calibration_pair()  # 2 x 2 x 16 = 64 source features per kind; 3 train tokens
     kv_map = KVMap.calibrate(source, target, random_ids(3, 4), **CALIBRATION_OPTIONS)
     assert all(torch.isfinite(t).all() for t in kv_map.tensors.values())
+
+
+# ----- head shards: each target head from its own tensor-parallel shard's source heads -----
+
+
+def test_head_shards_fit_each_shard_alone_and_leave_the_weights_between_shards_zero():
+    """A target head driven by a source head of another shard is predicted by the dense fit and not by the sharded
+    one, whose weights between shards are zero and whose blocks are the ridge on each shard's features alone."""
+    torch.manual_seed(4)
+    layout = KVLayout(2, 2, 3)  # 2 layers of 2 heads: shard 0 holds head 0, shard 1 head 1
+    x = torch.randn(500, 12, dtype=torch.float64)
+    y = torch.cat([x[:, 3:6] @ torch.randn(3, 3, dtype=torch.float64),  # layer 0, head 0 <- source head 1 (shard 1)
+                   x[:, 3:6] @ torch.randn(3, 3, dtype=torch.float64),  # layer 0, head 1 <- its own shard
+                   x[:, 6:12] @ torch.randn(6, 6, dtype=torch.float64)], dim=1) + 0.01 * torch.randn(500, 12)
+    train, heldout = _stats(x[:400], y[:400]), _stats(x[400:], y[400:])
+    dense = fit_layers(train, heldout, "t", layout, layout, top_k=1)
+    sharded = fit_layers(train, heldout, "t", layout, layout, top_k=1, head_shards=2)
+    assert float(dense[0].fit.r2[0]) > 0.99 and float(sharded[0].fit.r2[0]) < 0.1  # the driver is in the other shard
+    assert float(sharded[0].fit.r2[1]) > 0.99
+    for layer in sharded:
+        rows = torch.arange(len(layer.source_layers) * 6) % 6 // 3
+        weight = layer.fit.weight
+        assert torch.all(weight[rows == 0][:, 3:] == 0) and torch.all(weight[rows == 1][:, :3] == 0)
+    stats = _Centered(train, heldout, "t")
+    for shard in range(2):
+        source = torch.cat([torch.arange(6 * s + 3 * shard, 6 * s + 3 * shard + 3) for s in sharded[1].source_layers])
+        alone = solve_ridge(stats, source, torch.arange(6 + 3 * shard, 9 + 3 * shard), head_size=3)
+        mine = torch.arange(3 * shard, 3 * shard + 3)
+        rows = torch.arange(len(sharded[1].source_layers) * 6) % 6 // 3 == shard
+        torch.testing.assert_close(sharded[1].fit.weight[rows][:, mine], alone.weight)
+        torch.testing.assert_close(sharded[1].fit.bias[mine], alone.bias)
+
+
+def test_head_shards_that_do_not_divide_the_heads_are_refused_before_any_model_runs():
+    source, target = calibration_pair()
+    calls = []
+    source.register_forward_hook(lambda *_: calls.append(1))
+    with pytest.raises(CalibrationError, match="do not split into 3 shards"):
+        KVMap.calibrate(source, target, random_ids(4, 32), head_shards=3, **CALIBRATION_OPTIONS)
+    assert not calls

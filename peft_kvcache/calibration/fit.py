@@ -224,6 +224,55 @@ def _block(layer: int, width: int) -> torch.Tensor:
     return torch.arange(layer * width, (layer + 1) * width)
 
 
+def head_shard_of(count: int, layout, shards: int) -> torch.Tensor:
+    """The shard (0..``shards`` - 1) of each of ``count`` feature positions laid out as ``layout``'s layers side by
+    side: KV heads split into ``shards`` contiguous groups, as tensor parallelism splits them across ranks."""
+    if layout.kv_heads % shards:
+        raise CalibrationError(f"{layout.kv_heads} KV heads do not split into {shards} shards: pass head_shards "
+                               "dividing the KV heads of both models")
+    return torch.arange(count) % layout.layer_width // layout.head_dim // (layout.kv_heads // shards)
+
+
+class ShardedRidge:
+    """Ridge fits from source feature rows to target columns where, with ``shards`` > 1, each target KV head is
+    predicted from the source KV heads of its own shard only (a tensor-parallel rank maps its heads without
+    gathering the others): one ridge per shard, the weights between shards zero. Eigendecompositions are kept by
+    (``key``, shard), so fits that use the same source rows share them."""
+
+    def __init__(self, stats: _Centered, source_layout, target_layout, shards: int = 1):
+        self.stats, self.source, self.target, self.shards = stats, source_layout, target_layout, shards
+        self.eigens: dict = {}
+        for layout in (source_layout, target_layout):
+            head_shard_of(0, layout, shards)  # refuse a split that does not divide the heads, before any fit
+
+    def solve(self, rows: torch.Tensor, cols: torch.Tensor, prior: torch.Tensor | None,
+              lambda_grid: tuple[float, ...], key=None) -> HeadFit:
+        head = self.target.head_dim
+        if self.shards == 1:
+            return solve_ridge(self.stats, self._eigen(rows, key, 0), cols, head, prior, lambda_grid)
+        row_shard = head_shard_of(len(rows), self.source, self.shards)
+        col_shard = head_shard_of(len(cols), self.target, self.shards)
+        f64 = torch.float64
+        weight, bias = torch.zeros(len(rows), len(cols), dtype=f64), torch.zeros(len(cols), dtype=f64)
+        lambdas, r2 = torch.zeros(len(cols) // head, dtype=f64), torch.zeros(len(cols) // head, dtype=f64)
+        for shard in range(self.shards):
+            r, c = (row_shard == shard).nonzero()[:, 0], (col_shard == shard).nonzero()[:, 0]
+            fit = solve_ridge(self.stats, self._eigen(rows[r], key, shard), cols[c], head,
+                              None if prior is None else prior[r][:, c], lambda_grid)
+            weight[r[:, None], c] = fit.weight
+            bias[c] = fit.bias
+            heads = c[::head] // head
+            lambdas[heads], r2[heads] = fit.lambdas, fit.r2
+        return HeadFit(weight=weight, bias=bias, lambdas=lambdas, r2=r2)
+
+    def _eigen(self, rows: torch.Tensor, key, shard: int) -> torch.Tensor | GramEigen:
+        if key is None:
+            return rows
+        if (key, shard) not in self.eigens:
+            self.eigens[key, shard] = GramEigen.of(self.stats, rows)
+        return self.eigens[key, shard]
+
+
 def fit_layers(
     train: SufficientStatistics,
     heldout: SufficientStatistics,
@@ -234,17 +283,20 @@ def fit_layers(
     lambda_grid: tuple[float, ...] = DEFAULT_LAMBDA_GRID,
     identity_prior: bool = False,
     progress=None,
+    head_shards: int = 1,
 ) -> list[LayerFit]:
     """Per target layer: score every source layer by held-out R^2, keep the best ``top_k`` and refit on
     their concatenation, with a ridge per target KV head.
 
     ``identity_prior`` (same-shape pairs, e.g. base -> adapter) shrinks toward copying the same layer's
     heads instead of toward zero. ``progress`` is an optional callable advanced once per source layer.
+    ``head_shards`` > 1 predicts each target head from its own shard's source heads only (`ShardedRidge`).
     """
     if top_k < 1 or top_k > source_layout.num_layers:
         raise CalibrationError(f"top_k must be in 1..{source_layout.num_layers}, got {top_k}")
     stats = _Centered(train, heldout, target)
-    d_src, d_tgt, head = source_layout.layer_width, target_layout.layer_width, target_layout.head_dim
+    ridge = ShardedRidge(stats, source_layout, target_layout, head_shards)
+    d_src, d_tgt = source_layout.layer_width, target_layout.layer_width
     all_cols = torch.arange(target_layout.num_layers * d_tgt)
 
     def prior_for(sources: list[int], target_layer: int | None) -> torch.Tensor | None:
@@ -264,17 +316,16 @@ def fit_layers(
     scan_grid = tuple(lambda_grid[::3]) if len(lambda_grid) > 3 else tuple(lambda_grid)
     scores = torch.empty(source_layout.num_layers, target_layout.num_layers, dtype=torch.float64)
     for s in range(source_layout.num_layers):
-        single = solve_ridge(stats, _block(s, d_src), all_cols, head, prior_for([s], None), scan_grid)
+        single = ridge.solve(_block(s, d_src), all_cols, prior_for([s], None), scan_grid)
         scores[s] = single.r2.view(target_layout.num_layers, target_layout.kv_heads).mean(-1)
         if progress is not None:
             progress()
 
-    fits, eigens = [], {}  # target layers choosing the same source layers share one eigendecomposition
+    fits = []  # target layers choosing the same source layers share one eigendecomposition (keyed by the choice)
     for t in range(target_layout.num_layers):
         chosen = sorted(scores[:, t].topk(top_k).indices.tolist())
-        if tuple(chosen) not in eigens:
-            eigens[tuple(chosen)] = GramEigen.of(stats, torch.cat([_block(s, d_src) for s in chosen]))
-        fit = solve_ridge(stats, eigens[tuple(chosen)], _block(t, d_tgt), head, prior_for(chosen, t), lambda_grid)
+        fit = ridge.solve(torch.cat([_block(s, d_src) for s in chosen]), _block(t, d_tgt), prior_for(chosen, t),
+                          lambda_grid, key=tuple(chosen))
         fits.append(LayerFit(source_layers=chosen, fit=fit, candidate_r2=scores[:, t].tolist()))
     return fits
 
@@ -286,16 +337,19 @@ def fit_same_layers(
     lambda_grid: tuple[float, ...] = DEFAULT_LAMBDA_GRID,
     identity_prior: bool = False,
     progress=None,
+    head_shards: int = 1,
 ) -> list[LayerFit]:
     """Per layer ``t``: ridge from source layer ``t`` to target layer ``t`` on that layer's own (train,
     held-out) statistics ``blocks[t]`` (block-diagonal statistics of same-depth pairs); ``identity_prior``
-    shrinks toward copying the source layer. ``progress`` is advanced once per layer."""
+    shrinks toward copying the source layer. ``progress`` is advanced once per layer. ``head_shards`` > 1
+    predicts each target head from its own shard's source heads only (`ShardedRidge`)."""
     width = layout.layer_width
     columns = torch.arange(width)
     prior = torch.eye(width, dtype=torch.float64) if identity_prior else None
     fits = []
     for t, (train, heldout) in enumerate(blocks):
-        fit = solve_ridge(_Centered(train, heldout, target), columns, columns, layout.head_dim, prior, lambda_grid)
+        ridge = ShardedRidge(_Centered(train, heldout, target), layout, layout, head_shards)
+        fit = ridge.solve(columns, columns, prior, lambda_grid)
         fits.append(LayerFit(source_layers=[t], fit=fit, candidate_r2=[]))
         if progress is not None:
             progress()

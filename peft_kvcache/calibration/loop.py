@@ -29,7 +29,7 @@ from ..modeling.identity import cached_fingerprint, check_pair, model_name
 from ..modeling.layout import KVLayout, layer_features, vocab_size_of
 from ..modeling.positions import RotarySpec, position_free_keys, positions_from_mask, rotary_spec_of
 from .checkpoint import CalibrationCheckpoint, Progress, run_digest
-from .fit import SufficientStatistics, all_reduce_statistics, fit_layers, fit_same_layers
+from .fit import SufficientStatistics, all_reduce_statistics, fit_layers, fit_same_layers, head_shard_of
 from .texts import CalibrationTexts
 
 logger = logging.getLogger(__name__)
@@ -196,11 +196,12 @@ def build_map(run: StatisticsRun, source: str, target: str, config: CalibrationC
         for kind in KINDS:
             if config.same_layer:
                 fits[kind] = fit_same_layers([run.pair(source, t, kind) for t in run.blocks], target, tgt.layout,
-                                             config.lambda_grid, identity_prior=same_shape, progress=bar.update)
+                                             config.lambda_grid, identity_prior=same_shape, progress=bar.update,
+                                             head_shards=config.head_shards)
             else:
                 fits[kind] = fit_layers(*run.pair(source, None, kind), target, src.layout, tgt.layout,
                                         top_k=config.top_k, lambda_grid=config.lambda_grid,
-                                        identity_prior=same_shape, progress=bar.update)
+                                        identity_prior=same_shape, progress=bar.update, head_shards=config.head_shards)
             for t, layer in enumerate(fits[kind]):
                 tensors[f"{kind}.{t}.weight"] = layer.fit.weight.float()
                 tensors[f"{kind}.{t}.bias"] = layer.fit.bias.float()
@@ -236,6 +237,12 @@ def resolve_config(config: CalibrationConfig | None, options: dict, **defaults) 
     return config
 
 
+def check_head_shards(config: CalibrationConfig, sides: dict[str, ModelSide]) -> None:
+    """Refuse ``head_shards`` that do not divide every model's KV heads, before any model runs."""
+    for side in sides.values():
+        head_shard_of(0, side.layout, config.head_shards)
+
+
 def _dtypes(*models: torch.nn.Module) -> list[str]:
     return [str(next(m.parameters()).dtype) for m in models]
 
@@ -268,6 +275,7 @@ def calibrate(source_model: torch.nn.Module, target_model: torch.nn.Module, cali
     if not config.same_layer and config.top_k > sides["source"].layout.num_layers:
         raise CalibrationError(f"top_k {config.top_k} exceeds the source model's {sides['source'].layout.num_layers} "
                                "layers")
+    check_head_shards(config, sides)
     texts = CalibrationTexts.build(calibration_data, tokenizer, config, vocab_size_of(source_model))
     run = StatisticsRun({"source": ["target"]}, sides, config.same_layer, config.sink_tokens)
     collect(lambda ids, mask: {"source": run_with_cache(source_model, ids, mask),
@@ -318,6 +326,7 @@ def calibrate_adapters(model: torch.nn.Module, calibration_data, tokenizer=None,
     for name in [BASE, *adapters]:
         with adapter_active(model, None if name == BASE else name):
             sides[name] = ModelSide.of(model)
+    check_head_shards(config, sides)
     texts = CalibrationTexts.build(calibration_data, tokenizer, config, vocab_size_of(model))
     groups = {BASE: list(adapters), **({a: [BASE] for a in adapters} if reverse else {})}
     run = StatisticsRun(groups, sides, config.same_layer, config.sink_tokens)

@@ -57,6 +57,9 @@ class CalibrationConfig:
     batch_size: int = _help("chunks per forward pass", default=1)
     lambda_grid: tuple[float, ...] = _help("ridge strengths tried per head, relative to the mean eigenvalue of the "
                                            "source Gram", default=DEFAULT_LAMBDA_GRID)
+    head_shards: int = _help("predict each target KV head from the source KV heads of its own shard only (the heads "
+                             "split into this many contiguous groups, as tensor parallelism splits them): a rank maps "
+                             "its heads without gathering the others; 1: from every source head", default=1)
 
     def __post_init__(self):
         self.validate()
@@ -73,6 +76,7 @@ class CalibrationConfig:
             ("chunks_per_text", self.chunks_per_text >= 0, "must be a non-negative integer"),
             ("batch_size", self.batch_size >= 1, "must be a positive integer"),
             ("lambda_grid", len(self.lambda_grid) > 0 and all(v > 0 for v in self.lambda_grid), "must be positive"),
+            ("head_shards", self.head_shards >= 1, "must be a positive integer"),
         ]
         for name, ok, message in checks:
             if not ok:
