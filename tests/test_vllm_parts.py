@@ -204,3 +204,47 @@ def test_unreadable_map_folders_are_skipped(tmp_path):
     registry = VariantMaps(tmp_path, tmp_path, config)
     assert len(registry.registry) == 0 and registry.find(BASE, SHOUT) == "unsupported_model"  # nothing to fingerprint
     assert registry.identity(BASE) is None
+
+
+# ----- tensor parallelism: which heads a rank holds, and maps fitted per shard -----
+
+
+@pytest.mark.parametrize("world, heads, groups, held", [(1, 3, 1, [slice(0, 3)]), (2, 2, 2, [slice(0, 1), slice(1, 2)]),
+                                                         (2, 4, 2, [slice(0, 2), slice(2, 4)]),
+                                                         (4, 2, 2, [slice(0, 1)] * 2 + [slice(1, 2)] * 2)])
+def test_each_rank_holds_its_slice_of_the_kv_heads(world, heads, groups, held):
+    from peft_kvcache.vllm.parallel import Shard
+
+    assert [Shard(rank, world, heads).heads for rank in range(world)] == held
+    assert Shard(0, world, heads).groups == groups
+
+
+@pytest.mark.parametrize("head_shards", [2, 1])
+def test_a_map_fitted_per_shard_maps_a_ranks_heads_from_that_rank_alone(head_shards, exact_matmuls):
+    """With a map fitted per shard, each rank's heads mapped from its own source heads (the others zeros, no gather)
+    equal the same heads mapped from every source head; a map that mixes heads (head_shards 1) needs the gather."""
+    from conftest import random_ids, tiny_model
+
+    from peft_kvcache import KVMap
+    from peft_kvcache.maps.apply import map_cache
+    from peft_kvcache.vllm.parallel import Shard
+
+    source, target = tiny_model("llama", seed=0), tiny_model("llama", seed=1)  # 2 KV heads each: TP=2
+    kv_map = KVMap.calibrate(source, target, random_ids(6, 64), same_layer=True, head_shards=head_shards,
+                             progress=False)
+    layout = kv_map.config.source_layout
+    generator = torch.Generator().manual_seed(0)
+    keys, values = ([torch.randn(1, layout.kv_heads, 40, layout.head_dim, generator=generator)
+                     for _ in range(layout.num_layers)] for _ in range(2))
+    positions, placements = torch.arange(40)[None], [(torch.device("cpu"), torch.float32)] * layout.num_layers
+    gathered = map_cache(kv_map, keys, values, positions, positions, placements)
+    differs = False
+    for rank in range(2):
+        shard = Shard(rank, 2, layout.kv_heads)
+        alone = [shard.place([t[0, shard.heads] for t in ts], True) for ts in (keys, values)]
+        placed = map_cache(kv_map, *([t[None] for t in ts] for ts in alone), positions, positions, placements)
+        same = all(torch.allclose(mine[0, shard.heads], every[0, shard.heads], atol=1e-5)
+                   for pair, pair_all in zip(placed, gathered) for mine, every in zip(pair, pair_all))
+        assert same or head_shards == 1
+        differs |= not same
+    assert differs == (head_shards == 1)

@@ -7,5 +7,5 @@ its check for that extra do not, so ``peft-kvcache --help`` works without it and
 before any model loads.
 
 Imports `runtime`, `maps`, `modeling` (fixture models for ``--model``: `modeling.fixtures`) and the foundation; the
-command may import `calibration` (``--calibrate-missing``).
+command may import `calibration` and `lab.corpus` (``--calibrate-missing`` fits on the stdlib calibration split).
 """

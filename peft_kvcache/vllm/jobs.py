@@ -37,7 +37,9 @@ class LoadJob:
     """Fill ``block_ids`` of request ``request_id`` with the positions ``start`` onwards of entry ``source_key``:
     as they are (``kind`` "reused": the variant's own; "naive": another variant's, the baseline) or mapped
     by the maps in ``map_folders``, in order (``kind`` "mapped"), the leading positions replaced by the target's own
-    sink: ``("store", key)`` kept from its earlier request, or ``("map", folder, start)`` shipped in a map."""
+    sink: ``("store", key)`` kept from its earlier request, or ``("map", folder, start)`` shipped in a map.
+    ``per_shard``: every map was fitted per shard for the engine's split of the KV heads, so each rank maps its own
+    heads without gathering the others' (decided here, once, so that every rank takes the same path)."""
 
     request_id: str
     kind: str
@@ -46,6 +48,7 @@ class LoadJob:
     block_ids: tuple[int, ...]
     map_folders: tuple[str, ...] = ()
     sink_key: tuple | None = None
+    per_shard: bool = False
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """The engine's parallelism as the connector sees it. Under tensor parallelism each rank holds a slice of the KV heads
 (contiguous, or one replicated head when there are fewer KV heads than ranks); its store keeps its own slice, and a
 mapped load gathers every source head across the group first, since a map mixes heads (each rank then writes its own
-target heads). Pipeline parallelism (a stage holds some of the layers, a map mixes layers) is refused at start."""
+target heads), unless the map was fitted per shard for this split (``head_shards``: each target head from its own
+shard's source heads), which a rank applies to its own heads alone. Pipeline parallelism (a stage holds some of the
+layers, a map mixes layers) is refused at start."""
 
 from __future__ import annotations
 
@@ -33,6 +35,25 @@ class Shard:
         first = (self.rank // self.replicas) * per_rank
         return slice(first, first + per_rank)
 
+    @property
+    def groups(self) -> int:
+        """The distinct slices of KV heads the ranks hold (the ``head_shards`` of a map this split needs no gather for)."""
+        return self.total_heads // max(1, self.total_heads // self.world)
+
+    def place(self, shards: list[torch.Tensor], ok: bool) -> list[torch.Tensor]:
+        """Each layer's ``[heads of this rank, tokens, head_dim]`` in place among zeros for the other ranks' heads:
+        all a map fitted per shard for this split reads to predict this rank's heads (no collective)."""
+        if not ok:
+            raise CacheMismatchError("the stored prefix is missing")
+        if self.world == 1:
+            return shards
+        out = []
+        for t in shards:
+            full = t.new_zeros((self.total_heads, *t.shape[1:]))
+            full[self.heads] = t
+            out.append(full)
+        return out
+
     def gather(self, shards: list[torch.Tensor], ok: bool) -> list[torch.Tensor]:
         """Every KV head of each layer's ``[heads of this rank, tokens, head_dim]`` (all ranks call it together, in
         the same order); `CacheMismatchError` on every rank when any rank lacked its part (``ok`` False: it sends
@@ -61,6 +82,12 @@ def shard_of(vllm_config) -> Shard:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     return Shard(get_tensor_model_parallel_rank(), world, model.get_total_num_kv_heads())
+
+
+def head_groups(vllm_config) -> int:
+    """The distinct slices of KV heads this engine's tensor-parallel ranks hold (`Shard.groups`)."""
+    return Shard(0, vllm_config.parallel_config.tensor_parallel_size,
+                 vllm_config.model_config.get_total_num_kv_heads()).groups
 
 
 def unsupported_parallelism(vllm_config) -> str | None:

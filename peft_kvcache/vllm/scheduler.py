@@ -35,7 +35,7 @@ from ..runtime.reuse import EXACT, Made, label, mapping_pays
 from .jobs import DropJob, LoadJob, SaveJob, WorkerReport
 from .options import ConnectorOptions, request_reuse
 from .pairs import Variant, VariantMaps, local_model_folder
-from .parallel import unsupported_parallelism
+from .parallel import head_groups, unsupported_parallelism
 from .store import IndexEntry, StoreIndex
 
 logger = logging.getLogger(__name__)
@@ -125,6 +125,7 @@ class SchedulerSide:
         self.block_pool = None
         self.worker_ready = False
         self.worker_problem: str | None = None  # why the worker cannot use the engine's cache, once it said so
+        self.head_groups = head_groups(vllm_config)  # maps fitted per shard for this split need no gather
         self.refused = unsupported_parallelism(vllm_config)  # said at start; every request falls back with a reason
         if self.refused:
             logger.warning("peft-kvcache: the connector reuses nothing on this engine (unsupported_parallelism): %s",
@@ -250,8 +251,11 @@ class SchedulerSide:
         if loaded:  # first of all: vLLM will skip these tokens, so they must be written (or reported as failed)
             first = plan.local_blocks
             ids = tuple(block_ids[first: first + num_external_tokens // self.block_size])
-            self.loads.append(LoadJob(rid, plan.kind, plan.entry.key, first * self.block_size, ids,
-                                      plan.choice.folders if plan.choice else (), plan.sink_key))
+            folders = plan.choice.folders if plan.choice else ()
+            per_shard = bool(folders) and all(self.maps.registry.configs[f].calibration.options.head_shards
+                                              == self.head_groups for f in folders)
+            self.loads.append(LoadJob(rid, plan.kind, plan.entry.key, first * self.block_size, ids, folders,
+                                      plan.sink_key, per_shard))
             self.index.touch(plan.entry)
             if plan.made.approximate:
                 if self.async_loads:

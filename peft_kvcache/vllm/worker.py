@@ -233,7 +233,9 @@ class WorkerSide:
         if job.kind == "mapped":
             device = self.layers[0].device  # the group gathers on the device its communicator runs on
             keys, values = ([t.to(device, non_blocking=True) for t in ts] for ts in (keys, values))
-            keys, values = self._mapped(job, self.shard.gather(keys, held), self.shard.gather(values, held))
+            # maps fitted per shard for this split read this rank's source heads only: no collective
+            heads = self.shard.place if job.per_shard else self.shard.gather
+            keys, values = self._mapped(job, heads(keys, held), heads(values, held))
         for layer, k, v in zip(self.layers, keys, values):
             self.layout.write(layer, job.block_ids, k, v)
 

@@ -1,8 +1,9 @@
 """The connector under tensor parallelism, in vLLM's CPU build with two ranks (one thread each): a tiny random Llama
-whose 2 KV heads split across them, a random LoRA adapter, and a base -> adapter map calibrated here. Each rank keeps
-its own heads; a mapped load gathers every source head across the group (a map mixes heads) and writes its own.
-Against the same engine at TP=1: own-prefix reuse is exact, the mapped switch gives the same first-token logprobs
-within `TOLERANCE`, and a fallback stays a fallback. Pipeline parallelism is refused at start."""
+whose 2 KV heads split across them, a random LoRA adapter, and base -> adapter maps calibrated here. Each rank keeps
+its own heads; a mapped load gathers every source head across the group (a map mixes heads) and writes its own, or,
+with a map fitted per shard (``head_shards=2``), maps its own heads from its own source heads alone. Against the same
+engine at TP=1: own-prefix reuse is exact, the mapped switch gives the same first-token logprobs within `TOLERANCE`,
+and a fallback stays a fallback. Pipeline parallelism is refused at start."""
 
 from __future__ import annotations
 
@@ -43,9 +44,10 @@ def tiny(tmp_path_factory, model_folder):
                                             init_lora_weights=False), adapter_name="loud").eval()
     model.save_pretrained(root / "adapters")
     generator = torch.Generator().manual_seed(1)
-    maps = AdapterMaps.calibrate(model, [torch.randint(3, 49152, (256,), generator=generator) for _ in range(12)],
-                                 progress=False, reverse=False)
-    maps.save_pretrained(root / "maps", "tiny")
+    data = [torch.randint(3, 49152, (256,), generator=generator) for _ in range(12)]
+    for folder, head_shards in (("maps", 1), ("maps-per-shard", 2)):
+        maps = AdapterMaps.calibrate(model, data, progress=False, reverse=False, head_shards=head_shards)
+        maps.save_pretrained(root / folder, "tiny")
     return root
 
 
@@ -66,14 +68,15 @@ def _first_logprobs(output) -> dict[int, float]:
 
 
 @needs_smollm
-def test_mapped_switches_under_two_ranks_equal_one_rank_within_the_tolerance(tiny, monkeypatch):
+@pytest.mark.parametrize("maps", ["maps", "maps-per-shard"])
+def test_mapped_switches_under_two_ranks_equal_one_rank_within_the_tolerance(tiny, maps, monkeypatch):
     prompt = [1] + [int(t) for t in torch.randint(3, 49152, (400,), generator=torch.Generator().manual_seed(2))]
     results = {}
     for ranks in (1, 2):
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1" if ranks == 2 else "0-1")
         monkeypatch.setenv("OMP_NUM_THREADS", "1" if ranks == 2 else "2")
         with engine(tiny / "model", adapters={"loud": tiny / "adapters" / "loud"}, served_name="tiny",
-                    maps=tiny / "maps", min_mapped_tokens=MIN_MAPPED,
+                    maps=tiny / maps, min_mapped_tokens=MIN_MAPPED,
                     llm_args={"tensor_parallel_size": ranks, "distributed_executor_backend": "mp"}) as llm:
             results[ranks] = _session(llm, prompt)
     for ranks, result in results.items():
