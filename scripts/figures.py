@@ -6,6 +6,7 @@ from __future__ import annotations
 from benchmarks.adapters import PREFIX, results_stem
 from benchmarks.common import ADAPTERS, ROOT, table
 from benchmarks.common import read_results as results
+from benchmarks.tp_shards import markdown as tp_markdown
 from peft_kvcache import KVMap
 from peft_kvcache.lab.provenance import lookup
 from peft_kvcache.maps.adapter_maps import folder_name
@@ -15,6 +16,7 @@ HUB_CARDS = ROOT / "hub_cards"
 README_BEGIN, README_END = "<!-- figures:begin (scripts/publish.py writes this table) -->", "<!-- figures:end -->"
 SERVE_BEGIN, SERVE_END = "<!-- serve-figures:begin (scripts/publish.py writes this table) -->", "<!-- serve-figures:end -->"
 VLLM_BEGIN, VLLM_END = "<!-- vllm-figures:begin (scripts/publish.py writes this table) -->", "<!-- vllm-figures:end -->"
+TP_BEGIN, TP_END = "<!-- tp-shards:begin (scripts/publish.py writes this table) -->", "<!-- tp-shards:end -->"
 CALIBRATE_BEGIN, CALIBRATE_END = "<!-- calibrate-time:begin (scripts/publish.py writes this line) -->", "<!-- calibrate-time:end -->"
 SERVERS = {"a": "(a) this server", "a'": "(a') this server, base cache kept by reverse maps",
            "b": "(b) prefix reuse keyed by adapter (vLLM, SGLang today)", "c": "(c) no prefix reuse"}
@@ -169,6 +171,12 @@ def vllm_table() -> str:
               "`python -m benchmarks.vllm_load`.")
 
 
+def tp_shards_table() -> str:
+    """Gather against per-shard maps under tensor parallelism (`benchmarks/results/tp-shards.json`)."""
+    text = tp_markdown(results("tp-shards")).split("\n", 2)[2]  # without its title
+    return text + "\n\nFrom `benchmarks/results/tp-shards.json`, written by `python -m benchmarks.tp_shards`."
+
+
 def calibrate_time_line() -> str:
     """How long the README's calibrate-adapters command took (`benchmarks/results/calibrate-time.json`)."""
     data = results("calibrate-time")
@@ -187,4 +195,5 @@ def calibrate_time_line() -> str:
 
 # The README's generated blocks: (begin marker, end marker, what renders the table between them).
 README_BLOCKS = ((README_BEGIN, README_END, readme_table), (SERVE_BEGIN, SERVE_END, serve_table),
-                 (VLLM_BEGIN, VLLM_END, vllm_table), (CALIBRATE_BEGIN, CALIBRATE_END, calibrate_time_line))
+                 (VLLM_BEGIN, VLLM_END, vllm_table), (TP_BEGIN, TP_END, tp_shards_table),
+                 (CALIBRATE_BEGIN, CALIBRATE_END, calibrate_time_line))

@@ -15,22 +15,24 @@ from ..errors import AdapterError, ModelLoadError
 from ._compat import unwrap_peft
 
 
-def _tuner_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def _first_tuner_layer(model: torch.nn.Module) -> torch.nn.Module | None:
     if "peft" not in sys.modules:  # no PEFT layer can exist before peft is imported
-        return []
+        return None
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    return next((m for m in model.modules() if isinstance(m, BaseTunerLayer)), None)
 
 
 def active_adapters(model: torch.nn.Module) -> set[str]:
     """Names of the PEFT adapters that currently act on the model's output: empty for a plain model and
     under ``with peft_model.disable_adapter():``. Read from the adapter layers themselves, so the base model
-    a `PeftModel` was built on (it holds the same layers) reports the same adapters as the `PeftModel`."""
-    layers = _tuner_layers(model)
-    if not layers or any(layer.disable_adapters for layer in layers):
+    a `PeftModel` was built on (it holds the same layers) reports the same adapters as the `PeftModel`. PEFT sets
+    and disables adapters on every layer at once, so the first layer speaks for all (found without walking the
+    whole model: this runs at every switch)."""
+    layer = _first_tuner_layer(model)
+    if layer is None or layer.disable_adapters:
         return set()
-    return set(layers[0].active_adapters)
+    return set(layer.active_adapters)
 
 
 def is_peft_model(model: torch.nn.Module) -> bool:

@@ -8,6 +8,7 @@ placed at any offset. Values carry no position.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -107,10 +108,18 @@ def check_positional_scheme(config) -> None:
         )
 
 
+_ROTARY_MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def find_rotary_embedding(model: torch.nn.Module) -> torch.nn.Module:
-    """The model's own rotary embedding module (the first module holding ``inv_freq``)."""
+    """The model's own rotary embedding module (the first module holding ``inv_freq``), remembered per model
+    object: the walk over every module would otherwise run at every switch (its parameters are read afresh)."""
+    found = _ROTARY_MODULES.get(model)
+    if found is not None:
+        return found
     for module in model.modules():
         if hasattr(module, "inv_freq") and hasattr(module, "attention_scaling"):
+            _ROTARY_MODULES[model] = module
             return module
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     raise UnsupportedPositionalSchemeError(
