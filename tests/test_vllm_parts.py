@@ -223,15 +223,19 @@ def test_each_rank_holds_its_slice_of_the_kv_heads(world, heads, groups, held):
 def test_a_map_fitted_per_shard_maps_a_ranks_heads_from_that_rank_alone(head_shards, exact_matmuls):
     """With a map fitted per shard, each rank's heads mapped from its own source heads (the others zeros, no gather)
     equal the same heads mapped from every source head; a map that mixes heads (head_shards 1) needs the gather."""
-    from conftest import random_ids, tiny_model
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from peft_kvcache import KVMap
     from peft_kvcache.maps.apply import map_cache
     from peft_kvcache.vllm.parallel import Shard
 
-    source, target = tiny_model("llama", seed=0), tiny_model("llama", seed=1)  # 2 KV heads each: TP=2
-    kv_map = KVMap.calibrate(source, target, random_ids(6, 64), same_layer=True, head_shards=head_shards,
-                             progress=False)
+    def tiny(seed: int):  # 2 KV heads: TP=2 (this file runs beside tests/in_vllm, whose conftest is not ours)
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2)).eval()
+
+    ids = [torch.randint(0, 128, (64,), generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    kv_map = KVMap.calibrate(tiny(0), tiny(1), ids, same_layer=True, head_shards=head_shards, progress=False)
     layout = kv_map.config.source_layout
     generator = torch.Generator().manual_seed(0)
     keys, values = ([torch.randn(1, layout.kv_heads, 40, layout.head_dim, generator=generator)
