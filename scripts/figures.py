@@ -7,6 +7,7 @@ from benchmarks.adapters import PREFIX, results_stem
 from benchmarks.common import ADAPTERS, ROOT, table
 from benchmarks.common import read_results as results
 from benchmarks.tp_shards import markdown as tp_markdown
+from benchmarks.vllm_report import markdown as vllm_markdown
 from peft_kvcache import KVMap
 from peft_kvcache.lab.provenance import lookup
 from peft_kvcache.maps.adapter_maps import folder_name
@@ -130,45 +131,9 @@ def serve_table() -> str:
 
 
 def vllm_table() -> str:
-    """The vLLM connector's load benchmark (`benchmarks/results/vllm-load.json`): TTFT, prompt tokens computed and
-    quality against vLLM's own exact prefill, the ratios to it, and where mapping stops paying."""
-    data = results("vllm-load")
-    setup, rows = data["setup"], []
-    for key, label in setup["rows"].items():
-        s, q = data["summary"][key], data["quality"].get(key)
-        rows.append([label, f"{s['ttft_p50']:.2f} / {s['ttft_p95']:.2f} s",
-                     f"{s['switch_ttft_p50']:.2f} / {s['switch_ttft_p95']:.2f} s", f"{s['tokens_per_second']:.1f}",
-                     f"{s['prompt_tokens_computed']:,} of {s['prompt_tokens']:,}",
-                     "-" if q is None else f"{q['first_token_kl_mean']:.4f} / {q['first_token_top1_agreement']:.2f} / "
-                                           f"{q['reply_agreement']:.2f}"])
-    ratios = [[name, *(f"{r[k]:.2f}" for k in ("ttft_p50", "switch_ttft_p50", "switch_ttft_p95", "tokens_per_second",
-                                                "prompt_tokens_computed"))] for name, r in data["ratios"].items()]
-    switches = []
-    for target, row in data["switch_quality"].items():  # one switch at a time, held-out text
-        a, b, ratio = row["a"], row["b"], row["kl_ratio_a_to_b"]
-        switches.append([target, f"{a['kl_mean']:.4f} / {a['top1_agreement']:.2f} ({a['loaded']} of {a['samples']} loaded)",
-                         f"{b['kl_mean']:.4f} / {b['top1_agreement']:.2f} ({b['loaded']} of {b['samples']} loaded)",
-                         "-" if ratio is None else f"{ratio:.2f}"])
-    texts = max(row["a"]["samples"] for row in data["switch_quality"].values())
-    gate = data["threshold"]
-    histories = min(s["min_switch_history_tokens"] for s in data["summary"].values())
-    return (f"{setup['conversations']} concurrent conversations x {setup['turns']} turns, the model changing at every "
-            f"turn (switch turns on histories of {histories}+ tokens), {setup['max_tokens']} new tokens at most, "
-            f"greedy, streamed, {setup['dtype']}.\n\n"
-            + table(["server", "TTFT p50 / p95", "switch TTFT p50 / p95", "tokens/s", "prompt tokens computed",
-                     "vs (c): first-token KL (lower bound) / same first token / same reply"], rows) + "\n\n"
-            + table(["ratio", "TTFT p50", "switch TTFT p50", "switch TTFT p95", "throughput", "prompt tokens computed"],
-                    ratios) + "\n\n"
-            + f"Single switches on held-out text ({texts} evaluation-split modules, the history computed by the base "
-              f"model, or by {setup['adapters'][0]} for a switch to the base), first reply token against (c)'s exact "
-              "prefill:\n\n"
-            + table(["switch to", "(a) mapped: KL (bound) / same first token", "(b) naive: KL / same first token",
-                     "(a) / (b) KL"], switches) + "\n\n"
-            + "Where mapping stops paying (single switches, TTFT mapped / prefilled): "
-            + ", ".join(f"{r['tokens']} tokens {r['ratio']:.2f}" for r in gate["rows"])
-            + f" ({gate['rule']}: {gate['recommended_min_mapped_tokens']} tokens; the load runs used min_mapped_tokens "
-              f"{setup['connector_min_mapped_tokens']}).\n\nFrom `benchmarks/results/vllm-load.json`, written by "
-              "`python -m benchmarks.vllm_load`.")
+    """The vLLM connector's load benchmark (`benchmarks/results/vllm-load.json`), its tables at the README's level."""
+    return (vllm_markdown(results("vllm-load"), level=3)
+            + "\n\nFrom `benchmarks/results/vllm-load.json`, written by `python -m benchmarks.vllm_load`.")
 
 
 def tp_shards_table() -> str:

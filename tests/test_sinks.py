@@ -34,6 +34,8 @@ def test_the_shipped_sink_is_the_targets_own_kv_and_survives_a_save(adapter_map,
     assert all(torch.equal(shipped.tensors[n], t) for n, t in kv_map.tensors.items())  # weights unchanged
     loaded = KVMap.from_pretrained(shipped.save_pretrained(tmp_path / "map", chart=False))
     assert loaded.config.sinks == [[5], [7]] and torch.equal(loaded.shipped_sink([7])[0], keys)
+    halved = shipped.with_weights_dtype(torch.bfloat16)  # storage dtype is for weights: the sink stays exact
+    assert halved.tensors["keys.0.weight"].dtype == torch.bfloat16 and torch.equal(halved.shipped_sink([7])[1], values)
     with adapter_active(model, None):  # the base's KV is not the adapter's sink
         with pytest.raises(FingerprintMismatchError):
             ship_target_sinks(kv_map, model, [[5]])

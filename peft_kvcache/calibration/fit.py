@@ -224,12 +224,17 @@ def _block(layer: int, width: int) -> torch.Tensor:
     return torch.arange(layer * width, (layer + 1) * width)
 
 
+def check_shards(layout, shards: int) -> None:
+    """Refuse a split of ``layout``'s KV heads into ``shards`` groups that does not divide them."""
+    if shards < 1 or layout.kv_heads % shards:
+        raise CalibrationError(f"{layout.kv_heads} KV heads do not split into {shards} shards: pass head_shards "
+                               "dividing the KV heads of both models")
+
+
 def head_shard_of(count: int, layout, shards: int) -> torch.Tensor:
     """The shard (0..``shards`` - 1) of each of ``count`` feature positions laid out as ``layout``'s layers side by
     side: KV heads split into ``shards`` contiguous groups, as tensor parallelism splits them across ranks."""
-    if layout.kv_heads % shards:
-        raise CalibrationError(f"{layout.kv_heads} KV heads do not split into {shards} shards: pass head_shards "
-                               "dividing the KV heads of both models")
+    check_shards(layout, shards)
     return torch.arange(count) % layout.layer_width // layout.head_dim // (layout.kv_heads // shards)
 
 
@@ -243,7 +248,7 @@ class ShardedRidge:
         self.stats, self.source, self.target, self.shards = stats, source_layout, target_layout, shards
         self.eigens: dict = {}
         for layout in (source_layout, target_layout):
-            head_shard_of(0, layout, shards)  # refuse a split that does not divide the heads, before any fit
+            check_shards(layout, shards)  # before any fit
 
     def solve(self, rows: torch.Tensor, cols: torch.Tensor, prior: torch.Tensor | None,
               lambda_grid: tuple[float, ...], key=None) -> HeadFit:

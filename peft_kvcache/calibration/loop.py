@@ -29,7 +29,7 @@ from ..modeling.identity import cached_fingerprint, check_pair, model_name
 from ..modeling.layout import KVLayout, layer_features, vocab_size_of
 from ..modeling.positions import RotarySpec, position_free_keys, positions_from_mask, rotary_spec_of
 from .checkpoint import CalibrationCheckpoint, Progress, run_digest
-from .fit import SufficientStatistics, all_reduce_statistics, fit_layers, fit_same_layers, head_shard_of
+from .fit import SufficientStatistics, all_reduce_statistics, check_shards, fit_layers, fit_same_layers
 from .texts import CalibrationTexts
 
 logger = logging.getLogger(__name__)
@@ -240,7 +240,7 @@ def resolve_config(config: CalibrationConfig | None, options: dict, **defaults) 
 def check_head_shards(config: CalibrationConfig, sides: dict[str, ModelSide]) -> None:
     """Refuse ``head_shards`` that do not divide every model's KV heads, before any model runs."""
     for side in sides.values():
-        head_shard_of(0, side.layout, config.head_shards)
+        check_shards(side.layout, config.head_shards)
 
 
 def _dtypes(*models: torch.nn.Module) -> list[str]:

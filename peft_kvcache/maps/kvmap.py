@@ -123,8 +123,10 @@ class KVMap:
 
     def with_weights_dtype(self, dtype: torch.dtype) -> "KVMap":
         """The same map with its weights stored in ``dtype`` (e.g. ``torch.bfloat16`` to halve the file); the
-        rotary frequencies stay float32, and the mapping path computes in float32 either way."""
-        tensors = {k: v if k.endswith("inv_freq") else v.to(dtype) for k, v in self.tensors.items()}
+        rotary frequencies and the shipped sinks (the target's own KV, not weights) stay float32, and the mapping
+        path computes in float32 either way."""
+        tensors = {k: v if k.endswith("inv_freq") or k.startswith("sink.") else v.to(dtype)
+                   for k, v in self.tensors.items()}
         return KVMap(self.config, tensors)
 
     # ----- checks against models -----
