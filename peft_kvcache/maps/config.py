@@ -380,7 +380,12 @@ def expected_shapes(config: KVMapConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def is_weight(name: str) -> bool:
+    """Whether the map's tensor ``name`` is a fitted weight: not the rotary frequencies, not a shipped sink (the
+    target's own KV)."""
+    return not name.endswith("inv_freq") and not name.startswith("sink.")
+
+
 def parameter_count(config: KVMapConfig) -> int:
-    """Weights of a map with this config (the rotary frequencies excluded)."""
-    return sum(math.prod(shape) for name, shape in expected_shapes(config).items()
-               if not name.endswith("inv_freq") and not name.startswith("sink."))
+    """Weights of a map with this config (`is_weight`)."""
+    return sum(math.prod(shape) for name, shape in expected_shapes(config).items() if is_weight(name))

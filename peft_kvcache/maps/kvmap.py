@@ -27,7 +27,7 @@ from ..errors import ArtifactError, FingerprintMismatchError
 from ..modeling.identity import cached_fingerprint, model_name
 from ..modeling.positions import RotarySpec, rotary_spec_of, same_rotary
 from .card import CHART_NAME, plot_layer_selection, render_card
-from .config import FORMAT_VERSION, KVMapConfig, expected_shapes, parameter_count
+from .config import FORMAT_VERSION, KVMapConfig, expected_shapes, is_weight, parameter_count
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +125,7 @@ class KVMap:
         """The same map with its weights stored in ``dtype`` (e.g. ``torch.bfloat16`` to halve the file); the
         rotary frequencies and the shipped sinks (the target's own KV, not weights) stay float32, and the mapping
         path computes in float32 either way."""
-        tensors = {k: v if k.endswith("inv_freq") or k.startswith("sink.") else v.to(dtype)
-                   for k, v in self.tensors.items()}
+        tensors = {k: v.to(dtype) if is_weight(k) else v for k, v in self.tensors.items()}
         return KVMap(self.config, tensors)
 
     # ----- checks against models -----
