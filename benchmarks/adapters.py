@@ -29,7 +29,7 @@ from peft_kvcache import AdapterMaps, AdapterSession, MappedCache, SharedPeftMod
 from peft_kvcache.calibration.retention import RetentionReport, VariantScores, evaluate_retention, token_kl
 from peft_kvcache.lab.corpus import DOCSTRING_INSTRUCTION as INSTRUCTION
 from peft_kvcache.lab.corpus import docstring_chat as encode
-from peft_kvcache.lab.corpus import functions_with_docstrings, stdlib_texts, task_answer, token_ids
+from peft_kvcache.lab.corpus import corpus_description, functions_with_docstrings, stdlib_texts, task_answer, token_ids
 from peft_kvcache import load_model
 from peft_kvcache.maps.apply import map_cache
 from peft_kvcache.maps.config import Refresh
@@ -55,6 +55,17 @@ def load_smollm2(adapters: Sequence[str] = ADAPTERS):
     """SmolLM2-135M-Instruct with the committed adapters loaded by name: ``(peft_model, tokenizer)``."""
     base, tokenizer = load_model(SMOLLM)
     return load_adapters(base, {a: str(ROOT / "adapters" / a) for a in adapters}), tokenizer
+
+
+def calibration_data(tokenizer) -> tuple[dict[str, torch.Tensor], str]:
+    """The published adapter maps' fit data and its description: the first 512 tokens of CALIBRATION_FILES
+    calibration-split files and CHATS chat-formatted docstring prompts of calibration-split functions."""
+    data = {name: token_ids(tokenizer, text, 512) for name, text in stdlib_texts("calibration",
+                                                                                CALIBRATION_FILES).items()}
+    for i, (code, doc) in enumerate(functions_with_docstrings("calibration", 400)[-CHATS:]):
+        data[f"chat:docstring-prompt-{i}"] = encode(tokenizer, code, doc)[0]
+    return data, (f"{corpus_description('calibration', CALIBRATION_FILES)}; the first 512 tokens of each; plus "
+                  f"{CHATS} chat-formatted docstring prompts of calibration-split functions")
 
 
 # ----- 1. retention -----

@@ -117,7 +117,7 @@ def measure(source_run, target, kv_map, ids: torch.Tensor, repeats: int = 5, rec
     layout = kv_map.config.target_layout
     element = torch.finfo(next(target.parameters()).dtype).bits // 8
     row["cache_bytes_written"] = 2 * layout.num_layers * layout.layer_width * (length - 1) * element
-    row["map_flops"] = 2 * (length - 1) * sum(t.numel() for n, t in kv_map.tensors.items() if n.endswith(".weight"))
+    row["map_flops"] = 2 * (length - 1) * kv_map.multiply_adds_per_token
     row["map_tokens_per_s"] = (length - 1) / row["map_only"]["median"]
     return row
 

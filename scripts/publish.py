@@ -39,7 +39,7 @@ from benchmarks import (
     storage,
     ttft,
 )
-from benchmarks.adapters import BLEND_FILES, CHATS, PREFIX
+from benchmarks.adapters import BLEND_FILES, PREFIX
 from benchmarks.adapters import CALIBRATION_FILES as ADAPTER_FILES
 from benchmarks.common import ADAPTERS, LARGE, RESULTS, ROOT, SMALL, SMOLLM, read_results, save, start_run
 from benchmarks.scaling import SCALES
@@ -49,13 +49,7 @@ from peft_kvcache._files import atomic_write
 from peft_kvcache.calibration.blend import choose_adapter_blends
 from peft_kvcache.calibration.loop import calibrate_adapters
 from peft_kvcache.calibration.sinks import conversation_starts, ship_target_sinks
-from peft_kvcache.lab.corpus import (
-    corpus_description,
-    docstring_chat,
-    functions_with_docstrings,
-    stdlib_texts,
-    token_ids,
-)
+from peft_kvcache.lab.corpus import stdlib_texts, token_ids
 from peft_kvcache.modeling.fixtures import fixture_available, load_model
 from peft_kvcache.maps.adapter_maps import folder_name
 from peft_kvcache.maps.config import CalibrationConfig, GateRecord, QualityRecord, Refresh
@@ -291,13 +285,8 @@ class Publisher:
         if all((self.workdir / "adapters" / folder_name(PREFIX, a, r)).is_dir() for a in ADAPTERS for r in (0, 1)):
             return
         model, tokenizer = self.adapter_model()
-        files = stdlib_texts("calibration", ADAPTER_FILES)
-        data = {name: token_ids(tokenizer, text, 512) for name, text in files.items()}
-        for i, (code, doc) in enumerate(functions_with_docstrings("calibration", 400)[-CHATS:]):
-            data[f"chat:docstring-prompt-{i}"] = docstring_chat(tokenizer, code, doc)[0]
-        maps = calibrate_adapters(model, data, adapters=list(ADAPTERS), description=(
-            f"{corpus_description('calibration', ADAPTER_FILES)}; the first 512 tokens of each; plus {CHATS} "
-            "chat-formatted docstring prompts of calibration-split functions"), base_spec=SMOLLM,
+        data, description = adapters.calibration_data(tokenizer)
+        maps = calibrate_adapters(model, data, adapters=list(ADAPTERS), description=description, base_spec=SMOLLM,
             adapter_paths={a: f"adapters/{a}" for a in ADAPTERS}, progress=self.progress,
             checkpoint_dir=self.workdir / "adapters-checkpoint")
         blend_texts = stdlib_texts("calibration", BLEND_FILES, ADAPTER_FILES)

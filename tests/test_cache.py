@@ -306,6 +306,20 @@ def test_new_weights_in_the_same_model_object_are_noticed(sibling_pair, sibling_
     assert all(torch.equal(a.keys, b.keys) for a, b in zip(first.layers, again.layers))
 
 
+def test_a_mapping_reads_the_targets_weights_version_once(sibling_pair, sibling_map, monkeypatch):
+    """The fingerprint check and the sink memo share one `weights_key` (each read walks every parameter)."""
+    from peft_kvcache.modeling import identity
+
+    source, target = sibling_pair
+    ids = random_ids(1, 12, seed=41)[0][None]
+    MappedCache.from_source(source, sibling_map, target, input_ids=ids)  # memoizes fingerprints and the sink
+    walks = []
+    real = identity.weights_version
+    monkeypatch.setattr(identity, "weights_version", lambda model: walks.append(model) or real(model))
+    MappedCache.from_source(run_with_cache(source, ids), sibling_map, target, input_ids=ids)  # a held cache
+    assert walks == [target]
+
+
 @pytest.mark.parametrize("ids, match", [
     (torch.arange(10), "input_ids must be a \\[batch, seq\\]"),
     (torch.rand(1, 10), "integer token ids"),

@@ -220,6 +220,23 @@ def solve_ridge(
     return HeadFit(weight=weight, bias=bias, lambdas=lambdas[best], r2=r2)
 
 
+def reduce_rank(stats: _Centered, fit: HeadFit, prior: torch.Tensor, rank: int, head_size: int) -> HeadFit:
+    """The fit's correction of the prior (``weight - prior``) kept to its ``rank`` directions of largest variance over
+    the train features (reduced-rank regression: the fitted predictions projected on their top principal directions,
+    closed form from the centred Gram), the bias refitted to the train means and the held-out R^2 measured again.
+    A ``rank`` of at least the width returns the fit unchanged."""
+    correction = fit.weight - prior
+    if rank >= min(correction.shape):
+        return fit
+    _, directions = torch.linalg.eigh(correction.T @ stats.sxx @ correction)  # ascending
+    top = directions[:, -rank:]
+    weight = prior + correction @ top @ top.T
+    sse = stats.yy_ho - 2 * (weight * stats.xy_ho).sum(0) + (weight * (stats.xx_ho @ weight)).sum(0)
+    heads = weight.shape[1] // head_size
+    r2 = 1 - sse.view(heads, head_size).sum(-1) / stats.sst_ho.view(heads, head_size).sum(-1)
+    return HeadFit(weight=weight, bias=stats.my - stats.mx @ weight, lambdas=fit.lambdas, r2=r2)
+
+
 def _block(layer: int, width: int) -> torch.Tensor:
     return torch.arange(layer * width, (layer + 1) * width)
 
@@ -343,18 +360,24 @@ def fit_same_layers(
     identity_prior: bool = False,
     progress=None,
     head_shards: int = 1,
+    residual_rank: int = 0,
 ) -> list[LayerFit]:
     """Per layer ``t``: ridge from source layer ``t`` to target layer ``t`` on that layer's own (train,
     held-out) statistics ``blocks[t]`` (block-diagonal statistics of same-depth pairs); ``identity_prior``
     shrinks toward copying the source layer. ``progress`` is advanced once per layer. ``head_shards`` > 1
-    predicts each target head from its own shard's source heads only (`ShardedRidge`)."""
+    predicts each target head from its own shard's source heads only (`ShardedRidge`). ``residual_rank`` > 0
+    (with ``identity_prior``) keeps each layer's correction of the identity to that rank (`reduce_rank`)."""
     width = layout.layer_width
     columns = torch.arange(width)
     prior = torch.eye(width, dtype=torch.float64) if identity_prior else None
+    if residual_rank and (prior is None or head_shards != 1):
+        raise CalibrationError("residual_rank corrects the identity of a same-shape pair, with head_shards=1")
     fits = []
     for t, (train, heldout) in enumerate(blocks):
-        ridge = ShardedRidge(_Centered(train, heldout, target), layout, layout, head_shards)
-        fit = ridge.solve(columns, columns, prior, lambda_grid)
+        stats = _Centered(train, heldout, target)
+        fit = ShardedRidge(stats, layout, layout, head_shards).solve(columns, columns, prior, lambda_grid)
+        if residual_rank:
+            fit = reduce_rank(stats, fit, prior, residual_rank, layout.head_dim)
         fits.append(LayerFit(source_layers=[t], fit=fit, candidate_r2=[]))
         if progress is not None:
             progress()

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from ..errors import CalibrationError, RecordError
 from ..maps.adapter_maps import AdapterMaps
-from ..maps.config import CalibrationConfig, CalibrationRecord, KVMapConfig, ModelSpec
+from ..maps.config import DEFAULT_LAMBDA_GRID, CalibrationConfig, CalibrationRecord, KVMapConfig, ModelSpec
 from ..maps.kvmap import KVMap
 from ..modeling.adapters import adapter_active, is_activated_lora, is_peft_model
 from ..modeling.capture import CapturedKV, batches, run_with_cache
@@ -189,7 +189,7 @@ def build_map(run: StatisticsRun, source: str, target: str, config: CalibrationC
               vocab_size: int, progress: bool = True) -> KVMap:
     """Fit keys and values of every target layer from ``source``'s statistics and assemble the `KVMap`."""
     src, tgt = run.sides[source], run.sides[target]
-    same_shape = src.layout == tgt.layout and torch.equal(src.rotary.inv_freq, tgt.rotary.inv_freq)
+    same_shape = _same_shape(src, tgt)
     tensors, fits = {"source.inv_freq": src.rotary.inv_freq, "target.inv_freq": tgt.rotary.inv_freq}, {}
     steps = tgt.layout.num_layers if config.same_layer else src.layout.num_layers
     with tqdm(total=2 * steps, desc="fitting", unit="layer", disable=not progress) as bar:
@@ -197,7 +197,7 @@ def build_map(run: StatisticsRun, source: str, target: str, config: CalibrationC
             if config.same_layer:
                 fits[kind] = fit_same_layers([run.pair(source, t, kind) for t in run.blocks], target, tgt.layout,
                                              config.lambda_grid, identity_prior=same_shape, progress=bar.update,
-                                             head_shards=config.head_shards)
+                                             head_shards=config.head_shards, residual_rank=config.residual_rank)
             else:
                 fits[kind] = fit_layers(*run.pair(source, None, kind), target, src.layout, tgt.layout,
                                         top_k=config.top_k, lambda_grid=config.lambda_grid,
@@ -221,6 +221,17 @@ def build_map(run: StatisticsRun, source: str, target: str, config: CalibrationC
         value_candidate_r2=[f.candidate_r2 for f in v] if not config.same_layer else [],
         calibration=record)
     return KVMap(map_config, tensors)
+
+
+def statistics_options(config: CalibrationConfig) -> CalibrationConfig:
+    """The options a checkpoint of statistics is keyed on: all but those that only shape the fit from them (the ridge
+    grid, the layer choice, the rank), so that fits with other such options resume from the same statistics."""
+    return replace(config, lambda_grid=DEFAULT_LAMBDA_GRID, top_k=1, residual_rank=0)
+
+
+def _same_shape(source: ModelSide, target: ModelSide) -> bool:
+    """Whether a pair's caches have one layout and one RoPE (a map then corrects the identity, e.g. base -> adapter)."""
+    return source.layout == target.layout and torch.equal(source.rotary.inv_freq, target.rotary.inv_freq)
 
 
 def resolve_config(config: CalibrationConfig | None, options: dict, **defaults) -> CalibrationConfig:
@@ -275,6 +286,9 @@ def calibrate(source_model: torch.nn.Module, target_model: torch.nn.Module, cali
     if not config.same_layer and config.top_k > sides["source"].layout.num_layers:
         raise CalibrationError(f"top_k {config.top_k} exceeds the source model's {sides['source'].layout.num_layers} "
                                "layers")
+    if config.residual_rank and not _same_shape(sides["source"], sides["target"]):
+        raise CalibrationError("residual_rank corrects the identity, so it needs a same-shape pair (one KV layout and "
+                               "one RoPE, e.g. base -> adapter); pass residual_rank=0")
     check_head_shards(config, sides)
     texts = CalibrationTexts.build(calibration_data, tokenizer, config, vocab_size_of(source_model))
     run = StatisticsRun({"source": ["target"]}, sides, config.same_layer, config.sink_tokens)
@@ -282,7 +296,7 @@ def calibrate(source_model: torch.nn.Module, target_model: torch.nn.Module, cali
                                "target": run_with_cache(target_model, ids, mask)},
             run, texts, config.batch_size, progress=progress, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, checkpoint_key={
-                "options": config, "fingerprints": [s.fingerprint for s in sides.values()],
+                "options": statistics_options(config), "fingerprints": [s.fingerprint for s in sides.values()],
                 "dtypes": _dtypes(source_model, target_model)})
     record = CalibrationRecord(options=config, data=texts.record(description), sequences=len(texts.all_chunks()),
                                processes=_shard()[1], source=source_spec, target=target_spec)
@@ -340,7 +354,7 @@ def calibrate_adapters(model: torch.nn.Module, calibration_data, tokenizer=None,
 
     collect(run_models, run, texts, config.batch_size, progress=progress, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, checkpoint_key={
-                "options": config, "fingerprints": {n: s.fingerprint for n, s in sides.items()},
+                "options": statistics_options(config), "fingerprints": {n: s.fingerprint for n, s in sides.items()},
                 "dtypes": _dtypes(model), "reverse": reverse})
     record = CalibrationRecord(options=config, data=texts.record(description), sequences=len(texts.all_chunks()),
                                processes=_shard()[1])

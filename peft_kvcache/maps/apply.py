@@ -108,6 +108,44 @@ def map_layer_heads(features: Sequence[torch.Tensor], weight: torch.Tensor, bias
     return out
 
 
+def map_layer_factored(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """A same-shape layer whose weight is the identity plus ``down @ up`` (rank r), in the cache's own layout: the
+    source heads ``x`` ``[batch, heads, seq, head_dim]`` plus the bias, plus each head's share of ``(x @ down) @ up``
+    (2r multiply-adds per feature instead of the layer width) -> ``[batch, heads, seq, head_dim]``."""
+    batch, heads, _, head_dim = x.shape
+    if down.shape[0] != heads * head_dim or up.shape[1] != heads * head_dim:
+        raise CacheMismatchError(f"the layer's features have {heads * head_dim} columns but its factors are "
+                                 f"{tuple(down.shape)} and {tuple(up.shape)}")
+    out = x + bias.to(x.dtype).view(heads, 1, head_dim)
+    for b in range(batch):
+        low = None  # [seq, r]: the features through the down factor, one source head at a time
+        for i in range(heads):
+            rows = down[i * head_dim: (i + 1) * head_dim]
+            low = x[b, i] @ rows if low is None else low.addmm_(x[b, i], rows)
+        for j in range(heads):
+            out[b, j].addmm_(low, up[:, j * head_dim: (j + 1) * head_dim])
+    return out
+
+
+def default_compute_dtype(kv_map, device: torch.device) -> torch.dtype:
+    """The dtype `map_cache` multiplies in by default: float32 for a map with a `KVMap.residual_rank` (the identity
+    carries the source exactly; its thin factors cost little), else `peft_kvcache.maps.compute.matmul_dtype`."""
+    return torch.float32 if kv_map.residual_rank else matmul_dtype(device)
+
+
+def place_map(kv_map, device: torch.device) -> None:
+    """Cast and place every layer's weights (or factors) on ``device`` in the dtype `map_cache` multiplies in by
+    default, as the first mapping there would: a server does it at start, off the first switch's path."""
+    dtype = default_compute_dtype(kv_map, device)
+    for t in range(kv_map.config.target_layout.num_layers):
+        for kind in ("keys", "values"):
+            if kv_map.residual_rank:
+                kv_map.layer_factors(kind, t, device, dtype)
+            else:
+                kv_map.layer_weights(kind, t, device, dtype)
+                kv_map.layer_mlp(kind, t, device, dtype)
+
+
 @torch.no_grad()  # inference: a cache is mapped, never trained through
 def map_cache(
     kv_map,
@@ -128,7 +166,9 @@ def map_cache(
         source_positions, target_positions: ``[batch, seq]`` absolute positions of each cached token.
         placements: per target layer (device, dtype) the mapped tensors must have.
         compute_dtype: dtype of the matmuls; by default bfloat16 where this device multiplies it markedly
-            faster (`peft_kvcache.maps.compute.matmul_dtype`), else float32; the rotary always runs in float32.
+            faster (`peft_kvcache.maps.compute.matmul_dtype`), else float32, and float32 for a map with a
+            `KVMap.residual_rank` (the identity carries the source exactly; its thin factors cost little); the
+            rotary always runs in float32.
         source_rotary, target_rotary: the models' own rotary parameters when the models are at hand (a model
             cast to bfloat16 rotates with rounded frequencies); the map's stored ones otherwise.
 
@@ -148,7 +188,8 @@ def map_cache(
                 f"source cache layer {i} has keys {tuple(k.shape)} and values {tuple(source_values[i].shape)}; "
                 f"the map expects [batch, {expected[0]}, seq, {expected[1]}]"
             )
-    compute_dtype = compute_dtype or matmul_dtype(source_keys[0].device)
+    factored = kv_map.residual_rank > 0
+    compute_dtype = compute_dtype or default_compute_dtype(kv_map, source_keys[0].device)
     features = SourceFeatures(source_keys, source_values, source_rotary or kv_map.source_rotary, source_positions,
                               compute_dtype)
     target_spec = target_rotary or kv_map.target_rotary
@@ -163,12 +204,15 @@ def map_cache(
         for kind in ("keys", "values"):
             sources = kv_map.source_layers(kind, t)
             inputs = [features.heads(kind, s, device) for s in sources]
-            weight, bias = kv_map.layer_weights(kind, t, device, compute_dtype)
-            mlp = kv_map.layer_mlp(kind, t, device, compute_dtype)
-            if mlp is None:
-                states = map_layer_heads(inputs, weight, bias, heads, head_dim)
-            else:  # the residual MLP reads every head at once
-                states = map_layer([layer_features(x) for x in inputs], weight, bias, head_dim, mlp)
+            if factored:  # the one input is source layer t
+                states = map_layer_factored(inputs[0], *kv_map.layer_factors(kind, t, device, compute_dtype))
+            else:
+                weight, bias = kv_map.layer_weights(kind, t, device, compute_dtype)
+                mlp = kv_map.layer_mlp(kind, t, device, compute_dtype)
+                if mlp is None:
+                    states = map_layer_heads(inputs, weight, bias, heads, head_dim)
+                else:  # the residual MLP reads every head at once
+                    states = map_layer([layer_features(x) for x in inputs], weight, bias, head_dim, mlp)
             if kind == "keys":
                 states = rotate_(states.float(), cos, sin)
             layer.append(_cast_checked(states, dtype, t, kind, dict(zip(sources, inputs))))

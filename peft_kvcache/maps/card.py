@@ -204,6 +204,10 @@ def calibration_text(config: KVMapConfig) -> str:
              f"- tokens: {record.train_tokens:,} for fitting, {record.heldout_tokens:,} held out",
              "- source layers per target layer: " + ("the same layer" if options.same_layer
                                                       else f"top-{options.top_k} by held-out R²")]
+    if options.residual_rank:
+        lines.append(f"- each layer's correction of the source cache kept to rank {options.residual_rank} (the "
+                     "directions that carry most of its predictions on the fitting texts): the map runs as the "
+                     "identity plus two thin factors")
     if train:
         lines.append(f"- files: {', '.join(f'`{n}`' for n in train[:6])}{', …' if len(train) > 6 else ''} "
                      "(all names in config.json)")

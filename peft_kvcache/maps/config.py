@@ -60,6 +60,11 @@ class CalibrationConfig:
     head_shards: int = _help("predict each target KV head from the source KV heads of its own shard only (the heads "
                              "split into this many contiguous groups, as tensor parallelism splits them): a rank maps "
                              "its heads without gathering the others; 1: from every source head", default=1)
+    residual_rank: int = _help("same-shape pairs with same_layer: keep each layer's fitted correction of the source "
+                               "(the weight minus the identity) to the r directions that carry most of its predictions "
+                               "on the calibration texts (reduced-rank regression, closed form from the statistics); "
+                               "the map then runs as the identity plus two thin factors, 2r instead of the layer width "
+                               "multiply-adds per feature; 0: the full correction", default=0)
 
     def __post_init__(self):
         self.validate()
@@ -77,6 +82,11 @@ class CalibrationConfig:
             ("batch_size", self.batch_size >= 1, "must be a positive integer"),
             ("lambda_grid", len(self.lambda_grid) > 0 and all(v > 0 for v in self.lambda_grid), "must be positive"),
             ("head_shards", self.head_shards >= 1, "must be a positive integer"),
+            ("residual_rank", self.residual_rank >= 0, "must be a non-negative integer"),
+            ("residual_rank", self.residual_rank == 0 or self.same_layer, "needs same_layer=True (each layer "
+             "corrected from its own source layer)"),
+            ("residual_rank", self.residual_rank == 0 or self.head_shards == 1, "needs head_shards=1 (a reduced-rank "
+             "correction mixes the heads of every shard)"),
         ]
         for name, ok, message in checks:
             if not ok:

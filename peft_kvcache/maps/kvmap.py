@@ -93,6 +93,41 @@ class KVMap:
         """(weight, bias) of one target layer, cast and placed once per (device, dtype) and reused."""
         return self._placed_tensors((kind, target_layer), ("weight", "bias"), device, dtype)
 
+    @property
+    def residual_rank(self) -> int:
+        """The rank of each layer's correction of the identity where the map was fitted with one (``residual_rank``)
+        and runs cheaper so: the identity plus two factors (`layer_factors`); 0 where it runs as dense weights."""
+        config = self.config
+        rank = config.calibration.options.residual_rank
+        width = config.target_layout.layer_width
+        linear = not (config.mlp_layers("keys") or config.mlp_layers("values"))
+        own_layers = all(sources == [t] for layers in (config.key_layers, config.value_layers)
+                         for t, sources in enumerate(layers))
+        return rank if config.pair_kind == "same_shape" and linear and own_layers and 0 < 2 * rank < width else 0
+
+    @property
+    def multiply_adds_per_token(self) -> int:
+        """Multiply-adds of the map's matmuls per mapped token: its weights (and MLP heads), or with a
+        `residual_rank` r the two factors of each layer (``2 r width``)."""
+        if self.residual_rank:
+            layout = self.config.target_layout
+            return 2 * layout.num_layers * 2 * self.residual_rank * layout.layer_width  # keys and values
+        return sum(t.numel() for n, t in self.tensors.items() if n.endswith((".weight", ".mlp.w1", ".mlp.w2")))
+
+    def layer_factors(self, kind: str, target_layer: int, device, dtype) -> tuple[torch.Tensor, ...]:
+        """(down ``[width, r]``, up ``[r, width]``, bias) of a map with a `residual_rank` r: the layer's weight is the
+        identity plus ``down @ up`` (read off the stored weight, whose correction has that rank), placed once per
+        (device, dtype) and reused."""
+        key = (kind, target_layer, "factors", str(device), dtype)
+        if key not in self._placed:
+            weight = self.tensors[f"{kind}.{target_layer}.weight"].double()
+            correction = weight - torch.eye(weight.shape[0], dtype=weight.dtype)
+            left, scales, right = torch.linalg.svd(correction, full_matrices=False)
+            rank = self.residual_rank
+            factors = (left[:, :rank] * scales[:rank], right[:rank], self.tensors[f"{kind}.{target_layer}.bias"])
+            self._placed[key] = tuple(f.to(device=device, dtype=dtype).contiguous() for f in factors)
+        return self._placed[key]
+
     def layer_mlp(self, kind: str, target_layer: int, device, dtype) -> tuple[torch.Tensor, ...] | None:
         """(w1, b1, w2, b2) of the residual MLP head of one target layer, or None where the map is linear."""
         if target_layer not in self.config.mlp_layers(kind):
@@ -130,11 +165,13 @@ class KVMap:
 
     # ----- checks against models -----
 
-    def check_models(self, source_model: torch.nn.Module | None, target_model: torch.nn.Module) -> None:
-        """Refuse models other than the ones this map was fitted for, naming both sides."""
+    def check_models(self, source_model: torch.nn.Module | None, target_model: torch.nn.Module,
+                     target_key: tuple | None = None) -> None:
+        """Refuse models other than the ones this map was fitted for, naming both sides (``target_key``: the
+        target's `peft_kvcache.modeling.identity.weights_key`, where the caller read it already)."""
         c = self.config
         actual = {"source": None if source_model is None else cached_fingerprint(source_model),
-                  "target": cached_fingerprint(target_model)}
+                  "target": cached_fingerprint(target_model, target_key)}
         if actual["target"] == c.source_fingerprint and actual["source"] in (None, c.target_fingerprint) \
                 and c.source_fingerprint != c.target_fingerprint:
             raise FingerprintMismatchError(

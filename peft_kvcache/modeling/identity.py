@@ -212,10 +212,11 @@ class ModelMemo:
 _FINGERPRINTS = ModelMemo(8)
 
 
-def cached_fingerprint(model: torch.nn.Module) -> str:
+def cached_fingerprint(model: torch.nn.Module, key: tuple | None = None) -> str:
     """`fingerprint`, memoized per model object outside it (hashing is cheap but not free on the hot path of
-    every switch) and recomputed when its weights or active adapters change."""
-    return _FINGERPRINTS.get(model, weights_key(model), lambda: fingerprint(model))
+    every switch) and recomputed when its weights or active adapters change; ``key``: the model's `weights_key`
+    where the caller holds it already (reading it walks every parameter)."""
+    return _FINGERPRINTS.get(model, weights_key(model) if key is None else key, lambda: fingerprint(model))
 
 
 def check_pair(source_model: torch.nn.Module, target_model: torch.nn.Module, tokenizer=None) -> None:

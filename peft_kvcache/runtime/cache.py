@@ -293,8 +293,9 @@ class MappedCache(ContextCache):
                            "this cache is mapped without it (pass refresh_tokens=0 to say so)",
                            kv_map.config.source_name, kv_map.config.target_name)
             policy = None
+        target_key = weights_key(target_model)  # read once: it walks every parameter (the check and the sink memo)
         if verify_models:
-            kv_map.check_models(None if source_is_cache else source, target_model)
+            kv_map.check_models(None if source_is_cache else source, target_model, target_key)
         if captured is None:
             captured = run_with_cache(source, input_ids, attention_mask)
 
@@ -313,7 +314,8 @@ class MappedCache(ContextCache):
                     "no input_ids given with the source cache: the first %d token(s) (the attention sink) are "
                     "mapped instead of computed by the target, which costs quality; pass input_ids", sink_tokens)
             else:
-                _with_target_sink(mapped, target_model, input_ids, attention_mask, sink_tokens, position_offset)
+                _with_target_sink(mapped, target_model, input_ids, attention_mask, sink_tokens, position_offset,
+                                  target_key)
         cache = cls(mapped, kv_map=kv_map)
         if policy is not None:  # before the positions are set: the refresh writes inside the context
             cache.refresh = refresh_cache(target_model, cache, input_ids, policy, sink_tokens, position_offset)
@@ -362,14 +364,15 @@ def _check_cache_matches(captured: CapturedKV, input_ids, attention_mask) -> Non
 
 
 @torch.no_grad()
-def _with_target_sink(mapped, target_model, input_ids, attention_mask, sink_tokens, position_offset) -> None:
+def _with_target_sink(mapped, target_model, input_ids, attention_mask, sink_tokens, position_offset,
+                      target_key: tuple | None = None) -> None:
     """Replace the leading columns (left padding + ``sink_tokens`` real tokens) by the target's own KV, in
     place: those tokens attend only to themselves, so the target computes them exactly for a few tokens' cost."""
     real_start = int((attention_mask.shape[1] - attention_mask.sum(1)).max())
     columns = min(real_start + sink_tokens, attention_mask.shape[1])
     if columns == 0:
         return
-    own = target_sink(target_model, input_ids[:, :columns], attention_mask[:, :columns], position_offset)
+    own = target_sink(target_model, input_ids[:, :columns], attention_mask[:, :columns], position_offset, target_key)
     for (k, v), k_own, v_own in zip(mapped, own.keys, own.values):  # fresh tensors from map_cache
         k[:, :, :columns] = k_own
         v[:, :, :columns] = v_own
@@ -381,9 +384,11 @@ def _with_target_sink(mapped, target_model, input_ids, attention_mask, sink_toke
 _SINKS = ModelMemo(16)
 
 
-def target_sink(target_model, ids: torch.Tensor, mask: torch.Tensor, position_offset: int) -> CapturedKV:
-    """The target's own KV of the leading ``ids`` (memoized)."""
-    key = (weights_key(target_model), ids.numpy().tobytes(), tuple(ids.shape), mask.numpy().tobytes(), position_offset)
+def target_sink(target_model, ids: torch.Tensor, mask: torch.Tensor, position_offset: int,
+                target_key: tuple | None = None) -> CapturedKV:
+    """The target's own KV of the leading ``ids`` (memoized; ``target_key``: the model's `weights_key`, where the
+    caller read it already)."""
+    key = (weights_key(target_model) if target_key is None else target_key, ids.numpy().tobytes(), tuple(ids.shape), mask.numpy().tobytes(), position_offset)
     positions = positions_from_mask(mask) + position_offset
     return _SINKS.get(target_model, key, lambda: run_with_cache(target_model, ids, mask, position_ids=positions))
 

@@ -21,7 +21,7 @@ import threading
 import torch
 
 from ..errors import CacheMismatchError
-from ..maps.apply import map_cache
+from ..maps.apply import map_cache, place_map
 from ..maps.kvmap import KVMap
 from ..maps.registry import MapRegistry
 from ..modeling.layout import KVLayout
@@ -82,7 +82,10 @@ class WorkerSide:
         for folder, config in registry.configs.items():
             if config.source_layout == config.target_layout == layout:
                 try:
-                    self._maps[folder] = KVMap.from_pretrained(folder)
+                    kv_map = KVMap.from_pretrained(folder)
+                    if self.layers:  # cast (or factored) now, not at the first switch
+                        place_map(kv_map, self.layers[0].device)
+                    self._maps[folder] = kv_map
                 except Exception as err:  # a damaged map: the scheduler is told, and stops choosing it
                     self._maps[folder] = f"{type(err).__name__}: {err}"
                     with self._lock:

@@ -1,0 +1,196 @@
+"""Same-shape maps as the identity plus a reduced-rank correction (``residual_rank``): the closed-form fit
+(calibration.fit.reduce_rank), the factored apply path, and the option's checks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import random_ids, tiny_model
+from test_peft import peft_with_adapters
+
+from peft_kvcache import MappedCache
+from peft_kvcache.calibration.fit import SufficientStatistics, _Centered, reduce_rank, solve_ridge
+from peft_kvcache.calibration.loop import calibrate, calibrate_adapters
+from peft_kvcache.errors import CalibrationError
+from peft_kvcache.maps.apply import map_layer_factored, map_layer_heads
+from peft_kvcache.maps.kvmap import KVMap
+from peft_kvcache.modeling.capture import run_with_cache
+
+
+def _statistics(x: torch.Tensor, y: torch.Tensor, split: int) -> _Centered:
+    train, heldout = (SufficientStatistics.empty(x.shape[1], {"y": y.shape[1]}) for _ in range(2))
+    train.update(x[:split], {"y": y[:split]})
+    heldout.update(x[split:], {"y": y[split:]})
+    return _Centered(train, heldout, "y")
+
+
+def _r2(weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> float:
+    residual = y - x @ weight - bias
+    return float(1 - residual.square().sum() / (y - y.mean(0)).square().sum())
+
+
+@pytest.fixture(scope="module")
+def anisotropic():
+    """Features with four strong and four faint directions; the target is the identity plus a rank-2 correction
+    along the strong ones and a large correction along a faint one (which barely moves any prediction)."""
+    generator = torch.Generator().manual_seed(0)
+    scales = torch.tensor([10.0, 8.0, 6.0, 5.0, 0.01, 0.01, 0.01, 0.01], dtype=torch.float64)
+    x = torch.randn(4000, 8, generator=generator, dtype=torch.float64) * scales
+    correction = torch.zeros(8, 8, dtype=torch.float64)
+    correction[0, 1], correction[1, 2] = 0.5, 0.4  # moves predictions a lot
+    correction[5, 6] = 30.0  # large in the weight, tiny in the predictions
+    y = x @ (torch.eye(8, dtype=torch.float64) + correction) + 0.05 * torch.randn(4000, 8, generator=generator,
+                                                                                  dtype=torch.float64)
+    return x, y, _statistics(x, y, 3000)
+
+
+def test_reduced_rank_keeps_the_directions_that_carry_predictions(anisotropic):
+    x, y, stats = anisotropic
+    prior = torch.eye(8, dtype=torch.float64)
+    full = solve_ridge(stats, torch.arange(8), torch.arange(8), 4, prior, (1e-8,))
+    reduced = reduce_rank(stats, full, prior, 2, 4)
+    assert torch.linalg.matrix_rank(reduced.weight - prior) == 2
+    held_x, held_y = x[3000:], y[3000:]
+    # the data-weighted choice loses (almost) nothing; truncating the weight's own singular values keeps the big,
+    # useless correction and loses a predictive one
+    assert _r2(reduced.weight, reduced.bias, held_x, held_y) > _r2(full.weight, full.bias, held_x, held_y) - 1e-3
+    left, scales, right = torch.linalg.svd(full.weight - prior)
+    plain = prior + left[:, :2] * scales[:2] @ right[:2]
+    plain_bias = stats.my - stats.mx @ plain
+    assert _r2(plain, plain_bias, held_x, held_y) < _r2(reduced.weight, reduced.bias, held_x, held_y) - 0.01
+
+
+def test_reduced_rank_reports_its_own_held_out_r2(anisotropic):
+    x, y, stats = anisotropic
+    prior = torch.eye(8, dtype=torch.float64)
+    full = solve_ridge(stats, torch.arange(8), torch.arange(8), 4, prior, (1e-8,))
+    reduced = reduce_rank(stats, full, prior, 1, 4)
+    held_x, held_y = x[3000:], y[3000:]
+    for head in range(2):
+        columns = slice(4 * head, 4 * head + 4)
+        expected = _r2(reduced.weight[:, columns], reduced.bias[columns], held_x, held_y[:, columns])
+        assert float(reduced.r2[head]) == pytest.approx(expected, abs=1e-6)
+    assert float(reduced.r2.sum()) < float(full.r2.sum())  # rank 1 drops one of the two predictive directions
+    assert reduce_rank(stats, full, prior, 8, 4) is full
+
+
+def test_the_factored_layer_equals_its_dense_weight():
+    generator = torch.Generator().manual_seed(1)
+    heads, head_dim, rank = 3, 8, 4
+    x = torch.randn(2, heads, 10, head_dim, generator=generator)
+    down, up = torch.randn(heads * head_dim, rank, generator=generator), torch.randn(rank, heads * head_dim,
+                                                                                     generator=generator)
+    bias = torch.randn(heads * head_dim, generator=generator)
+    dense = map_layer_heads([x], torch.eye(heads * head_dim) + down @ up, bias, heads, head_dim)
+    torch.testing.assert_close(map_layer_factored(x, down, up, bias), dense, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def factored_maps():
+    model = peft_with_adapters()
+    return model, calibrate_adapters(model, random_ids(16, 48, seed=3), adapters=["strong"], residual_rank=4,
+                                     progress=False)
+
+
+def test_adapter_maps_fitted_with_a_rank_run_factored_and_equal_their_dense_weights(factored_maps, exact_matmuls):
+    model, maps = factored_maps
+    kv_map = maps.to_adapter["strong"]
+    assert kv_map.residual_rank == 4 and kv_map.config.calibration.options.residual_rank == 4
+    width = kv_map.config.target_layout.layer_width
+    for name, tensor in kv_map.tensors.items():
+        if name.endswith(".weight"):
+            assert torch.linalg.matrix_rank(tensor.double() - torch.eye(width), atol=1e-4) <= 4, name
+    ids = random_ids(1, 30, seed=9)[0][None]
+    model.set_adapter("strong")
+    with model.disable_adapter():
+        base_cache = run_with_cache(model, ids)
+    factored = MappedCache.from_source(base_cache, kv_map, model, input_ids=ids)
+    dense_map = KVMap(copy.deepcopy(kv_map.config), kv_map.tensors)
+    dense_map.config.calibration.options.residual_rank = 0  # the same weights through the dense path
+    dense = MappedCache.from_source(base_cache, dense_map, model, input_ids=ids)
+    for a, b in zip(factored.layers, dense.layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a.values, b.values, atol=1e-4, rtol=1e-4)
+
+
+def test_a_rank_for_a_pair_with_another_rope_is_refused_before_any_model_runs(monkeypatch):
+    """Same layout, other RoPE: a cross-shape pair, whose map does not correct an identity."""
+    source = tiny_model("llama")
+    target = tiny_model("llama", seed=1, rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    monkeypatch.setattr(source, "forward", lambda *a, **k: pytest.fail("the source ran"))
+    with pytest.raises(CalibrationError, match="same-shape pair"):
+        calibrate(source, target, random_ids(4, 16), same_layer=True, residual_rank=2, progress=False)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(residual_rank=2), "needs same_layer=True"),
+    (dict(residual_rank=2, same_layer=True, head_shards=2), "needs head_shards=1"),
+    (dict(residual_rank=-1, same_layer=True), "non-negative"),
+])
+def test_bad_rank_options_are_named(options, match):
+    model = tiny_model("llama")
+    with pytest.raises(CalibrationError, match=match):
+        calibrate(model, model, random_ids(4, 16), progress=False, **options)
+
+
+def test_a_map_without_a_rank_or_with_a_useless_one_runs_dense(factored_maps):
+    _, maps = factored_maps
+    kv_map = maps.to_adapter["strong"]
+    width = kv_map.config.target_layout.layer_width
+    for rank, expected in ((0, 0), (width // 2, 0), (width // 2 - 1, width // 2 - 1)):
+        config = copy.deepcopy(kv_map.config)
+        config.calibration.options.residual_rank = rank
+        assert KVMap(config, kv_map.tensors).residual_rank == expected
+
+
+def test_fits_of_other_ranks_resume_from_the_same_checkpointed_statistics(tmp_path, monkeypatch):
+    model = peft_with_adapters()
+    data = random_ids(8, 32, seed=5)
+    dense = calibrate_adapters(model, data, adapters=["strong"], reverse=False, checkpoint_dir=tmp_path,
+                               progress=False).to_adapter["strong"]
+    monkeypatch.setattr(model, "forward", lambda *a, **k: pytest.fail("the statistics were collected again"))
+    reduced = calibrate_adapters(model, data, adapters=["strong"], reverse=False, checkpoint_dir=tmp_path,
+                                 residual_rank=2, progress=False).to_adapter["strong"]
+    assert reduced.residual_rank == 2 and dense.residual_rank == 0
+    assert not torch.equal(reduced.tensors["keys.1.weight"], dense.tensors["keys.1.weight"])
+
+
+def test_the_card_says_the_map_runs_as_the_identity_plus_factors(factored_maps):
+    from peft_kvcache.maps.card import calibration_text
+
+    _, maps = factored_maps
+    config = maps.to_adapter["strong"].config
+    assert "rank 4" in calibration_text(config)
+    dense = copy.deepcopy(config)
+    dense.calibration.options.residual_rank = 0
+    assert "rank" not in calibration_text(dense)
+
+
+@pytest.mark.parametrize("rank", [4, 0])
+def test_a_map_placed_ahead_leaves_the_first_mapping_nothing_to_cast(factored_maps, rank):
+    from peft_kvcache.maps.apply import map_cache, place_map
+
+    _, maps = factored_maps
+    config = copy.deepcopy(maps.to_adapter["strong"].config)
+    config.calibration.options.residual_rank = rank
+    kv_map = KVMap(config, maps.to_adapter["strong"].tensors)
+    place_map(kv_map, torch.device("cpu"))
+    placed = set(kv_map._placed)
+    assert len(placed) == 2 * config.target_layout.num_layers
+    layout = config.source_layout
+    states = [torch.randn(1, layout.kv_heads, 6, layout.head_dim) for _ in range(layout.num_layers)]
+    positions = torch.arange(6)[None]
+    map_cache(kv_map, states, states, positions, positions, [(torch.device("cpu"), torch.float32)] * layout.num_layers)
+    assert set(kv_map._placed) == placed
+
+
+def test_a_factored_map_counts_the_multiply_adds_of_its_factors(factored_maps):
+    _, maps = factored_maps
+    kv_map = maps.to_adapter["strong"]
+    layout = kv_map.config.target_layout
+    dense = KVMap(copy.deepcopy(kv_map.config), kv_map.tensors)
+    dense.config.calibration.options.residual_rank = 0
+    assert dense.multiply_adds_per_token == 2 * layout.num_layers * layout.layer_width ** 2
+    assert kv_map.multiply_adds_per_token == 2 * layout.num_layers * 2 * 4 * layout.layer_width
