@@ -21,6 +21,7 @@ Writes benchmarks/results/residual-rank.json and .md.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -30,8 +31,7 @@ from peft_kvcache.calibration.loop import calibrate_adapters
 from peft_kvcache.calibration.retention import evaluate_retention
 from peft_kvcache.lab.provenance import write_results
 from peft_kvcache.maps.adapter_maps import AdapterMaps
-from peft_kvcache.maps.apply import map_cache
-from peft_kvcache.maps.compute import matmul_dtype
+from peft_kvcache.maps.apply import default_compute_dtype, map_cache
 from peft_kvcache.modeling.fixtures import load_model
 
 from . import adapters
@@ -80,23 +80,26 @@ def quality(model, base, tokenizer, fitted: dict[int, AdapterMaps], examples: in
 
 
 def speed(fitted: dict[int, AdapterMaps], tokens: int, repeats: int) -> list[dict]:
-    """The mapping alone of ``tokens`` positions through base -> the first adapter's map at every rank."""
-    rows = []
-    for rank, maps in fitted.items():
-        kv_map = maps.to_adapter[ADAPTERS[0]]
-        layout = kv_map.config.source_layout
-        generator = torch.Generator().manual_seed(0)
-        shape = (1, layout.kv_heads, tokens, layout.head_dim)
-        keys = [torch.randn(shape, generator=generator) for _ in range(layout.num_layers)]
-        values = [torch.randn(shape, generator=generator) for _ in range(layout.num_layers)]
-        positions = torch.arange(tokens)[None]
-        placements = [(torch.device("cpu"), torch.float32)] * layout.num_layers
-        rows.append({"rank": rank, "tokens": tokens, "matmul_dtype": str(torch.float32 if kv_map.residual_rank
-                                                                       else matmul_dtype("cpu")),
-                     "multiply_adds_per_token": kv_map.multiply_adds_per_token,
-                     "seconds": timed(lambda: map_cache(kv_map, keys, values, positions, positions, placements),
-                                      repeats)})
-    return rows
+    """The mapping alone of ``tokens`` positions through base -> the first adapter's map at every rank, the ranks
+    interleaved within each round (so that a slow spell of the machine falls on all of them)."""
+    maps = {rank: m.to_adapter[ADAPTERS[0]] for rank, m in fitted.items()}
+    layout = maps[0].config.source_layout
+    generator = torch.Generator().manual_seed(0)
+    shape = (1, layout.kv_heads, tokens, layout.head_dim)
+    keys = [torch.randn(shape, generator=generator) for _ in range(layout.num_layers)]
+    values = [torch.randn(shape, generator=generator) for _ in range(layout.num_layers)]
+    positions = torch.arange(tokens)[None]
+    placements = [(torch.device("cpu"), torch.float32)] * layout.num_layers
+    runs: dict[int, list[float]] = {rank: [] for rank in maps}
+    for round_ in range(repeats + 1):  # the first round warms up
+        for rank, kv_map in maps.items():
+            seconds = timed(lambda m=kv_map: map_cache(m, keys, values, positions, positions, placements), 1, 0)
+            if round_:
+                runs[rank] += seconds["runs"]
+    return [{"rank": rank, "tokens": tokens, "multiply_adds_per_token": kv_map.multiply_adds_per_token,
+             "matmul_dtype": str(default_compute_dtype(kv_map, torch.device("cpu"))).removeprefix("torch."),
+             "seconds": {"median": statistics.median(runs[rank]), "min": min(runs[rank]), "max": max(runs[rank]),
+                         "runs": runs[rank]}} for rank, kv_map in maps.items()]
 
 
 def _label(adapter: str, reverse: bool) -> str:
@@ -137,7 +140,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 32, 48])
     parser.add_argument("--examples", type=int, default=12)
     parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=Path("runs/residual-rank"),
                         help="where the calibration statistics are checkpointed (reused by a run started again)")
