@@ -15,6 +15,7 @@ from .vllm_servers import ADAPTERS, NAME, ask, ask_labelled, client
 
 ROTATION = (None, *ADAPTERS)  # the model of each turn, rotated: every turn switches
 THRESHOLD_LENGTHS = (128, 256, 512, 1024)
+PAUSE = 0.5  # seconds between a history and the request that follows it (own_versus_mapped)
 
 
 def modules(history_chars: int) -> list[str]:
@@ -171,7 +172,9 @@ def switch_answers(url: str, samples: list[dict]) -> list[dict]:
 def own_versus_mapped(url: str, tokenizer, module: str, tokens: int, repeats: int) -> list[dict]:
     """At ``tokens`` of history, an adapter's reply TTFT when it continues (1) its own cached prefix (vLLM's prefix
     cache), (2) the base model's prefix mapped by the connector, (3) nothing (``reuse: none``, its own prefill); the
-    first-token top lists of (2) and (3), which see the same prompt."""
+    first-token top lists of (2) and (3), which see the same prompt. Every timed request asks for the same top list,
+    and each follows its history by ``PAUSE`` seconds (a user reading the reply; the history's copy into the store
+    is done by then, as it would be)."""
     api, rows = client(url), []
     for k in range(repeats):
         def conversation(kind: str) -> tuple[list[dict], list[dict]]:
@@ -182,9 +185,11 @@ def own_versus_mapped(url: str, tokenizer, module: str, tokens: int, repeats: in
 
         history, follow = conversation("own")
         ask(api, ADAPTERS[0], history, 1, logprobs=False)
-        own = ask(api, ADAPTERS[0], follow, 1, logprobs=False)
+        time.sleep(PAUSE)
+        own = ask(api, ADAPTERS[0], follow, 1)
         history, follow = conversation("switch")
         ask(api, NAME, history, 1, logprobs=False)
+        time.sleep(PAUSE)
         mapped = ask(api, ADAPTERS[0], follow, 1)
         exact = ask(api, ADAPTERS[0], follow, 1, extra={"kv_transfer_params": {"peft_kvcache": {"reuse": "none"}},
                                                         "cache_salt": f"exact-{k}"})
