@@ -124,6 +124,60 @@ def choose_default(rows: dict[str, dict], budget: int) -> dict:
     return {"default": best, "candidates": verdicts}
 
 
+def trade_off(rows: dict[str, dict]) -> dict[str, dict[str, list[dict]]]:
+    """Per budget, the points of continuation against pooled recall as the budget moves from the recent window to
+    picked positions: ``index`` (the mapped middle dropped) and ``refresh`` (kept) from the window-only control (no
+    picked position) up, ordered by the positions picked; ``hybrid`` (the mapped prefix, a recent window) alone."""
+    def point(name: str, picked: int) -> dict | None:
+        cont, recall = rows[name].get("continuation", {}), rows[name].get(RECALL, {})
+        if not cont.get("examples") or not recall.get("examples"):
+            return None
+        return {"variant": name, "picked": picked, "continuation": cont["normalized"], "recall": recall["normalized"]}
+
+    out: dict[str, dict[str, list[dict]]] = {}
+    for name, row in rows.items():
+        if "true-" in name or row.get("kind") not in ("index", "refresh", "hybrid"):
+            continue
+        picked = int(name.rsplit("/p", 1)[1]) if "/p" in name else 0
+        found = point(name, picked)
+        if found is not None:
+            out.setdefault(str(row["budget"]), {}).setdefault(row["kind"], []).append(found)
+    for budget, series in out.items():
+        window = f"window@{budget}"
+        start = point(window, 0) if window in rows else None
+        for kind in ("index", "refresh"):
+            if kind in series:
+                series[kind] = ([start] if start else []) + sorted(series[kind], key=lambda p: p["picked"])
+    return out
+
+
+def plot_trade_off(payload: dict, path) -> None:
+    """One panel per direction: continuation against recall, a line per budget and recipe family."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directions = [d for d in payload["directions"] if payload["directions"][d]["trade_off"]]
+    if not directions:
+        return
+    fig, axes = plt.subplots(1, len(directions), figsize=(5.5 * len(directions), 4.2), squeeze=False)
+    for ax, direction in zip(axes[0], directions):
+        budgets = sorted(payload["directions"][direction]["trade_off"].items(), key=lambda item: int(item[0]))
+        for color, (budget, series) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], budgets):
+            for kind, style in (("index", "-o"), ("refresh", "--s"), ("hybrid", "^")):
+                points = series.get(kind, [])
+                if points:
+                    ax.plot([p["recall"] for p in points], [p["continuation"] for p in points], style, color=color,
+                            label=f"{kind} @{budget}")
+        ax.set(xlabel="far-fact recall (normalized)", ylabel="continuation (normalized)",
+               title=f"{payload['directions'][direction]['pair']} ({payload['role']}, {payload['context']} tokens)")
+        ax.legend(fontsize="x-small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def report(role: str, context: int) -> dict:
     """Write the tables of the role's records at ``context``; returns the payload."""
     path = records_path(role, context)
@@ -150,7 +204,7 @@ def report(role: str, context: int) -> dict:
                                                                      control_of(variant, info["compute"]))
         choice = choose_default(rows, budget) if role == "selection" else None
         payload["directions"][direction] = {"budget": budget, "rows": rows, "choice": choice,
-                                            "pair": siblings.pair_name(direction)}
+                                            "pair": siblings.pair_name(direction), "trade_off": trade_off(rows)}
         order = sorted(rows, key=lambda v: (rows[v]["compute"], v))
         for task in ["continuation", RECALL, *sorted(t for t in tasks if t.startswith("recall-"))]:
             if task not in tasks:
@@ -173,7 +227,12 @@ def report(role: str, context: int) -> dict:
                       "No recipe qualifies (continuation interval not below the control, recall >= "
                       f"{RECALL_FLOOR}).", ""]
     commits = sorted({r["commit"] for r in records if r.get("commit")})
-    save(f"sibling-recipes-{role}-{context}", {**payload, "records": str(path.relative_to(RESULTS.parent.parent)),
+    stem = f"sibling-recipes-{role}-{context}"
+    plot_trade_off(payload, RESULTS / f"{stem}.png")
+    lines += [f"![continuation against recall]({stem}.png): per budget, from the window-only control (no picked "
+              "position) to more picked positions and fewer recent ones; `index` drops the mapped middle, `refresh` "
+              "keeps it, `hybrid` keeps the mapped prefix and a recent window.", ""]
+    save(stem, {**payload, "records": str(path.relative_to(RESULTS.parent.parent)),
                                                 "record_commits": commits, "runs": runs},
          "\n".join(lines), data={"examples": sorted({r["example"] for r in records})})
     return payload

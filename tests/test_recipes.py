@@ -126,3 +126,26 @@ def test_the_default_is_the_best_recipe_not_below_the_control_that_keeps_recall(
     assert set(choice["candidates"]) == {"hybrid@160", "refresh@160/p64", "refresh@160/p128", "index@160/p32"}
     rows["refresh@160/p64"]["continuation"]["minus_control_interval"] = [-0.2, -0.01]
     assert recipe_report.choose_default(rows, 160)["default"] == "refresh@160/p128"
+
+
+def test_the_trade_off_runs_from_the_window_to_more_picked_positions_per_budget(tmp_path):
+    rows = {"window@160": _row("window", 160, 0.84, (0, 0), 0.10),
+            "index@160/p80": _row("index", 160, 0.80, (-0.1, 0.0), 0.97),
+            "index@160/p20": _row("index", 160, 0.89, (-0.02, 0.2), 0.93),
+            "refresh@160/p20": _row("refresh", 160, 0.79, (-0.1, 0.0), 0.95),
+            "hybrid@160": _row("hybrid", 160, 0.74, (-0.2, 0.1), 0.04),
+            "hybrid@160+true-keys": _row("hybrid", 160, 0.77, (-0.1, 0.1), 0.98),  # an oracle: no point
+            "index@320/p80": _row("index", 320, 0.88, (-0.05, 0.05), 0.97)}
+    for name, row in rows.items():
+        row["budget"] = row["compute"]
+    curve = recipe_report.trade_off(rows)
+    assert [p["variant"] for p in curve["160"]["index"]] == ["window@160", "index@160/p20", "index@160/p80"]
+    assert [p["picked"] for p in curve["160"]["refresh"]] == [0, 20]
+    assert [p["variant"] for p in curve["160"]["hybrid"]] == ["hybrid@160"]
+    assert [p["variant"] for p in curve["320"]["index"]] == ["index@320/p80"]  # no window row at 320 here
+    assert curve["160"]["index"][1] == {"variant": "index@160/p20", "picked": 20, "continuation": 0.89,
+                                        "recall": 0.93}
+    payload = {"role": "selection", "context": 2048,
+               "directions": {"up": {"pair": "up-pair", "trade_off": curve}, "down": {"pair": "p", "trade_off": {}}}}
+    recipe_report.plot_trade_off(payload, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 1000
