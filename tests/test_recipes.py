@@ -12,6 +12,7 @@ from benchmarks import recipe_report, recipes
 from benchmarks.recipes import PROBE, Example, ExampleRun, Variant, full_pass
 from peft_kvcache import MappedCache
 from peft_kvcache.calibration.retention import cached_logits, window_logits
+from peft_kvcache.errors import RecordError
 from peft_kvcache.maps.config import Refresh
 
 CONTEXT, CONTINUATION = 56, 8
@@ -149,3 +150,55 @@ def test_the_trade_off_runs_from_the_window_to_more_picked_positions_per_budget(
                "directions": {"up": {"pair": "up-pair", "trade_off": curve}, "down": {"pair": "p", "trade_off": {}}}}
     recipe_report.plot_trade_off(payload, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("name", ["hybrid@24", "refresh@48/p8", "refresh@40/p8", "index@48/p8", "index@40/p8"])
+def test_a_named_recipe_in_the_library_is_the_benchmarks_variant(example_run, sibling_map, name):
+    """What `from_source` runs for a recipe name is what the recipes benchmark measured under that name."""
+    ids = example_run.example.ids
+    policy = Refresh.named(name)
+    cache = MappedCache.from_source(example_run.source_kv, sibling_map, example_run.target, input_ids=ids[None, :CONTEXT],
+                                    refresh_tokens=name, verify_models=False)
+    kept = cache.get_seq_length()
+    assert kept == (CONTEXT if policy.mapped_middle else sibling_map.config.sink_tokens + policy.compute - PROBE)
+    assert int(cache.next_positions[0]) == CONTEXT
+    if policy.tokens:  # picked past the sink, before the recent window
+        picked = cache.refresh.positions
+        assert picked.numel() == policy.tokens and int(picked.min()) >= sibling_map.config.sink_tokens
+        assert int(picked.max()) < CONTEXT - PROBE - policy.recent_tokens
+    cache.truncate(kept - 1)  # the last context token's logits predict the first label: run it again
+    library = cached_logits(example_run.target, cache, ids, CONTEXT, 1)
+    kind, rest = name.split("@")
+    budget, _, picked = rest.partition("/p")
+    benchmark = example_run.logits(Variant(kind, int(budget), int(picked or 0)))
+    assert torch.allclose(library, benchmark, atol=1e-4)
+
+
+def test_recipe_names_are_checked_and_name_what_they_compute():
+    assert Refresh.named("refresh@64/p32") == Refresh(32)  # the published recipe's form
+    for name in ("hybrid@160", "refresh@160/p20", "index@160/p20"):
+        assert Refresh.named(name).name == name and Refresh.named(name).compute == 160
+    for bad in ("index@160", "hybrid@16", "window@160", "refresh@40/p20", "refresh@x/p1"):
+        with pytest.raises(RecordError, match="recipe"):
+            Refresh.named(bad)
+
+
+def test_positions_are_picked_before_the_recent_window_even_where_attention_peaks_inside_it(
+        example_run, sibling_map, monkeypatch):
+    from peft_kvcache.runtime import refresh
+
+    policy = Refresh.named("refresh@56/p8")  # a recent window of 16 before the probe: positions 24..39
+    window_start = CONTEXT - PROBE - policy.recent_tokens
+
+    def peaked(target, cache, probe_ids, offset=0):
+        scores = torch.zeros(cache.get_seq_length())
+        scores[window_start:] = 1.0  # the probe attends only to its recent window
+        scores[8:16] = 0.5
+        return scores
+
+    monkeypatch.setattr(refresh, "attention_scores", peaked)
+    ids = example_run.example.ids
+    cache = MappedCache.from_source(example_run.source_kv, sibling_map, example_run.target, input_ids=ids[None, :CONTEXT],
+                                    refresh_tokens=policy, verify_models=False)
+    picked = cache.refresh.positions
+    assert picked.numel() == 8 and int(picked.max()) < window_start and len(set(picked.tolist()) & set(range(8, 16))) >= 4

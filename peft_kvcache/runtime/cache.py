@@ -247,7 +247,7 @@ class MappedCache(ContextCache):
         *,
         attention_mask: torch.Tensor | None = None,
         position_offset: int = 0,
-        refresh_tokens: int | Refresh | None = None,
+        refresh_tokens: int | str | Refresh | None = None,
         verify_models: bool = True,
     ) -> "MappedCache":
         """Map a context into the target's KV space; the target computes the attention sink itself.
@@ -263,7 +263,8 @@ class MappedCache(ContextCache):
             position_offset: place the mapped context this many positions later (e.g. after a prefix).
             refresh_tokens: the refresh (`peft_kvcache.runtime.refresh`): ``None`` applies the map's recommended one
                 (``kv_map.config.refresh``, if any), ``0`` none, ``K`` recomputes K context positions with the
-                recommended (or default) probe, a `Refresh` sets everything. It needs ``input_ids`` and one
+                recommended (or default) probe, a recipe name (``"hybrid@160"``, ``"refresh@160/p20"``,
+                ``"index@160/p20"``: `Refresh.named`) or a `Refresh` sets everything. It needs ``input_ids`` and one
                 unpadded conversation.
             verify_models: check the models' fingerprints against the map (cheap; memoized per model).
 
@@ -323,13 +324,20 @@ class MappedCache(ContextCache):
         return cache
 
 
-def _refresh_policy(kv_map: KVMap, refresh_tokens: int | Refresh | None) -> Refresh | None:
-    """The refresh to run: the map's recommendation, none, a budget with the recommended probe, or as given."""
+def _refresh_policy(kv_map: KVMap, refresh_tokens: int | str | Refresh | None) -> Refresh | None:
+    """The refresh to run: the map's recommendation, none, a budget with the recommended probe, a named recipe, or
+    as given."""
     recommended = kv_map.config.refresh
     if refresh_tokens is None:
-        return recommended if recommended is not None and recommended.tokens > 0 else None
+        return recommended if recommended is not None and recommended.active else None
     if isinstance(refresh_tokens, Refresh):
         policy = refresh_tokens
+    elif isinstance(refresh_tokens, str):
+        try:
+            policy = Refresh.named(refresh_tokens, **({} if recommended is None else {
+                "probe_tokens": recommended.probe_tokens, "span": recommended.span}))
+        except RecordError as err:
+            raise CacheMismatchError(f"refresh_tokens: {err}") from None
     elif isinstance(refresh_tokens, int) and not isinstance(refresh_tokens, bool):
         try:
             policy = Refresh(tokens=refresh_tokens, **({} if recommended is None else {
@@ -337,8 +345,9 @@ def _refresh_policy(kv_map: KVMap, refresh_tokens: int | Refresh | None) -> Refr
         except RecordError as err:
             raise CacheMismatchError(f"refresh_tokens: {err}") from None
     else:
-        raise CacheMismatchError(f"refresh_tokens must be None, an integer or a Refresh, got {refresh_tokens!r}")
-    return policy if policy.tokens > 0 else None
+        raise CacheMismatchError(f"refresh_tokens must be None, an integer, a recipe name or a Refresh, got "
+                                 f"{refresh_tokens!r}")
+    return policy if policy.active else None
 
 
 def _checked_mask(attention_mask, input_ids: torch.Tensor | None) -> torch.Tensor | None:

@@ -8,8 +8,10 @@ tokens, in short spans, are then recomputed with the target's own weights — ea
 cache before it and to the refreshed tokens before it, at its true position — and their keys/values
 replace the mapped ones; the probe tokens are recomputed on top in the same pass.
 
-Cost: ``2 * probe + budget`` target tokens over the context (vs the whole context for prefill), in two
-passes over the target's weights (the probe, then refresh + probe again). With every context position
+Cost: ``2 * probe + budget`` target tokens over the context (plus a recent window, if any; vs the whole context
+for prefill), in two passes over the target's weights (the probe, then refresh + probe again). Two other recipes
+share the machinery (`Refresh`): the last tokens computed over the mapped prefix with no probe pass (``hybrid``),
+and the picked positions kept without the mapped context around them (``index``: the map only chooses). With every context position
 refreshed the result is exactly the target's own prefill (a test checks this). The probe pass runs with
 eager attention (transformers returns attention weights only from it).
 
@@ -28,7 +30,7 @@ import torch
 from ..errors import CacheMismatchError
 from ..maps.config import Refresh
 from ..modeling._compat import attention_implementation
-from ..modeling.capture import forward
+from ..modeling.capture import forward, run_with_cache
 
 if TYPE_CHECKING:  # for annotations only: the cache module runs the refresh
     from .cache import MappedCache
@@ -133,12 +135,14 @@ def refresh_positions(target_model, cache: "MappedCache", context_ids: torch.Ten
 def refresh_cache(target_model, cache: "MappedCache", input_ids: torch.Tensor, policy: Refresh, sink_tokens: int = 1,
                   position_offset: int = 0) -> RefreshResult:
     """The whole refresh on a cache holding ``input_ids`` ``[1, n]`` (batch 1, unpadded): the last
-    ``policy.probe_tokens`` are the probe; the ``policy.tokens`` context positions (spans, past the sink) its last
-    token attends to most are recomputed by the target, and the probe tokens on top in the same pass, so the
-    cache ends holding all ``n`` tokens.
+    ``policy.probe_tokens`` are the probe; the ``policy.tokens`` context positions (spans, past the sink, before the
+    recent window) its last token attends to most are recomputed by the target, with the ``policy.recent_tokens``
+    before the probe and the probe tokens on top, in the same pass, so the cache ends holding all ``n`` tokens; with
+    ``policy.mapped_middle`` False the cache ends holding only the sink and what the target computed (at their true
+    positions). With ``policy.tokens`` 0 no probe pass runs: the last tokens are computed over the mapped prefix.
 
-    A probe longer than the context allows is shortened; a budget larger than the positions left is clamped to
-    them with a warning (the target then computes the whole context: ordinary prefill).
+    A probe longer than the context allows is shortened; a recent window or a budget larger than the positions left
+    is clamped to them, the budget with a warning (the target then computes the whole context: ordinary prefill).
 
     Example:
         >>> result = refresh_cache(target, cache, context_ids, Refresh(tokens=32))   # doctest: +SKIP
@@ -152,20 +156,43 @@ def refresh_cache(target_model, cache: "MappedCache", input_ids: torch.Tensor, p
     if probe < 1:  # no context beyond the sink to refresh
         return RefreshResult(torch.empty(0, dtype=torch.long), 0, 0)
     start = length - probe
-    available = start - sink_tokens
+    window_start = start - min(policy.recent_tokens, start - sink_tokens)
+    no_positions = torch.empty(0, dtype=torch.long)
+    if policy.tokens == 0:  # nothing to pick: the recent window and the probe over the mapped prefix
+        with cache.restored_on_error():
+            cache.truncate(window_start)
+            refresh_positions(target_model, cache, input_ids[:, :window_start], no_positions, position_offset,
+                              append_ids=input_ids[:, window_start:])
+        return RefreshResult(no_positions, probe, 0)
+    available = window_start - sink_tokens
     budget = policy.tokens
     if budget > available:
-        logger.warning("refresh budget %d is larger than the %d context positions left after the sink and the "
-                       "%d-token probe: clamped to %d (the target computes the whole context, as a prefill would)",
-                       budget, available, probe, available)
+        logger.warning("refresh budget %d is larger than the %d context positions left after the sink, the recent "
+                       "window and the %d-token probe: clamped to %d (the target computes the whole context, as a "
+                       "prefill would)", budget, available, probe, available)
         budget = available
     with cache.restored_on_error():
         cache.truncate(start)
         scores = attention_scores(target_model, cache, input_ids[:, start:], position_offset)
-        positions = select_spans(scores, budget, policy.span, first=sink_tokens)
-        refresh_positions(target_model, cache, input_ids[:, :start], positions, position_offset,
-                          append_ids=input_ids[:, start:])
+        positions = select_spans(scores[:window_start], budget, policy.span, first=sink_tokens)
+        if policy.mapped_middle:
+            recomputed = torch.cat([positions, torch.arange(window_start, start)])
+            refresh_positions(target_model, cache, input_ids[:, :start], recomputed, position_offset,
+                              append_ids=input_ids[:, start:])
+        else:
+            _keep_only(target_model, cache, input_ids, torch.cat([torch.arange(sink_tokens), positions,
+                                                                  torch.arange(window_start, length)]),
+                       position_offset)
     return RefreshResult(positions, probe, budget)
+
+
+def _keep_only(target_model, cache: "MappedCache", input_ids: torch.Tensor, kept: torch.Tensor,
+               position_offset: int) -> None:
+    """Replace the cache by the target's own KV of the context positions ``kept`` (sorted), computed in one pass
+    at their true positions: the mapped context is dropped, the map only chose what to keep."""
+    own = run_with_cache(target_model, input_ids[:, kept], position_ids=(kept + position_offset)[None])
+    for layer, keys, values in zip(cache.layers, own.keys, own.values):
+        layer.keys, layer.values = keys.to(layer.keys.dtype), values.to(layer.values.dtype)
 
 
 __all__ = ["RefreshResult", "attention_scores", "refresh_cache", "refresh_positions", "select_spans"]
