@@ -98,6 +98,14 @@ def summary(scores: Scores, variant: str, control: str | None) -> dict:
     return out
 
 
+def recipe_budget(records: list[dict], direction: str) -> int:
+    """The direction's recipe budget: the one most of its published-map refresh variants run at (0 without any)."""
+    budgets = [r["budget"] for r in {(r["variant"], r["budget"]): r for r in records
+                                     if r["direction"] == direction and r["variant"].startswith("refresh@")
+                                     and r["maps"] == "published"}.values()]
+    return max(set(budgets), key=budgets.count) if budgets else 0
+
+
 def control_of(variant: str, compute: int) -> str | None:
     """The window-only control at the variant's target compute (none for the references and the controls)."""
     if variant in ("full", "no_context") or variant.startswith("window@") or compute < 2:
@@ -194,8 +202,7 @@ def report(role: str, context: int) -> dict:
         tasks = group(records, direction)
         if "continuation" not in tasks:
             continue
-        budgets = [meta[v]["budget"] for v in meta if v.startswith("refresh@") and meta[v]["maps"] == "published"]
-        budget = max(set(budgets), key=budgets.count) if budgets else 0  # the direction's recipe budget
+        budget = recipe_budget(records, direction)
         rows: dict[str, dict] = {}
         for task, scores in tasks.items():
             for variant in scores.accuracy:

@@ -202,3 +202,15 @@ def test_positions_are_picked_before_the_recent_window_even_where_attention_peak
                                     refresh_tokens=policy, verify_models=False)
     picked = cache.refresh.positions
     assert picked.numel() == 8 and int(picked.max()) < window_start and len(set(picked.tolist()) & set(range(8, 16))) >= 4
+
+
+def test_each_direction_has_its_own_recipe_budget():
+    def record(direction, variant, budget):
+        return {"direction": direction, "variant": variant, "budget": budget, "maps": "published"}
+
+    records = [record("up", f"refresh@160/p{p}", 160) for p in (20, 40, 80)] + [record("up", "refresh@80/p20", 80)]
+    records += [record("down", f"refresh@64/p{p}", 64) for p in (8, 16)] + [record("down", "refresh@128/p32", 128)]
+    records += [record("down", "refresh@64/p8", 64)] * 5  # one variant measured on many examples counts once
+    assert recipe_report.recipe_budget(records, "up") == 160
+    assert recipe_report.recipe_budget(records, "down") == 64
+    assert recipe_report.recipe_budget(records, "sideways") == 0
