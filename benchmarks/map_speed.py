@@ -43,20 +43,25 @@ def published_maps() -> list[Path]:
     return sorted(p for p in (ROOT / "hub_cards").iterdir() if (p / "config.json").is_file())
 
 
-def speed(folder: Path, tokens: int, repeats: int) -> dict:
-    """The mapping alone of ``tokens`` positions, float32 and bfloat16 matmuls (the target in float32)."""
-    kv_map = KVMap.from_pretrained(folder)
+def random_inputs(kv_map: KVMap, tokens: int) -> tuple:
+    """``map_cache``'s inputs for timing ``kv_map`` on ``tokens`` positions: random source keys and values of its
+    shape (seed 0; the time does not depend on their values), the positions, float32 CPU placements."""
     source, target = kv_map.config.source_layout, kv_map.config.target_layout
     generator = torch.Generator().manual_seed(0)
     shape = (1, source.kv_heads, tokens, source.head_dim)
     keys = [torch.randn(shape, generator=generator) for _ in range(source.num_layers)]
     values = [torch.randn(shape, generator=generator) for _ in range(source.num_layers)]
     positions = torch.arange(tokens)[None]
-    placements = [(torch.device("cpu"), torch.float32)] * target.num_layers
+    return keys, values, positions, positions, [(torch.device("cpu"), torch.float32)] * target.num_layers
+
+
+def speed(folder: Path, tokens: int, repeats: int) -> dict:
+    """The mapping alone of ``tokens`` positions, float32 and bfloat16 matmuls (the target in float32)."""
+    kv_map = KVMap.from_pretrained(folder)
+    inputs = random_inputs(kv_map, tokens)
     row = {"map": folder.name, "tokens": tokens}
     for name, dtype in DTYPES.items():
-        row[name] = timed(lambda d=dtype: map_cache(kv_map, keys, values, positions, positions, placements, d),
-                          repeats)
+        row[name] = timed(lambda d=dtype: map_cache(kv_map, *inputs, d), repeats)
     row["speedup"] = row["float32"]["median"] / row["bfloat16"]["median"]
     return row
 

@@ -35,6 +35,7 @@ from peft_kvcache.maps.apply import default_compute_dtype, map_cache
 from peft_kvcache.modeling.fixtures import load_model
 
 from . import adapters
+from .map_speed import random_inputs
 from .common import ADAPTERS, RESULTS, SMOLLM, bootstrap_mean, start_run, table, timed
 
 CONTEXT, CONTINUATION = 512, 64  # the adapter maps' published retention (scripts/publish.py)
@@ -83,17 +84,11 @@ def speed(fitted: dict[int, AdapterMaps], tokens: int, repeats: int) -> list[dic
     """The mapping alone of ``tokens`` positions through base -> the first adapter's map at every rank, the ranks
     interleaved within each round (so that a slow spell of the machine falls on all of them)."""
     maps = {rank: m.to_adapter[ADAPTERS[0]] for rank, m in fitted.items()}
-    layout = maps[0].config.source_layout
-    generator = torch.Generator().manual_seed(0)
-    shape = (1, layout.kv_heads, tokens, layout.head_dim)
-    keys = [torch.randn(shape, generator=generator) for _ in range(layout.num_layers)]
-    values = [torch.randn(shape, generator=generator) for _ in range(layout.num_layers)]
-    positions = torch.arange(tokens)[None]
-    placements = [(torch.device("cpu"), torch.float32)] * layout.num_layers
+    inputs = random_inputs(maps[0], tokens)  # every rank's map has the dense map's shapes
     runs: dict[int, list[float]] = {rank: [] for rank in maps}
     for round_ in range(repeats + 1):  # the first round warms up
         for rank, kv_map in maps.items():
-            seconds = timed(lambda m=kv_map: map_cache(m, keys, values, positions, positions, placements), 1, 0)
+            seconds = timed(lambda m=kv_map: map_cache(m, *inputs), 1, 0)
             if round_:
                 runs[rank] += seconds["runs"]
     return [{"rank": rank, "tokens": tokens, "multiply_adds_per_token": kv_map.multiply_adds_per_token,
