@@ -12,7 +12,7 @@ from benchmarks import recipe_report, recipes
 from benchmarks.recipes import PROBE, Example, ExampleRun, Variant, full_pass
 from peft_kvcache import MappedCache
 from peft_kvcache.calibration.retention import cached_logits, window_logits
-from peft_kvcache.errors import RecordError
+from peft_kvcache.errors import CacheMismatchError, RecordError
 from peft_kvcache.maps.config import Refresh
 
 CONTEXT, CONTINUATION = 56, 8
@@ -159,18 +159,24 @@ def test_a_named_recipe_in_the_library_is_the_benchmarks_variant(example_run, si
     policy = Refresh.named(name)
     cache = MappedCache.from_source(example_run.source_kv, sibling_map, example_run.target, input_ids=ids[None, :CONTEXT],
                                     refresh_tokens=name, verify_models=False)
-    kept = cache.get_seq_length()
-    assert kept == (CONTEXT if policy.mapped_middle else sibling_map.config.sink_tokens + policy.compute - PROBE)
-    assert int(cache.next_positions[0]) == CONTEXT
+    held = cache.layers[0].keys.shape[2]
+    assert held == (CONTEXT if policy.mapped_middle else sibling_map.config.sink_tokens + policy.compute - PROBE)
+    assert cache.get_seq_length() == int(cache.next_positions[0]) == CONTEXT  # the context it stands for
+    assert cache.dropped_positions == CONTEXT - held
     if policy.tokens:  # picked past the sink, before the recent window
         picked = cache.refresh.positions
         assert picked.numel() == policy.tokens and int(picked.min()) >= sibling_map.config.sink_tokens
         assert int(picked.max()) < CONTEXT - PROBE - policy.recent_tokens
-    cache.truncate(kept - 1)  # the last context token's logits predict the first label: run it again
-    library = cached_logits(example_run.target, cache, ids, CONTEXT, 1)
     kind, rest = name.split("@")
     budget, _, picked = rest.partition("/p")
     benchmark = example_run.logits(Variant(kind, int(budget), int(picked or 0)))
+    # generate() slices the prompt and numbers new positions by the cache's length, whatever the cache holds
+    out = example_run.target.generate(ids[None, :CONTEXT + 1], cache=cache.copy(), max_new_tokens=1,
+                                      do_sample=False, output_scores=True, return_dict_in_generate=True)
+    assert torch.allclose(out.scores[0][0], benchmark[1], atol=1e-4)
+    cache.truncate(CONTEXT - 1)  # the last context token's logits predict the first label: run it again
+    with torch.no_grad():  # no positions nor mask given: the model takes both from the cache, over 8 new tokens
+        library = example_run.target(input_ids=ids[None, CONTEXT - 1:-1], cache=cache).logits[0]
     assert torch.allclose(library, benchmark, atol=1e-4)
 
 
@@ -214,3 +220,22 @@ def test_each_direction_has_its_own_recipe_budget():
     assert recipe_report.recipe_budget(records, "up") == 160
     assert recipe_report.recipe_budget(records, "down") == 64
     assert recipe_report.recipe_budget(records, "sideways") == 0
+
+
+def test_a_cache_holding_part_of_its_context_refuses_what_would_read_it_whole(example_run, sibling_map):
+    ids = example_run.example.ids[None, :CONTEXT]
+    cache = MappedCache.from_source(example_run.source_kv, sibling_map, example_run.target, input_ids=ids,
+                                    refresh_tokens="index@48/p8", verify_models=False)
+    with pytest.raises(CacheMismatchError, match="index recipe"):
+        cache.captured()  # its KV is not the context's: never stored nor mapped again
+    with pytest.raises(CacheMismatchError, match="cannot be cut"):
+        cache.truncate(sibling_map.config.sink_tokens + 1)  # inside what it dropped
+    with pytest.raises(CacheMismatchError, match="assisted decoding"):
+        cache.activate_past_recording()
+    whole = MappedCache.from_source(example_run.source_kv, sibling_map, example_run.target, input_ids=ids,
+                                    refresh_tokens=0, verify_models=False)
+    snapshot = whole.snapshot()
+    whole.hold_only(torch.arange(8, CONTEXT), [(layer.keys[:, :, 8:], layer.values[:, :, 8:]) for layer in whole.layers])
+    assert (whole.dropped_positions, whole.get_seq_length()) == (8, CONTEXT)
+    whole.restore(snapshot)  # a refresh that fails after dropping puts the whole context back
+    assert (whole.dropped_positions, whole.layers[0].keys.shape[2]) == (0, CONTEXT)

@@ -46,6 +46,10 @@ def cache_states(cache: Cache | Sequence) -> CapturedKV:
         return CapturedKV([k for k, _ in cache], [v for _, v in cache])
     if not isinstance(cache, Cache):
         raise CacheMismatchError(f"expected a transformers Cache, got {type(cache).__name__}")
+    if getattr(cache, "dropped_positions", 0):
+        raise CacheMismatchError("the cache holds only some positions of its context (an index recipe): its KV is not "
+                                 "the context's and cannot be mapped or stored; use a recipe that keeps the mapped "
+                                 "middle (refresh@B/pP, hybrid@B)")
     keys, values = [], []
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, DynamicSlidingWindowLayer) or getattr(layer, "is_sliding", False):

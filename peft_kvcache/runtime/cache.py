@@ -36,6 +36,8 @@ class CacheSnapshot:
     layers: tuple[tuple[Any, torch.Tensor | None, torch.Tensor | None], ...]
     shift: torch.Tensor | None
     continuation_checked: bool
+    dropped: int = 0
+    held_from: int = 0
 
 
 class ContextCache(DynamicCache):
@@ -49,6 +51,10 @@ class ContextCache(DynamicCache):
 
     It owns the operations the library runs on a cache: `truncate`, `copy`, `snapshot` / `restore` (put it back
     exactly as it was after a failure), and the refresh (`peft_kvcache.runtime.refresh`) runs on it.
+
+    A cache may hold only some of its context's positions (`hold_only`: an ``index@B/pP`` recipe keeps the sink, the
+    picked positions and a recent tail): ``get_seq_length()`` is then the context's length (what generate() slices
+    the prompt by and numbers new positions from) and ``dropped_positions`` how many of them it does not hold.
     """
 
     def __init__(self, layers_kv: CapturedKV | Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
@@ -60,6 +66,8 @@ class ContextCache(DynamicCache):
         self._shift: torch.Tensor | None = None  # [batch] next position minus the cached length
         self._continuation_checked = True
         self._refeed = False  # assisted decoding's first pass runs the whole prompt again (activate_past_recording)
+        self._dropped = 0  # context positions not held (hold_only)
+        self._held_from = 0  # every context position from here on is held, in order
         if next_positions is not None:
             self.next_positions = next_positions
 
@@ -79,10 +87,40 @@ class ContextCache(DynamicCache):
         self._shift = torch.as_tensor(positions).reshape(-1).cpu() - self.get_seq_length()
         self._continuation_checked = False
 
+    # ----- a context held in part -----
+
+    @property
+    def dropped_positions(self) -> int:
+        """How many positions of the context the cache stands for it does not hold (0: it holds them all)."""
+        return self._dropped
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The length of the context the cache stands for: the positions it holds plus those it dropped."""
+        held = super().get_seq_length(layer_idx)
+        return held + self._dropped if held else held
+
+    def hold_only(self, positions: torch.Tensor, layers_kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Hold only the context positions ``positions`` (sorted, ending at the context's last position), whose keys
+        and values per layer are ``layers_kv``: the attention reads these alone, new tokens are numbered after the
+        whole context."""
+        positions = positions.reshape(-1).cpu()
+        length = int(positions[-1]) + 1
+        gaps = torch.nonzero(positions.diff() != 1).reshape(-1)
+        for layer, (keys, values) in zip(self.layers, layers_kv, strict=True):
+            layer.keys, layer.values = keys.to(layer.keys.dtype), values.to(layer.values.dtype)
+        self._dropped = length - positions.numel()
+        self._held_from = int(positions[int(gaps[-1]) + 1]) if gaps.numel() else 0
+
     # ----- operations -----
 
     def truncate(self, length: int) -> None:
-        """Keep the first ``length`` positions of every layer; ``next_positions`` moves back with them."""
+        """Keep the first ``length`` positions of every layer; ``next_positions`` moves back with them. A cache that
+        holds its context in part is cut only inside the tail it holds in full."""
+        if self._dropped:
+            if length < self._held_from:
+                raise CacheMismatchError(f"this cache holds only some positions before {self._held_from} (an index "
+                                         f"recipe): it cannot be cut to {length} tokens")
+            length -= self._dropped
         for layer in self.layers:
             layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
 
@@ -90,12 +128,13 @@ class ContextCache(DynamicCache):
         """A cache holding the same tensors and positions; extending either never changes the other."""
         twin = type(self)([(layer.keys, layer.values) for layer in self.layers], kv_map=self.kv_map)
         twin._shift, twin._continuation_checked, twin.refresh = self._shift, self._continuation_checked, self.refresh
+        twin._dropped, twin._held_from = self._dropped, self._held_from
         return twin
 
     def snapshot(self) -> CacheSnapshot:
         """The cache's state now, for `restore` (no tensor is copied)."""
         return CacheSnapshot(tuple((layer, layer.keys, layer.values) for layer in self.layers), self._shift,
-                             self._continuation_checked)
+                             self._continuation_checked, self._dropped, self._held_from)
 
     def restore(self, snapshot: CacheSnapshot) -> None:
         """Put the cache back exactly as it was at ``snapshot`` (layers a failed pass added are dropped)."""
@@ -103,6 +142,7 @@ class ContextCache(DynamicCache):
         for layer, keys, values in snapshot.layers:
             layer.keys, layer.values = keys, values
         self._shift, self._continuation_checked = snapshot.shift, snapshot.continuation_checked
+        self._dropped, self._held_from = snapshot.dropped, snapshot.held_from
         self._refeed = False
 
     @contextmanager
@@ -131,7 +171,9 @@ class ContextCache(DynamicCache):
         if not self._continuation_checked and isinstance(query_length, int) and query_length == 0:
             # generate() sliced away every token: the prompt is not longer than the cache
             raise CacheMismatchError(self._nothing_beyond())
-        return super().get_mask_sizes(query_length, *args, **kwargs)
+        kv_length, kv_offset = super().get_mask_sizes(query_length, *args, **kwargs)
+        # held positions count from the dropped ones on: each held one is before every new token, new ones stay causal
+        return kv_length, kv_offset + self._dropped
 
     def _nothing_beyond(self) -> str:
         return (f"generate() was given no token beyond the {self.get_seq_length()} the cache holds: pass the whole "
@@ -145,6 +187,10 @@ class ContextCache(DynamicCache):
         position 0 through the model once, whatever the cache holds (transformers 5.24 gives wrong output on a
         pre-filled `DynamicCache` there). This cache takes that pass as a re-feed: the tokens it already holds keep
         their cached keys and values at every layer (a mapped context stays mapped), the rest are appended."""
+        if self._dropped:
+            raise CacheMismatchError("assisted decoding runs the prompt from position 0 on the cache: a cache holding "
+                                     "only some context positions (an index recipe) cannot take it; map with a "
+                                     "recipe that keeps the mapped middle")
         super().activate_past_recording()
         if self.get_seq_length() and not self._continuation_checked:
             if self._shift is not None and bool((self._shift != 0).any()):

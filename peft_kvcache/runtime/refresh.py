@@ -191,8 +191,7 @@ def _keep_only(target_model, cache: "MappedCache", input_ids: torch.Tensor, kept
     """Replace the cache by the target's own KV of the context positions ``kept`` (sorted), computed in one pass
     at their true positions: the mapped context is dropped, the map only chose what to keep."""
     own = run_with_cache(target_model, input_ids[:, kept], position_ids=(kept + position_offset)[None])
-    for layer, keys, values in zip(cache.layers, own.keys, own.values):
-        layer.keys, layer.values = keys.to(layer.keys.dtype), values.to(layer.values.dtype)
+    cache.hold_only(kept, own.pairs())
 
 
 __all__ = ["RefreshResult", "attention_scores", "refresh_cache", "refresh_positions", "select_spans"]
