@@ -19,7 +19,11 @@ the last ``B - 16 - P`` tokens (the probe included) exactly: ``refresh@B/p(B-32)
     python -m benchmarks.recipes run --maps hub_cards --role selection --context 2048
     python -m benchmarks.recipes report --role selection --context 2048
 
-Selection texts choose the default recipes; final texts report them (`benchmarks.siblings.ROLES`).
+Selection texts choose the default recipes (the full grid of variants); final texts report them
+(`benchmarks.siblings.ROLES`): there a run measures the controls, the hybrid, today's refresh and the default the
+selection report chose per direction (`chosen_defaults`), with the oracle swaps:
+
+    python -m benchmarks.recipes run --maps hub_cards --role final --context 2048
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ from tqdm.auto import tqdm
 
 from peft_kvcache import KVMap, MappedCache
 from peft_kvcache.calibration.retention import cached_logits, token_kl, window_logits
+from peft_kvcache.errors import RecordError
 from peft_kvcache.lab.corpus import prose_texts, stdlib_texts, token_ids
 from peft_kvcache.lab.provenance import code_state, provenance
+from peft_kvcache.maps.recipe import Refresh
 from peft_kvcache.modeling._compat import output_cache
 from peft_kvcache.modeling.capture import CapturedKV, cache_states, forward
 from peft_kvcache.runtime.refresh import attention_scores, refresh_positions, select_spans
@@ -50,6 +56,7 @@ from .tasks import ANSWER_TOKENS, DEPTHS, recall_examples
 RECORDS = RESULTS / "sibling-recipes"
 PROBE, SPAN = 16, 8
 CONTINUATION = 128  # scored continuation tokens per window
+SELECTION_CONTEXT = 2048  # the context the selection texts choose the defaults at (the final texts report 2k and 4k)
 
 
 # ----- variants -----
@@ -78,6 +85,13 @@ class Variant:
         return base if self.maps == "published" or self.kind in ("full", "no_context", "window") else \
             f"{self.maps}:{base}"
 
+    @classmethod
+    def recipe(cls, name: str) -> "Variant":
+        """The variant of a library recipe name (``hybrid@B``, ``refresh@B/pP``, ``index@B/pP``: `Refresh.named`)."""
+        policy = Refresh.named(name, PROBE, SPAN)
+        kind = "hybrid" if not policy.tokens else "refresh" if policy.mapped_middle else "index"
+        return cls(kind, policy.compute, policy.tokens)
+
     @property
     def compute(self) -> int:
         """Context tokens the target computes (the sink aside)."""
@@ -93,17 +107,23 @@ class Variant:
         return self.budget - PROBE - self.picked
 
 
-def variants_for(budget: int, levers: tuple[str, ...] = ()) -> list[Variant]:
-    """The standing variants at a direction's budget B (its published recipe's ``2 * probe + tokens``): controls,
-    the trade-off between a recent window and picked positions at B (middle mapped and dropped), the curve as the
-    budget grows (B/2, 2B), the oracle swaps; then each lever's map set on the recipes that use a map."""
+def variants_for(budget: int, levers: tuple[str, ...] = (), chosen: str | None = None) -> list[Variant]:
+    """The standing variants at a direction's budget B (its published recipe's target compute): controls, the
+    oracle swaps, and on selection texts the trade-off between a recent window and picked positions at B (middle
+    mapped and dropped) and the curve as the budget grows (B/2, 2B); on final texts (``chosen``: the default the
+    selection texts chose) only what reports it: the hybrid, today's refresh and the chosen default at B. Then each
+    lever's map set on the recipes that use a map."""
     out = [Variant("full"), Variant("no_context"), Variant("plain")]
-    picks = sorted({0, budget // 8, budget // 4, budget // 2, budget - 2 * PROBE} - {0})
-    for b in (budget, budget // 2, 2 * budget):
-        out += [Variant("window", b), Variant("hybrid", b)]
-        for p in (picks if b == budget else [b // 4, b - 2 * PROBE]):
-            if 0 < p <= b - 2 * PROBE:  # the probe's 16 tokens are the least a recent window holds
-                out += [Variant("refresh", b, p), Variant("index", b, p)]
+    if chosen is not None:
+        out += [Variant("window", budget), Variant("hybrid", budget), Variant("refresh", budget, budget - 2 * PROBE),
+                Variant.recipe(chosen)]
+    else:
+        picks = sorted({0, budget // 8, budget // 4, budget // 2, budget - 2 * PROBE} - {0})
+        for b in (budget, budget // 2, 2 * budget):
+            out += [Variant("window", b), Variant("hybrid", b)]
+            for p in (picks if b == budget else [b // 4, b - 2 * PROBE]):
+                if 0 < p <= b - 2 * PROBE:  # the probe's 16 tokens are the least a recent window holds
+                    out += [Variant("refresh", b, p), Variant("index", b, p)]
     out += [Variant("hybrid", budget, oracle="keys"), Variant("hybrid", budget, oracle="values")]
     for label in levers:
         out += [Variant("plain", maps=label), Variant("hybrid", budget, maps=label),
@@ -249,6 +269,17 @@ def map_fingerprint(folder: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def chosen_defaults(context: int = SELECTION_CONTEXT) -> dict[str, str]:
+    """The default recipe the selection texts chose per direction (``benchmarks.recipe_report``'s choice at
+    ``context``); a direction where none qualified is absent. Refuses (`RecordError`) when no report exists."""
+    path = RESULTS / f"sibling-recipes-selection-{context}.json"
+    if not path.is_file():
+        raise RecordError(f"no {path.name}: the final texts report the defaults the selection texts chose; run "
+                          f"`python -m benchmarks.recipes report --role selection --context {context}` first")
+    directions = json.loads(path.read_text())["directions"]
+    return {d: row["choice"]["default"] for d, row in directions.items() if (row.get("choice") or {}).get("default")}
+
+
 def records_path(role: str, context: int) -> Path:
     return RECORDS / f"{role}-{context}.jsonl"
 
@@ -306,10 +337,10 @@ def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str
     maps = {d: {label: KVMap.from_pretrained(folders[d]) for label, folders in map_sets.items()} for d in directions}
     prints = {d: {label: map_fingerprint(folders[d]) for label, folders in map_sets.items()} for d in directions}
     levers = tuple(label for label in map_sets if label != "published")
+    chosen = chosen_defaults() if role == "final" else {}
     plan = {}
     for d in directions:
-        recipe = maps[d]["published"].config.refresh
-        plan[d] = [v for v in variants_for(2 * recipe.probe_tokens + recipe.tokens, levers)
+        plan[d] = [v for v in variants_for(maps[d]["published"].config.refresh.compute, levers, chosen.get(d))
                    if only is None or only in v.name or v.kind in ("full", "no_context")]
     done = {record_key(r["example"], r["direction"], r["variant"], r["map"]) for r in read_records(path)}
     dtype = str(next(models["large"].parameters()).dtype).removeprefix("torch.")

@@ -76,6 +76,21 @@ def test_compute_counts_the_probe_once_and_every_recipe_at_a_budget_spends_it():
     assert "window@160" in names and "hybrid@160+true-keys" in names
 
 
+def test_final_texts_measure_the_chosen_default_beside_its_controls(tmp_path, monkeypatch):
+    for name in ("hybrid@160", "refresh@160/p20", "index@160/p40"):
+        assert Variant.recipe(name).name == name and Variant.recipe(name).compute == 160
+    names = [v.name for v in recipes.variants_for(160, chosen="index@160/p40")]
+    assert names == ["full", "no_context", "plain", "window@160", "hybrid@160", "refresh@160/p128", "index@160/p40",
+                     "hybrid@160+true-keys", "hybrid@160+true-values"]
+    assert len(recipes.variants_for(160)) > 2 * len(names)  # selection texts: the whole grid
+    monkeypatch.setattr(recipes, "RESULTS", tmp_path)
+    with pytest.raises(RecordError, match="selection"):
+        recipes.chosen_defaults()
+    (tmp_path / "sibling-recipes-selection-2048.json").write_text(
+        '{"directions": {"up": {"choice": {"default": "index@160/p40"}}, "down": {"choice": {"default": null}}}}')
+    assert recipes.chosen_defaults() == {"up": "index@160/p40"}  # none qualified going down: nothing to report
+
+
 def test_records_resume_where_a_run_stopped(tmp_path, sibling_pair, sibling_map, monkeypatch):
     source, target = sibling_pair
     monkeypatch.setattr(sibling_map.config, "refresh", Refresh(8, PROBE, 8))
@@ -85,7 +100,7 @@ def test_records_resume_where_a_run_stopped(tmp_path, sibling_pair, sibling_map,
     items = [Example(f"continuation/{i}.py@0", f"{i}.py", "continuation", x, CONTINUATION) for i, x in enumerate(ids)]
     monkeypatch.setattr(recipes, "examples", lambda *args: items)
     plan = [Variant("full"), Variant("no_context"), Variant("window", 40), Variant("hybrid", 40)]
-    monkeypatch.setattr(recipes, "variants_for", lambda budget, levers=(): plan)
+    monkeypatch.setattr(recipes, "variants_for", lambda budget, levers=(), chosen=None: plan)
     path = tmp_path / "records.jsonl"
     maps = {"published": {d: tmp_path / "maps" / recipes.siblings.pair_name(d) for d in ("up", "down")}}
     run = lambda: recipes.run({"small": source, "large": target}, None, maps, "selection", CONTEXT, 3, 1, 0,
