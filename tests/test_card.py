@@ -109,9 +109,15 @@ def test_held_out_is_claimed_only_for_disjoint_text():
     assert card.evaluation_text(make_map(quality=QualityRecord()).config) == ""
 
 
-def test_the_recommended_refresh_is_stated(tmp_path):
+def test_the_recommended_recipe_is_stated_by_its_name_and_what_it_computes(tmp_path):
     text = card.recipe_text(make_map(refresh=Refresh(64, 16, 8)).config)
-    assert "recomputes the 64 positions" in text and "refresh_tokens=0" in text
+    assert "`refresh@96/p64`" in text and "recomputes the 64 positions" in text and "refresh_tokens=0" in text
+    assert "dropped" not in text
+    index = card.recipe_text(make_map(refresh=Refresh.named("index@160/p40")).config)
+    assert "`index@160/p40`" in index and "with the last 104 tokens" in index and "dropped" in index
+    hybrid = card.recipe_text(make_map(refresh=Refresh.named("hybrid@64")).config)
+    assert "`hybrid@64`" in hybrid and "computes the last 64 context tokens itself" in hybrid
+    assert "no refresh" in card.recipe_text(make_map(refresh=None).config)
 
 
 def test_the_layer_chart_is_written_and_linked(saved):

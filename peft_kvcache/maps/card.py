@@ -246,11 +246,20 @@ def quality_text(config: KVMapConfig) -> str:
 def recipe_text(config: KVMapConfig) -> str:
     """The card's paragraph on the recommended refresh and the budget curve behind it."""
     r = config.refresh
-    if r is None:
+    if r is None or not r.active:
         return "`MappedCache.from_source` maps the whole context by default (no refresh is recommended for this map)."
-    return (f"By default `MappedCache.from_source` applies this map's recommended refresh: the last {r.probe_tokens} "
-            f"context tokens probe the mapped cache and the target recomputes the {r.tokens} positions they need "
-            f"(spans of {r.span}); pass `refresh_tokens=0` for the plain mapped cache.")
+    computed = r.probe_tokens + r.recent_tokens
+    if not r.tokens:
+        what = f"the target computes the last {computed} context tokens itself, over the mapped prefix"
+    else:
+        what = (f"the last {r.probe_tokens} context tokens probe the mapped cache, and the target recomputes the "
+                f"{r.tokens} positions they attend to most (spans of {r.span}) with the last {computed} tokens")
+        if not r.mapped_middle:
+            what += ("; the rest of the mapped context is then dropped (the map only chose what the target computes), "
+                     "so the cache holds the sink and those positions alone")
+    return (f"By default `MappedCache.from_source` applies this map's recommended recipe, `{r.name}` ({r.compute} "
+            f"context tokens of target compute): {what}. Pass `refresh_tokens=0` for the plain mapped cache, or "
+            "another recipe name.")
 
 
 def summary_text(config: KVMapConfig, folder: Path | None = None) -> str:
