@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from peft_kvcache.lab.provenance import code_state, lookup, provenance
+from peft_kvcache.lab.provenance import code_state, key_of, lookup, provenance
 
 
 def _git(root, *args: str) -> str:
@@ -32,6 +32,9 @@ def test_a_commit_made_while_a_run_goes_on_is_not_claimed_by_its_results(tmp_pat
 def test_lookup_picks_list_entries_by_name():
     data = {"rows": [{"variant": "full", "kl": 0.0}, {"variant": "mapped@1", "kl": 0.3}]}
     assert lookup(data, "rows/variant=mapped@1/kl") == 0.3 and lookup(data, "rows/0/variant") == "full"
+    named = {"rows": [{"variant": "index@160/p40", "kl": 0.2}], "a/b~c": {"x": 1}}  # names holding / and ~
+    assert lookup(named, key_of("rows", "variant=index@160/p40", "kl")) == 0.2
+    assert lookup(named, key_of("a/b~c", "x")) == 1
 
 
 def test_the_command_of_a_module_run_is_recorded_as_typed(tmp_path):

@@ -72,8 +72,8 @@ def provenance(seeds: dict[str, int] | None = None, data: Any = None, cwd: str |
     """The provenance block of a results file, for the current process (the code as `code_state` first saw it).
 
     Example:
-        >>> sorted(provenance())[:3]
-        ['command', 'commit', 'cpu']
+        >>> {"command", "commit", "cpu", "torch_threads", "versions"} <= set(provenance())
+        True
     """
     import torch
 
@@ -115,15 +115,30 @@ def _jsonable(value):
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
+def key_of(*parts: str) -> str:
+    """The `lookup` key of ``parts``, each escaped as in a JSON pointer (``~`` as ``~0``, ``/`` as ``~1``), so a
+    name holding a slash (a recipe such as ``index@160/p40``) is one part.
+
+    Example:
+        >>> key_of("rows", "index@160/p40", "normalized")
+        'rows/index@160~1p40/normalized'
+    """
+    return "/".join(str(part).replace("~", "~0").replace("/", "~1") for part in parts)
+
+
 def lookup(data, key: str):
     """The value at ``key`` in results ``data``: ``/``-separated keys and list indices, where ``name=value`` picks
-    the list entry whose ``name`` is ``value`` (e.g. ``results/continuation/rows/variant=mapped@1/kl``).
+    the list entry whose ``name`` is ``value`` (e.g. ``results/continuation/rows/variant=mapped@1/kl``); a part's
+    ``~1`` and ``~0`` stand for ``/`` and ``~`` (`key_of`).
 
     Example:
         >>> lookup({"rows": [{"variant": "full", "kl": 0.0}, {"variant": "mapped@1", "kl": 0.3}]}, "rows/variant=mapped@1/kl")
         0.3
+        >>> lookup({"rows": {"index@160/p40": 0.7}}, "rows/index@160~1p40")
+        0.7
     """
-    for part in key.split("/"):
+    for escaped in key.split("/"):
+        part = escaped.replace("~1", "/").replace("~0", "~")
         if isinstance(data, list):
             if "=" in part:
                 name, _, wanted = part.partition("=")

@@ -55,7 +55,8 @@ def fingerprint(model: torch.nn.Module) -> str:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
         >>> cfg = LlamaConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
         ...                   intermediate_size=32, vocab_size=16)
-        >>> torch.manual_seed(0); a = LlamaForCausalLM(cfg); torch.manual_seed(1); b = LlamaForCausalLM(cfg)
+        >>> _ = torch.manual_seed(0); a = LlamaForCausalLM(cfg)
+        >>> _ = torch.manual_seed(1); b = LlamaForCausalLM(cfg)
         >>> fingerprint(a) == fingerprint(a.to(torch.bfloat16)), fingerprint(a) == fingerprint(b)
         (True, False)
     """
