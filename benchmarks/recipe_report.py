@@ -18,7 +18,7 @@ import torch
 
 from . import siblings
 from .common import RESULTS, save, table
-from .recipes import read_records, records_path
+from .recipes import chosen_defaults, read_records, records_path
 
 BOOTSTRAP, SEED = 2000, 0
 RECALL_FLOOR = 0.95  # a default keeps at least this normalized far-fact recall
@@ -210,7 +210,9 @@ def report(role: str, context: int) -> dict:
                 rows.setdefault(variant, dict(info))[task] = summary(scores, variant,
                                                                      control_of(variant, info["compute"]))
         choice = choose_default(rows, budget) if role == "selection" else None
-        payload["directions"][direction] = {"budget": budget, "rows": rows, "choice": choice,
+        # the default these texts choose (selection) or report (final: the one the selection texts chose)
+        default = choice["default"] if choice else chosen_defaults().get(direction)
+        payload["directions"][direction] = {"budget": budget, "rows": rows, "choice": choice, "default": default,
                                             "pair": siblings.pair_name(direction), "trade_off": trade_off(rows)}
         order = sorted(rows, key=lambda v: (rows[v]["compute"], v))
         for task in ["continuation", RECALL, *sorted(t for t in tasks if t.startswith("recall-"))]:
@@ -233,6 +235,8 @@ def report(role: str, context: int) -> dict:
             lines += [f"Default earned: **{choice['default']}**" if choice["default"] else
                       "No recipe qualifies (continuation interval not below the control, recall >= "
                       f"{RECALL_FLOOR}).", ""]
+        elif default:
+            lines += [f"Default reported (chosen on the selection texts): **{default}**", ""]
     commits = sorted({r["commit"] for r in records if r.get("commit")})
     stem = f"sibling-recipes-{role}-{context}"
     plot_trade_off(payload, RESULTS / f"{stem}.png")

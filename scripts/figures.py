@@ -3,13 +3,15 @@ benchmarks/results/, cited by file and key (`peft_kvcache.maps.config.Figure`)."
 
 from __future__ import annotations
 
+from benchmarks import siblings
 from benchmarks.adapters import PREFIX, results_stem
-from benchmarks.common import ADAPTERS, ROOT, table
+from benchmarks.recipe_report import RECALL
+from benchmarks.common import ADAPTERS, RESULTS, ROOT, table
 from benchmarks.common import read_results as results
 from benchmarks.tp_shards import markdown as tp_markdown
 from benchmarks.vllm_report import markdown as vllm_markdown
 from peft_kvcache import KVMap
-from peft_kvcache.lab.provenance import lookup
+from peft_kvcache.lab.provenance import key_of, lookup
 from peft_kvcache.maps.adapter_maps import folder_name
 from peft_kvcache.maps.config import Figure, Refresh
 
@@ -38,6 +40,48 @@ def task_figures(stem: str, prefix: str, refresh: Refresh | None) -> dict[str, F
         for variant, label in variants.items():
             for metric in ("normalized_retention", "kl"):
                 figures[f"{task}.{label}.{metric}"] = figure(stem, f"{prefix}/{task}/rows/variant={variant}/{metric}")
+    return figures
+
+
+FINAL_CONTEXTS = (2048, 4096)  # the contexts the final texts report the sibling maps' default recipes at
+
+
+def final_recipe_reports(direction: str) -> dict[int, dict]:
+    """The final-text reports of the sibling recipes (`benchmarks.recipe_report`) that report a default for
+    ``direction``, by context: ``{context: {"stem", "default", "rows"}}``."""
+    out = {}
+    for context in FINAL_CONTEXTS:
+        stem = f"sibling-recipes-final-{context}"
+        if (RESULTS / f"{stem}.json").is_file():
+            report = results(stem)["directions"].get(direction, {})
+            if report.get("default"):
+                out[context] = {"stem": stem, "default": report["default"], "rows": report["rows"]}
+    return out
+
+
+def recipe_figures(direction: str) -> dict[str, Figure]:
+    """The default recipe on the final texts, per context reported: continuation (normalized retention and minus
+    the window-only control at equal target compute, each with its 95% interval), recall pooled and per kind and
+    depth, and the control's continuation and pooled recall."""
+    figures = {}
+    for context, report in final_recipe_reports(direction).items():
+        stem, default, rows = report["stem"], report["default"], report["rows"]
+        control = f"window@{rows[default]['compute']}"
+        at = lambda *parts: figure(stem, key_of("directions", direction, "rows", *parts))  # noqa: E731
+        for task, summary in rows[default].items():
+            if not isinstance(summary, dict) or not summary.get("examples"):
+                continue
+            name = f"final_{context}.{'recall' if task == RECALL else task}"
+            figures[f"{name}.default.normalized"] = at(default, task, "normalized")
+            if task in ("continuation", RECALL):
+                figures[f"{name}.window_control.normalized"] = at(control, task, "normalized")
+            if task == "continuation":
+                for i, end in enumerate(("low", "high")):
+                    figures[f"{name}.default.normalized_{end}"] = at(default, task, "interval", str(i))
+                figures[f"{name}.default.minus_window_control"] = at(default, task, "minus_control")
+                for i, end in enumerate(("low", "high")):
+                    figures[f"{name}.default.minus_window_control_{end}"] = at(default, task, "minus_control_interval",
+                                                                                str(i))
     return figures
 
 
@@ -77,7 +121,12 @@ def readme_table() -> str:
     rows = []
     fmt = lambda r: f"{r['normalized_retention']:.2f} [{r['normalized_low']:.2f}, {r['normalized_high']:.2f}]"  # noqa: E731
     evaluated = results("siblings")
+    directions = {siblings.pair_name(d): d for d in siblings.DIRECTIONS}
     for name, tasks in evaluated["results"].items():
+        reported = final_recipe_reports(directions[name])
+        if reported:  # the default recipe, on the final texts of the recipes benchmark
+            rows += _recipe_rows(name, reported)
+            continue
         kv_map = KVMap.from_pretrained(HUB_CARDS / name)
         recipe = kv_map.config.refresh
         variant = f"mapped@{recipe.probe_tokens}+r{recipe.tokens}" if recipe else "mapped@1"
@@ -98,11 +147,36 @@ def readme_table() -> str:
         rows.append([folder_name(PREFIX, adapter, reverse), f"continuation ({retention['examples']})",
                      fmt(by["mapped@1"]), "-", f"naive reuse {fmt(by['naive@1'])}",
                      f"{by['mapped@1']['kl']:.3f} (naive {by['naive@1']['kl']:.3f})", speed])
+    recipes = any(final_recipe_reports(d) for d in siblings.DIRECTIONS)
     return table(["map", "task (examples)", "plain switch: normalized [95% CI]", "with the recipe", "control at equal "
                   "compute", "KL plain / recipe", "TTFT vs re-prefill, cold sink: plain / recipe"], rows) + (
         "\n\nFrom `benchmarks/results/siblings.json`, `adapters.json`, `adapters-reverse.json` and `ttft-*.json` (provenance "
         "inside), written by "
-        "`python -m scripts.publish`.")
+        "`python -m scripts.publish`" + (
+            "; a sibling map's default recipe on the final texts from `sibling-recipes-final-<context>.json` "
+            "(`python -m benchmarks.recipes`, the default chosen on the selection texts)." if recipes else "."))
+
+
+def _recipe_rows(name: str, reported: dict[int, dict]) -> list[list[str]]:
+    """README rows of a sibling map's default recipe per final context: continuation and pooled recall, the plain
+    switch, the recipe (and minus the window-only control, paired), the control, and TTFT at that context."""
+    fmt = lambda r: f"{r['normalized']:.2f} [{r['interval'][0]:.2f}, {r['interval'][1]:.2f}]"  # noqa: E731
+    ttft = {r["context"]: r for r in results(f"ttft-{name}")["rows"]}
+    out = []
+    for context, report in reported.items():
+        rows, default = report["rows"], report["default"]
+        control = f"window@{rows[default]['compute']}"
+        for task in ("continuation", RECALL):
+            plain, recipe, window = (rows[v][task] for v in ("plain", default, control))
+            versus = (f"; {recipe['minus_control']:+.3f} [{recipe['minus_control_interval'][0]:+.3f}, "
+                      f"{recipe['minus_control_interval'][1]:+.3f}] vs the control")
+            speed = ttft.get(context, {})
+            out.append([name, f"{task} at {context} ({recipe['examples']})", fmt(plain),
+                        f"`{default}` {fmt(recipe)}{versus}", fmt(window), f"{plain['kl']:.3f} / {recipe['kl']:.3f}",
+                        f"{speed['speedup_cold']:.0f}x" + (f" / {speed['speedup_recipe']:.0f}x"
+                                                           if "speedup_recipe" in speed else "")
+                        if task == "continuation" and speed else ""])
+    return out
 
 
 def serve_table() -> str:

@@ -141,12 +141,16 @@ class Publisher:
     # the published sibling maps: the chosen scale, its gate, its recipe
 
     def chosen_map(self, direction: str, with_recipe: bool = True) -> KVMap:
-        """The map fitted on the scale the curve chose, with the recommended refresh (once the budget stage ran)."""
+        """The map fitted on the scale the curve chose (on a machine that fitted none, the published one: its weights
+        as stored), with its default recipe (`default_recipe`)."""
         chosen = read_results("sibling-scaling")["curve"][direction]["chosen_files"]
-        kv_map = KVMap.from_pretrained(self.scale_folder(chosen, direction))
-        if with_recipe and (RESULTS / "sibling-budget.json").is_file():
-            k = read_results("sibling-budget")["recommended"][direction]
-            kv_map.config.refresh = Refresh(k, budget.PROBE, budget.SPAN) if k else None
+        folder = self.scale_folder(chosen, direction)
+        if not folder.is_dir():
+            folder = HUB_CARDS / siblings.pair_name(direction)
+            logger.info("no fitted sibling maps in %s: using the published %s", self.workdir, folder.name)
+        kv_map = KVMap.from_pretrained(folder)
+        if with_recipe:
+            kv_map.config.refresh = default_recipe(direction)
         return kv_map
 
     def gate(self) -> None:
@@ -184,7 +188,7 @@ class Publisher:
                              checkpoint_root=self.workdir / "siblings" / "checkpoints", progress=self.progress)
         maps = {d: {"top2": self.chosen_map(d, with_recipe=False),
                     **{label: KVMap.from_pretrained(self.lever_folder(label, d)) for label in LEVER_TOP_K}} for d in siblings.DIRECTIONS}
-        policy = {d: self.chosen_map(d).config.refresh or Refresh(64, budget.PROBE, budget.SPAN)
+        policy = {d: plain_refresh(self.chosen_map(d).config.refresh) or Refresh(64, budget.PROBE, budget.SPAN)
                   for d in siblings.DIRECTIONS}
         levers.run(models, tokenizer, maps, policy, FINAL_CONTEXT, LEVER_FILES, LEVER_RECALL, self.progress)
 
@@ -199,7 +203,7 @@ class Publisher:
             kv_map = self.chosen_map(direction)
             results.append(nonlinear.compare(siblings.pair_name(direction), source, target, kv_map,
                                              stdlib_texts("calibration", NONLINEAR_FILES), tokenizer, task_sets,
-                                             FINAL_CONTEXT, kv_map.config.refresh, self.progress))
+                                             FINAL_CONTEXT, plain_refresh(kv_map.config.refresh), self.progress))
         model, tokenizer = self.adapter_model()
         base, _ = load_model(SMOLLM)
         held = stdlib_texts("calibration", 16, ADAPTER_FILES + BLEND_FILES + gates.FILES)
@@ -220,7 +224,7 @@ class Publisher:
         results = {}
         for direction in siblings.DIRECTIONS:
             kv_map = self.chosen_map(direction)
-            refresh = [kv_map.config.refresh] if kv_map.config.refresh else []
+            refresh = [r] if (r := plain_refresh(kv_map.config.refresh)) else []
             results[siblings.pair_name(direction)] = siblings.evaluate_map(models, direction, kv_map, task_sets,
                                                                           FINAL_CONTEXT, refresh, self.progress)
         save("siblings", {"context": FINAL_CONTEXT, "results": results}, siblings.markdown(results),
@@ -245,8 +249,7 @@ class Publisher:
             scale = str(read_results("sibling-scaling")["curve"][direction]["chosen_files"])
             kv_map.config.quality = QualityRecord(
                 gate=from_json(GateRecord, read_results("sibling-gates")["gates"][direction][scale], "sibling-gates.json"),
-                figures={**figures.task_figures("siblings", f"results/{name}", kv_map.config.refresh),
-                         **figures.ttft_figures(f"ttft-{name}"), **figures.budget_figures(direction)})
+                figures=sibling_figures(direction, kv_map.config.refresh))
             _publish(kv_map, name, dtypes[name])
 
     def storage(self) -> None:
@@ -385,6 +388,33 @@ class Publisher:
             start, stop = text.index(begin) + len(begin), text.index(end)
             text = text[:start] + "\n" + render() + "\n" + text[stop:]
         atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def default_recipe(direction: str) -> Refresh | None:
+    """A sibling map's default recipe: the one the final texts report (chosen on the selection texts,
+    `benchmarks.recipes`) once a final report exists, else the budget curve's (`benchmarks.budget`)."""
+    reported = figures.final_recipe_reports(direction)
+    if reported:
+        return Refresh.named(reported[min(reported)]["default"], budget.PROBE, budget.SPAN)
+    if not (RESULTS / "sibling-budget.json").is_file():
+        return None
+    k = read_results("sibling-budget")["recommended"][direction]
+    return Refresh(k, budget.PROBE, budget.SPAN) if k else None
+
+
+def plain_refresh(recipe: Refresh | None) -> Refresh | None:
+    """``recipe`` if it is a plain refresh (the mapped middle kept, no recent window beyond the probe): what the
+    retention stages (evaluate, levers, nonlinear) measure; the recipes benchmark reports the others."""
+    return recipe if recipe is not None and recipe.mapped_middle and not recipe.recent_tokens else None
+
+
+def sibling_figures(direction: str, recipe: Refresh | None) -> dict:
+    """A sibling card's figures: the plain switch (and the recipe the evaluate stage measured, until the final
+    texts report the default recipe), TTFT and the budget curve."""
+    reported = figures.recipe_figures(direction)
+    return {**figures.task_figures("siblings", f"results/{siblings.pair_name(direction)}", None if reported else recipe),
+            **reported, **figures.ttft_figures(f"ttft-{siblings.pair_name(direction)}"),
+            **figures.budget_figures(direction)}
 
 
 def _publish(kv_map: KVMap, name: str, dtype: str) -> None:

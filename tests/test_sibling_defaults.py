@@ -1,0 +1,86 @@
+"""A sibling map's default recipe flows from the texts that choose it to what users get: the selection report's
+choice is what the final texts measure and report, the card's config.json carries it, and every card figure and
+README cell about it is read from the final report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from benchmarks import common, recipe_report, recipes, siblings
+from peft_kvcache.errors import RecordError
+from peft_kvcache.lab.provenance import lookup
+from peft_kvcache.maps.recipe import Refresh
+from scripts import figures, publish
+
+UP, DOWN = siblings.pair_name("up"), siblings.pair_name("down")
+VARIANTS = {"full": ("full", 0, 0), "no_context": ("no_context", 1, 0), "plain": ("plain", 1, 0),
+            "window@160": ("window", 160, 160), "hybrid@160": ("hybrid", 160, 160),
+            "refresh@160/p128": ("refresh", 160, 160), "index@160/p40": ("index", 160, 160)}
+ACCURACY = {"full": 0.9, "no_context": 0.1, "plain": 0.3, "window@160": 0.6, "hybrid@160": 0.62,
+            "refresh@160/p128": 0.5, "index@160/p40": 0.7}
+
+
+@pytest.fixture
+def results(tmp_path, monkeypatch):
+    root = tmp_path / "benchmarks" / "results"
+    (root / "sibling-recipes").mkdir(parents=True)
+    for module in (common, recipes, recipe_report, figures):
+        monkeypatch.setattr(module, "RESULTS", root)
+    monkeypatch.setattr(recipes, "RECORDS", root / "sibling-recipes")
+    for stem in (f"ttft-{UP}", f"ttft-{DOWN}", "siblings", "sibling-budget", "adapters", "adapters-reverse",
+                 *(f"ttft-{figures.folder_name(figures.PREFIX, a, False)}" for a in common.ADAPTERS)):
+        shutil.copy(common.ROOT / "benchmarks" / "results" / f"{stem}.json", root)
+    return root
+
+
+def _records(role: str, accuracy: dict[str, float]) -> list[dict]:
+    out = []
+    for task, files in (("continuation", 6), ("recall-code-top", 4)):
+        for i in range(files):
+            for variant, (kind, compute, budget) in VARIANTS.items():
+                tokens = 128 if task == "continuation" else 8
+                # far facts: recalled by the recipes whose probe picks positions, as often as the full prefill
+                rate = accuracy["full"] if task != "continuation" and variant[:5] in ("index", "refre") else \
+                    accuracy[variant]
+                correct = round(tokens * min(1.0, rate + 0.02 * (i % 3)))
+                out.append({"example": f"{task}/{i}", "file": f"f{i}.py", "task": task, "direction": "up",
+                            "context": 2048, "variant": variant, "kind": kind, "compute": compute, "budget": budget,
+                            "maps": "published", "correct": correct, "tokens": tokens, "kl": 1 - accuracy[variant]})
+    return out
+
+
+def _report(root, role: str, accuracy: dict[str, float]) -> dict:
+    records = root / "sibling-recipes" / f"{role}-2048.jsonl"
+    records.write_text("".join(json.dumps(r) + "\n" for r in _records(role, accuracy)))
+    (root / "sibling-recipes" / "runs.jsonl").write_text(json.dumps({"role": role, "context": 2048}) + "\n")
+    return recipe_report.report(role, 2048)
+
+
+def test_the_final_texts_report_the_default_the_selection_texts_chose(results):
+    with pytest.raises(RecordError, match="selection"):
+        _report(results, "final", ACCURACY)  # nothing chose a default yet
+    selection = _report(results, "selection", ACCURACY)
+    assert selection["directions"]["up"]["default"] == "index@160/p40"  # best continuation, recall kept
+    final_accuracy = {**ACCURACY, "index@160/p40": 0.65, "hybrid@160": 0.8}  # the hybrid does better here:
+    final = _report(results, "final", final_accuracy)
+    assert final["directions"]["up"]["default"] == "index@160/p40"  # the final texts report, never choose
+    assert publish.default_recipe("up") == Refresh.named("index@160/p40")
+    assert publish.plain_refresh(publish.default_recipe("up")) is None  # the retention stages cannot measure it
+
+    payload = common.read_results("sibling-recipes-final-2048")
+    card = figures.recipe_figures("up")
+    for name, figure in card.items():
+        assert lookup(payload, figure.key) == figure.value, name
+    row = payload["directions"]["up"]["rows"]["index@160/p40"]["continuation"]
+    assert card["final_2048.continuation.default.minus_window_control"].value == row["minus_control"]
+    assert card["final_2048.continuation.default.minus_window_control_low"].value == row["minus_control_interval"][0]
+    assert "final_2048.recall-code-top.default.normalized" in card and "final_2048.recall.window_control.normalized" in card
+    assert figures.recipe_figures("down") == {}  # no default reported going down
+
+    figures_of_card = publish.sibling_figures("up", publish.default_recipe("up"))
+    assert not any(".recipe." in name for name in figures_of_card)  # the evaluate stage's recipe rows stay out
+    readme = figures.readme_table()
+    assert "`index@160/p40`" in readme and "vs the control" in readme and "sibling-recipes-final" in readme
