@@ -102,6 +102,7 @@ class Publisher:
     def artifacts(self) -> dict[str, list[Path]]:
         """The workdir artifacts (and published folders) stages make and read, by name (`Stage`)."""
         return {"sibling maps": [self.scale_folder(s, d) for s in self.scales for d in siblings.DIRECTIONS],
+                "chosen sibling maps": [self.chosen_folder(d) for d in siblings.DIRECTIONS],
                 "adapter maps": [self.adapter_folder() / folder_name(PREFIX, a, r) for a in ADAPTERS
                                  for r in (False, True)],
                 "published sibling maps": [HUB_CARDS / siblings.pair_name(d) for d in siblings.DIRECTIONS],
@@ -140,13 +141,19 @@ class Publisher:
 
     # the published sibling maps: the chosen scale, its gate, its recipe
 
+    def chosen_folder(self, direction: str) -> Path:
+        """The map fitted on the scale the curve chose, or on a machine that fitted none the published one (its weights
+        as stored: what users load)."""
+        published = HUB_CARDS / siblings.pair_name(direction)
+        if not (RESULTS / "sibling-scaling.json").is_file():  # nothing chosen yet (a stage needing it says so)
+            return published
+        folder = self.scale_folder(read_results("sibling-scaling")["curve"][direction]["chosen_files"], direction)
+        return folder if folder.is_dir() else published
+
     def chosen_map(self, direction: str, with_recipe: bool = True) -> KVMap:
-        """The map fitted on the scale the curve chose (on a machine that fitted none, the published one: its weights
-        as stored), with its default recipe (`default_recipe`)."""
-        chosen = read_results("sibling-scaling")["curve"][direction]["chosen_files"]
-        folder = self.scale_folder(chosen, direction)
-        if not folder.is_dir():
-            folder = HUB_CARDS / siblings.pair_name(direction)
+        """The chosen map (`chosen_folder`) with its default recipe (`default_recipe`)."""
+        folder = self.chosen_folder(direction)
+        if folder.parent == HUB_CARDS:
             logger.info("no fitted sibling maps in %s: using the published %s", self.workdir, folder.name)
         kv_map = KVMap.from_pretrained(folder)
         if with_recipe:
@@ -445,7 +452,7 @@ class Stage:
     makes: tuple[str, ...] = ()
 
 
-CHOSEN = ("sibling maps", "sibling-scaling")  # what `Publisher.chosen_map` reads
+CHOSEN = ("sibling-scaling", "chosen sibling maps")  # what `Publisher.chosen_map` reads
 RECIPE = (*CHOSEN, "sibling-budget")  # ... with the recipe the budget stage chose
 STAGES = (
     Stage("siblings", "capture", QWEN, makes=("sibling maps",)),
