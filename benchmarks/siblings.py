@@ -52,11 +52,14 @@ def capture(models: dict, texts: CalibrationTexts, scales: list[int], config: Ca
     of each scale, ``on_scale(scale, run)`` sees the statistics of exactly those texts (nested: the 16-text fit
     holds the 8 texts of the 8-text fit). Each increment checkpoints under ``checkpoint_root`` and resumes."""
     sides = {name: ModelSide.of(model) for name, model in models.items()}
-    run = StatisticsRun({"small": ["large"], "large": ["small"]}, sides, False, config.sink_tokens)
+    run = StatisticsRun({"small": ["large"], "large": ["small"]}, sides, False, config.sink_tokens,
+                        config.attention_weighting)
+    weighting = config.attention_weighting > 0  # each model is the other's target
     done = 0
     for scale in scales:
         part = CalibrationTexts(texts.names[done:scale], texts.chunks[done:scale], texts.heldout[done:scale])
-        collect(lambda ids, mask: {name: run_with_cache(model, ids, mask) for name, model in models.items()},
+        collect(lambda ids, mask: {name: run_with_cache(model, ids, mask, received_attention=weighting)
+                                   for name, model in models.items()},
                 run, part, config.batch_size, progress=progress,
                 checkpoint_dir=None if checkpoint_root is None else checkpoint_root / f"upto-{scale}",
                 checkpoint_key={"options": config, "upto": scale, "fingerprints": [s.fingerprint for s in sides.values()]})

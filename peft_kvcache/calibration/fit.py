@@ -50,23 +50,30 @@ class SufficientStatistics:
             xy={name: torch.zeros(source_dim, dim, dtype=f64) for name, dim in target_dims.items()},
         )
 
-    def update(self, x: torch.Tensor, ys: dict[str, torch.Tensor]) -> None:
-        """Add rows: ``x`` ``[n, D]`` and each target's ``y`` ``[n, E]`` (same rows, any float dtype)."""
+    def update(self, x: torch.Tensor, ys: dict[str, torch.Tensor], weights: torch.Tensor | None = None) -> None:
+        """Add rows: ``x`` ``[n, D]`` and each target's ``y`` ``[n, E]`` (same rows, any float dtype), each row counted
+        ``weights[i]`` times (``[n]``, non-negative; None: once): a row of weight 2 adds what two copies would."""
         x = x.to(device="cpu", dtype=torch.float64)
         if not torch.isfinite(x).all():
             raise NumericalError("source features contain NaN or Inf; the source model's cache is not finite")
-        self.count += x.shape[0]
-        self.x_sum += x.sum(0)
-        self.x_gram.addmm_(x.T, x)
+        if weights is None:
+            weights = torch.ones(x.shape[0], dtype=torch.float64)
+        weights = weights.to(device="cpu", dtype=torch.float64).reshape(-1)
+        if weights.shape[0] != x.shape[0] or not torch.isfinite(weights).all() or bool((weights < 0).any()):
+            raise CalibrationError(f"row weights must be {x.shape[0]} finite non-negative numbers")
+        weighted = x * weights[:, None]
+        self.count += weights.sum()
+        self.x_sum += weighted.sum(0)
+        self.x_gram.addmm_(weighted.T, x)
         for name, y in ys.items():
             y = y.to(device="cpu", dtype=torch.float64)
             if y.shape[0] != x.shape[0]:
                 raise CalibrationError(f"target {name!r} has {y.shape[0]} rows for {x.shape[0]} source rows")
             if not torch.isfinite(y).all():
                 raise NumericalError(f"target {name!r} features contain NaN or Inf")
-            self.y_sum[name] += y.sum(0)
-            self.y_sumsq[name] += y.square().sum(0)
-            self.xy[name].addmm_(x.T, y)
+            self.y_sum[name] += weights @ y
+            self.y_sumsq[name] += weights @ y.square()
+            self.xy[name].addmm_(weighted.T, y)
 
     def merge(self, other: "SufficientStatistics") -> "SufficientStatistics":
         """Sum of two sets of statistics (e.g. two chunks or two processes' shards)."""

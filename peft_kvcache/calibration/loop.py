@@ -65,8 +65,13 @@ class StatisticsRun:
     its targets', per layer block (all layers side by side, or each layer alone with ``same_layer``), per split
     and kind."""
 
-    def __init__(self, groups: dict[str, list[str]], sides: dict[str, ModelSide], same_layer: bool, sink_tokens: int):
+    def __init__(self, groups: dict[str, list[str]], sides: dict[str, ModelSide], same_layer: bool, sink_tokens: int,
+                 attention_weighting: float = 0.0):
+        if attention_weighting and any(len(targets) != 1 for targets in groups.values()):
+            raise CalibrationError("attention_weighting weights a source's tokens by what its target attends to: it "
+                                   "needs one target per source (fit the targets one at a time)")
         self.groups, self.sides, self.sink_tokens = groups, sides, sink_tokens
+        self.attention_weighting = attention_weighting
         self.blocks: list[int | None] = list(range(next(iter(sides.values())).layout.num_layers)) if same_layer else [None]
         self.stats = {}
         for source, targets in groups.items():
@@ -86,13 +91,26 @@ class StatisticsRun:
         rows = mask.bool() & (positions >= self.sink_tokens)  # the sink is the target's own at inference
         if not rows.any():
             return
+        weights = {source: self._weights(runs[targets[0]], rows) for source, targets in self.groups.items()}
         for block in self.blocks:
             features = {name: stacked_features(run, self.sides[name].rotary, positions, rows, block)
                         for name, run in runs.items()}
             for source, targets in self.groups.items():
                 for k, kind in enumerate(KINDS):
                     self.stats[source, block, split, kind].update(features[source][k],
-                                                                 {t: features[t][k] for t in targets})
+                                                                 {t: features[t][k] for t in targets}, weights[source])
+
+    def _weights(self, target: CapturedKV, rows: torch.Tensor) -> torch.Tensor | None:
+        """Each row's weight in the fit: ``1 - a + a * r / mean(r)`` with ``r`` the attention the target gave the token
+        (`ReceivedAttention`) and ``a`` the attention weighting (None when 0: every token alike). Mean 1 per batch."""
+        if not self.attention_weighting:
+            return None
+        if target.received is None:
+            raise CalibrationError("attention_weighting needs the target's received attention: run it with "
+                                   "run_with_cache(..., received_attention=True)")
+        received = target.received[rows.cpu()].double()
+        a = self.attention_weighting
+        return 1 - a + a * received / received.mean().clamp(min=torch.finfo(torch.float64).tiny)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every statistic as named tensors (the checkpoint's content)."""
@@ -206,8 +224,9 @@ def build_map(run: StatisticsRun, source: str, target: str, config: CalibrationC
                 tensors[f"{kind}.{t}.weight"] = layer.fit.weight.float()
                 tensors[f"{kind}.{t}.bias"] = layer.fit.bias.float()
     block = run.blocks[0]
-    record = replace(record, train_tokens=int(run.stats[source, block, "train", "keys"].count),
-                     heldout_tokens=int(run.stats[source, block, "heldout", "keys"].count))
+    # a count is the rows' total weight, their number whatever the weighting (each batch's weights average 1)
+    record = replace(record, train_tokens=round(float(run.stats[source, block, "train", "keys"].count)),
+                     heldout_tokens=round(float(run.stats[source, block, "heldout", "keys"].count)))
     k, v = fits["keys"], fits["values"]
     map_config = KVMapConfig(
         source_name=src.name, target_name=tgt.name, source_fingerprint=src.fingerprint,
@@ -291,9 +310,11 @@ def calibrate(source_model: torch.nn.Module, target_model: torch.nn.Module, cali
                                "one RoPE, e.g. base -> adapter); pass residual_rank=0")
     check_head_shards(config, sides)
     texts = CalibrationTexts.build(calibration_data, tokenizer, config, vocab_size_of(source_model))
-    run = StatisticsRun({"source": ["target"]}, sides, config.same_layer, config.sink_tokens)
+    run = StatisticsRun({"source": ["target"]}, sides, config.same_layer, config.sink_tokens,
+                        config.attention_weighting)
+    weighting = config.attention_weighting > 0
     collect(lambda ids, mask: {"source": run_with_cache(source_model, ids, mask),
-                               "target": run_with_cache(target_model, ids, mask)},
+                               "target": run_with_cache(target_model, ids, mask, received_attention=weighting)},
             run, texts, config.batch_size, progress=progress, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, checkpoint_key={
                 "options": statistics_options(config), "fingerprints": [s.fingerprint for s in sides.values()],
@@ -343,13 +364,13 @@ def calibrate_adapters(model: torch.nn.Module, calibration_data, tokenizer=None,
     check_head_shards(config, sides)
     texts = CalibrationTexts.build(calibration_data, tokenizer, config, vocab_size_of(model))
     groups = {BASE: list(adapters), **({a: [BASE] for a in adapters} if reverse else {})}
-    run = StatisticsRun(groups, sides, config.same_layer, config.sink_tokens)
+    run = StatisticsRun(groups, sides, config.same_layer, config.sink_tokens, config.attention_weighting)
 
     def run_models(ids, mask):
         runs = {}
         for name in [BASE, *adapters]:
             with adapter_active(model, None if name == BASE else name):
-                runs[name] = run_with_cache(model, ids, mask)
+                runs[name] = run_with_cache(model, ids, mask, received_attention=config.attention_weighting > 0)
         return runs
 
     collect(run_models, run, texts, config.batch_size, progress=progress, checkpoint_dir=checkpoint_dir,

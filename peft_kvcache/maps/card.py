@@ -208,6 +208,9 @@ def calibration_text(config: KVMapConfig) -> str:
         lines.append(f"- each layer's correction of the source cache kept to rank {options.residual_rank} (the "
                      "directions that carry most of its predictions on the fitting texts): the map runs as the "
                      "identity plus two thin factors")
+    if options.attention_weighting:
+        lines.append(f"- tokens weighted by the attention the target gives them ({options.attention_weighting:g} of each "
+                     "token's weight follows its received attention, relative to its chunk's mean)")
     if train:
         lines.append(f"- files: {', '.join(f'`{n}`' for n in train[:6])}{', …' if len(train) > 6 else ''} "
                      "(all names in config.json)")

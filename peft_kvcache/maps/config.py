@@ -66,6 +66,9 @@ class CalibrationConfig:
                                "on the calibration texts (reduced-rank regression, closed form from the statistics); "
                                "the map then runs as the identity plus two thin factors, 2r instead of the layer width "
                                "multiply-adds per feature; 0: the full correction", default=0)
+    attention_weighting: float = _help("weight each token in the fit by the attention the target gives it: a token "
+                                       "counts 1 - a + a * (its received attention / the chunk's mean), so the map is "
+                                       "fitted hardest where the target reads; 0: every token alike", default=0.0)
 
     def __post_init__(self):
         self.validate()
@@ -88,6 +91,7 @@ class CalibrationConfig:
              "corrected from its own source layer)"),
             ("residual_rank", self.residual_rank == 0 or self.head_shards == 1, "needs head_shards=1 (a reduced-rank "
              "correction mixes the heads of every shard)"),
+            ("attention_weighting", 0 <= self.attention_weighting <= 1, "must be between 0 and 1"),
         ]
         for name, ok, message in checks:
             if not ok:

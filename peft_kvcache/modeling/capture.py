@@ -16,13 +16,16 @@ from .positions import positions_from_mask
 
 @dataclass
 class CapturedKV:
-    """One model's cache over a batch: per layer ``[batch, kv_heads, seq, head_dim]``, keys post-RoPE."""
+    """One model's cache over a batch: per layer ``[batch, kv_heads, seq, head_dim]``, keys post-RoPE; ``received``
+    (``run_with_cache(..., received_attention=True)``): ``[batch, seq]``, the attention each token received."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    received: torch.Tensor | None = None
 
     def prefix(self, length: int) -> "CapturedKV":
-        """The first ``length`` positions: a causal model's cache of that prefix of its input."""
+        """The first ``length`` positions: a causal model's cache of that prefix of its input (without ``received``:
+        a prefix's tokens receive attention from fewer queries)."""
         return CapturedKV([k[:, :, :length] for k in self.keys], [v[:, :, :length] for v in self.values])
 
     def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -84,16 +87,64 @@ def forward(model: torch.nn.Module, input_ids: torch.Tensor, cache: Cache | None
 
 @torch.no_grad()
 def run_with_cache(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   position_ids: torch.Tensor | None = None) -> CapturedKV:
+                   position_ids: torch.Tensor | None = None, received_attention: bool = False) -> CapturedKV:
     """One forward pass (no logits) that returns the model's KV cache.
 
     Positions default to those of the attention mask (as generate() computes them), not ``arange``: a
     forward pass without position_ids would rotate left-padded rows' keys at the wrong positions.
+    ``received_attention`` also measures the attention each token receives (`ReceivedAttention`; the pass runs
+    eager attention).
     """
     if position_ids is None and attention_mask is not None:
         position_ids = positions_from_mask(attention_mask)
-    out = forward(model, input_ids, None, position_ids=position_ids, attention_mask=attention_mask)
-    return cache_states(output_cache(out))
+    if not received_attention:
+        out = forward(model, input_ids, None, position_ids=position_ids, attention_mask=attention_mask)
+        return cache_states(output_cache(out))
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    with ReceivedAttention(model, mask) as received:
+        out = forward(model, input_ids, None, position_ids=position_ids, attention_mask=attention_mask)
+    captured = cache_states(output_cache(out))
+    return CapturedKV(captured.keys, captured.values, received.per_token())
+
+
+class ReceivedAttention:
+    """While active, the attention every token receives in ``model``'s forward passes over a batch with
+    ``attention_mask`` ``[batch, seq]`` (left-padded): per layer and head, each query's weight on the token times the
+    number of tokens that query sees (1 wherever attention is uniform), averaged over the queries that see it, the
+    heads and the layers. Eager attention runs meanwhile (the weights are read from each attention module's output
+    and reduced at once, never all kept)."""
+
+    def __init__(self, model: torch.nn.Module, attention_mask: torch.Tensor):
+        from ._compat import attention_implementation
+        from .layout import decoder_layers
+
+        self.model, self.previous = model, attention_implementation(model)
+        self.modules = [layer.self_attn for layer in decoder_layers(model)]
+        valid = attention_mask.bool().cpu()
+        self.seen = positions_from_mask(attention_mask.cpu()).float().add(1) * valid  # keys each query sees
+        self.queries = (valid.sum(1, keepdim=True) - self.seen + 1) * valid  # queries that see each token
+        self.total, self.layers, self.hooks = torch.zeros(valid.shape), 0, []
+
+    def __enter__(self) -> "ReceivedAttention":
+        self.model.set_attn_implementation("eager")
+        self.hooks = [m.register_forward_hook(self._add) for m in self.modules]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.model.set_attn_implementation(self.previous)
+
+    def _add(self, module, args, output) -> None:
+        weights = output[1].detach().float().cpu()  # [batch, heads, queries, keys]
+        self.total += torch.einsum("bhqk,bq->bk", weights, self.seen) / weights.shape[1]
+        self.layers += 1
+
+    def per_token(self) -> torch.Tensor:
+        """``[batch, seq]`` relative attention received (0 at padding)."""
+        if not self.layers:
+            raise CacheMismatchError("no attention weights were seen: the model's attention modules return none")
+        return self.total / self.layers / self.queries.clamp(min=1)
 
 
 def batches(sequences: Sequence[torch.Tensor], batch_size: int, pad_id: int = 0):
