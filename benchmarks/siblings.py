@@ -45,6 +45,9 @@ def pair_name(direction: str, top_k: int = 2) -> str:
     return f"qwen2.5-coder-{'0.5b-to-1.5b' if direction == 'up' else '1.5b-to-0.5b'}-top{top_k}"
 
 
+CONFIG = CalibrationConfig(top_k=2, max_length=512, chunks_per_text=1)  # the published sibling maps' calibration
+
+
 def capture(models: dict, texts: CalibrationTexts, scales: list[int], config: CalibrationConfig,
             on_scale: Callable[[int, StatisticsRun], None], checkpoint_root: Path | None = None,
             progress: bool = True) -> None:

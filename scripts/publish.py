@@ -52,7 +52,7 @@ from peft_kvcache.calibration.sinks import conversation_starts, ship_target_sink
 from peft_kvcache.lab.corpus import stdlib_texts, token_ids
 from peft_kvcache.modeling.fixtures import fixture_available, load_model
 from peft_kvcache.maps.adapter_maps import folder_name
-from peft_kvcache.maps.config import CalibrationConfig, GateRecord, QualityRecord, Refresh
+from peft_kvcache.maps.config import GateRecord, QualityRecord, Refresh
 from peft_kvcache.maps.records import from_json
 from peft_kvcache.modeling.adapters import adapter_active
 from peft_kvcache.modeling.capture import run_with_cache
@@ -60,7 +60,7 @@ from scripts import figures
 
 logger = logging.getLogger("publish")
 HUB_CARDS = figures.HUB_CARDS
-SIBLING_CONFIG = CalibrationConfig(top_k=2, max_length=512, chunks_per_text=1)
+SIBLING_CONFIG = siblings.CONFIG
 # Sizes of the evaluation stages are what one publish run fits in about an hour and a half on 2 CPU cores (a
 # 1.5B forward over 1k tokens takes ~20 s); every table states its example counts. The goal sizes (32
 # continuation files, 24 recall cases per depth, budgets up to 256, 2048-token contexts, 8k TTFT) are the next run.

@@ -98,3 +98,22 @@ def test_weighting_is_refused_where_it_has_no_single_target_or_no_meaning():
     sides = {"a": ModelSide.of(source), "b": ModelSide.of(target), "c": ModelSide.of(target)}
     with pytest.raises(CalibrationError, match="one target per source"):
         StatisticsRun({"a": ["b", "c"]}, sides, False, 1, attention_weighting=0.5)
+
+
+def test_lever_maps_are_the_published_calibration_but_for_the_lever(tmp_path, monkeypatch, sibling_pair):
+    from benchmarks import lever_maps, siblings
+    from peft_kvcache.calibration.texts import CalibrationTexts
+
+    source, target = sibling_pair
+    monkeypatch.setattr(lever_maps, "LEVERS", tmp_path)
+    monkeypatch.setattr(siblings, "load_pair", lambda: ({"small": source, "large": target}, None))
+    texts = {f"f{i}.py": ids for i, ids in enumerate(random_ids(6, 40, seed=5))}
+    monkeypatch.setattr(siblings, "calibration_texts", lambda tokenizer, files, config: CalibrationTexts.build(
+        dict(list(texts.items())[:files]), None, config))
+    folder = lever_maps.fit("attention", {"attention_weighting": 0.5}, files=5, progress=False)
+    for direction in siblings.DIRECTIONS:
+        kv_map = KVMap.from_pretrained(folder / siblings.pair_name(direction))
+        options = kv_map.config.calibration.options
+        assert options.attention_weighting == 0.5 and options.top_k == siblings.CONFIG.top_k
+        assert options.max_length == siblings.CONFIG.max_length
+        assert len(kv_map.config.calibration.data.names()) == 5

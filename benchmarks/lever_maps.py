@@ -1,0 +1,69 @@
+"""Sibling maps fitted as the published ones but for one calibration lever, for the recipes benchmark to compare
+(`benchmarks.recipes run --lever LABEL=FOLDER`): the same calibration files (the scale the data-scaling curve chose)
+and options (`siblings.CONFIG`) with the lever's changes, both directions from one capture of the pair.
+
+    python -m benchmarks.lever_maps --label attention --attention-weighting 0.5
+    python -m benchmarks.lever_maps --label l2048 --max-length 2048
+    python -m benchmarks.recipes run --maps hub_cards --role selection --lever attention=runs/levers/attention
+
+Writes ``runs/levers/<label>/<pair>`` (maps named as the published ones); the statistics are checkpointed beside
+them, so a stopped capture resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from . import siblings
+from .common import ROOT, read_results, start_run
+
+LEVERS = ROOT / "runs" / "levers"
+
+
+def fit(label: str, changes: dict, files: int, progress: bool = True) -> Path:
+    """Both directions' maps with ``changes`` to `siblings.CONFIG` (fields of `CalibrationConfig`), fitted on the first
+    ``files`` calibration files into ``runs/levers/<label>``; maps already there are kept."""
+    folder = LEVERS / label
+    folders = {d: folder / siblings.pair_name(d) for d in siblings.DIRECTIONS}
+    if all(f.is_dir() for f in folders.values()):
+        return folder
+    config = replace(siblings.CONFIG, **changes)
+    config.validate()
+    models, tokenizer = siblings.load_pair()
+    texts = siblings.calibration_texts(tokenizer, files, config)
+    vocab = models["small"].get_input_embeddings().weight.shape[0]
+
+    def on_scale(scale, run):
+        for direction, out in folders.items():
+            siblings.fit_direction(run, direction, texts, scale, config, vocab).save_pretrained(out, chart=False)
+
+    siblings.capture(models, texts, [files], config, on_scale, checkpoint_root=folder / "checkpoints", progress=progress)
+    return folder
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--label", required=True, help="the lever's name (its folder under runs/levers)")
+    parser.add_argument("--attention-weighting", type=float, help="CalibrationConfig.attention_weighting")
+    parser.add_argument("--max-length", type=int, help="CalibrationConfig.max_length (tokens per calibration chunk)")
+    parser.add_argument("--top-k", type=int, help="CalibrationConfig.top_k (source layers per target layer)")
+    parser.add_argument("--files", type=int, help="calibration files (default: the published maps' scale)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    start_run()
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    changes = {name: value for name, value in (("attention_weighting", args.attention_weighting),
+                                               ("max_length", args.max_length), ("top_k", args.top_k))
+               if value is not None}
+    scales = {row["chosen_files"] for row in read_results("sibling-scaling")["curve"].values()}
+    files = args.files or max(scales)
+    print(fit(args.label, changes, files))
+
+
+if __name__ == "__main__":
+    main()
