@@ -119,7 +119,8 @@ def choose_default(rows: dict[str, dict], budget: int) -> dict:
     wins. Returns the choice (None if no recipe qualifies) and why each candidate passed or failed."""
     verdicts = {}
     for name, row in rows.items():
-        if "true-" in name or row["compute"] != budget or row.get("kind") not in ("hybrid", "refresh", "index"):
+        if "true-" in name or row["compute"] != budget or row.get("kind") not in ("hybrid", "refresh", "index") \
+                or row.get("maps", "published") != "published":  # a lever's maps are not what users load
             continue
         cont, recall = row.get("continuation", {}), row.get(RECALL, {})
         if not cont.get("examples") or not recall.get("examples"):
@@ -130,6 +131,32 @@ def choose_default(rows: dict[str, dict], budget: int) -> dict:
     passing = {n: v for n, v in verdicts.items() if v["qualifies"]}
     best = max(passing, key=lambda n: passing[n]["continuation"]) if passing else None
     return {"default": best, "candidates": verdicts}
+
+
+def lever_gains(scores: Scores, budget: int) -> list[dict]:
+    """Each lever's recipes (variants ``label:recipe``) against the published maps' same recipe, paired on the same
+    examples, and for the hybrid at the budget the share of the oracle gap it closes: (lever - published) /
+    (oracle - published), the oracle being the target's own keys (or values) in the mapped prefix."""
+    out = []
+    for name in sorted(scores.accuracy):
+        label, _, recipe = name.partition(":")
+        if not recipe or recipe not in scores.accuracy:
+            continue
+        paired = summary(scores, name, recipe)
+        if not paired["examples"]:
+            continue
+        entry = {"lever": label, "recipe": recipe, "examples": paired["examples"], "normalized": paired["normalized"],
+                 "minus_published": paired["minus_control"], "interval": paired["minus_control_interval"]}
+        for oracle in ("keys", "values"):
+            swap = f"hybrid@{budget}+true-{oracle}"
+            if recipe != f"hybrid@{budget}" or swap not in scores.accuracy:
+                continue
+            examples = scores.common(name, recipe, swap)
+            published = normalized(scores, recipe, examples)
+            gap = float(normalized(scores, swap, examples) - published)
+            entry[f"{oracle}_gap_closed"] = float(normalized(scores, name, examples) - published) / gap if gap else None
+        out.append(entry)
+    return out
 
 
 def trade_off(rows: dict[str, dict]) -> dict[str, dict[str, list[dict]]]:
@@ -212,8 +239,10 @@ def report(role: str, context: int) -> dict:
         choice = choose_default(rows, budget) if role == "selection" else None
         # the default these texts choose (selection) or report (final: the one the selection texts chose)
         default = choice["default"] if choice else chosen_defaults().get(direction)
+        levers = lever_gains(tasks["continuation"], budget)
         payload["directions"][direction] = {"budget": budget, "rows": rows, "choice": choice, "default": default,
-                                            "pair": siblings.pair_name(direction), "trade_off": trade_off(rows)}
+                                            "pair": siblings.pair_name(direction), "trade_off": trade_off(rows),
+                                            "levers": levers}
         order = sorted(rows, key=lambda v: (rows[v]["compute"], v))
         for task in ["continuation", RECALL, *sorted(t for t in tasks if t.startswith("recall-"))]:
             if task not in tasks:
@@ -231,6 +260,16 @@ def report(role: str, context: int) -> dict:
             lines += [f"## {siblings.pair_name(direction)}, {task} (budget {budget})", "",
                       table(["variant", "compute", "examples (files)", "normalized", "KL", "minus window-only"], cells),
                       ""]
+        if levers:
+            share = lambda v: "-" if v is None else f"{v:+.2f}"  # noqa: E731
+            cells = [[e["lever"], e["recipe"], e["examples"], f"{e['normalized']:.3f}",
+                      f"{e['minus_published']:+.3f} [{e['interval'][0]:+.3f}, {e['interval'][1]:+.3f}]",
+                      f"{share(e.get('keys_gap_closed'))} / {share(e.get('values_gap_closed'))}"] for e in levers]
+            lines += [f"## {siblings.pair_name(direction)}, levers (continuation)", "",
+                      "Each lever's maps against the published maps on the same recipe and examples (paired); for the "
+                      "hybrid, the share of the gap to the target's own keys / values in the mapped prefix it closes.",
+                      "", table(["lever", "recipe", "examples", "normalized", "minus the published maps",
+                                 "oracle gap closed: keys / values"], cells), ""]
         if choice:
             lines += [f"Default earned: **{choice['default']}**" if choice["default"] else
                       "No recipe qualifies (continuation interval not below the control, recall >= "

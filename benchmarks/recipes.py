@@ -33,7 +33,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -129,6 +129,8 @@ def variants_for(budget: int, levers: tuple[str, ...] = (), chosen: str | None =
         out += [Variant("plain", maps=label), Variant("hybrid", budget, maps=label),
                 Variant("refresh", budget, budget - 2 * PROBE, maps=label),
                 Variant("refresh", budget, budget // 4, maps=label)]
+        if chosen is not None:
+            out.append(replace(Variant.recipe(chosen), maps=label))
     return list(dict.fromkeys(out))
 
 

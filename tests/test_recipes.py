@@ -82,6 +82,9 @@ def test_final_texts_measure_the_chosen_default_beside_its_controls(tmp_path, mo
     names = [v.name for v in recipes.variants_for(160, chosen="index@160/p40")]
     assert names == ["full", "no_context", "plain", "window@160", "hybrid@160", "refresh@160/p128", "index@160/p40",
                      "hybrid@160+true-keys", "hybrid@160+true-values"]
+    with_lever = [v.name for v in recipes.variants_for(160, ("attn",), chosen="index@160/p40")]
+    assert with_lever[len(names):] == ["attn:plain", "attn:hybrid@160", "attn:refresh@160/p128", "attn:refresh@160/p40",
+                                       "attn:index@160/p40"]
     assert len(recipes.variants_for(160)) > 2 * len(names)  # selection texts: the whole grid
     monkeypatch.setattr(recipes, "RESULTS", tmp_path)
     with pytest.raises(RecordError, match="selection"):
@@ -136,7 +139,8 @@ def test_the_default_is_the_best_recipe_not_below_the_control_that_keeps_recall(
             "refresh@160/p128": _row("refresh", 160, 0.70, (0.00, 0.08), 1.00),
             "index@160/p32": _row("index", 160, 0.78, (-0.12, -0.01), 0.99),  # below the control
             "hybrid@160+true-keys": _row("hybrid", 160, 0.95, (0.1, 0.3), 1.0),  # an oracle is no recipe
-            "hybrid@320": _row("hybrid", 320, 0.90, (0.1, 0.2), 1.0)}  # another budget
+            "hybrid@320": _row("hybrid", 320, 0.90, (0.1, 0.2), 1.0),  # another budget
+            "attn:refresh@160/p64": {**_row("refresh", 160, 0.9, (0.1, 0.2), 1.0), "maps": "attn"}}  # a lever's maps
     choice = recipe_report.choose_default(rows, 160)
     assert choice["default"] == "refresh@160/p64"
     assert set(choice["candidates"]) == {"hybrid@160", "refresh@160/p64", "refresh@160/p128", "index@160/p32"}
@@ -254,3 +258,20 @@ def test_a_cache_holding_part_of_its_context_refuses_what_would_read_it_whole(ex
     assert (whole.dropped_positions, whole.get_seq_length()) == (8, CONTEXT)
     whole.restore(snapshot)  # a refresh that fails after dropping puts the whole context back
     assert (whole.dropped_positions, whole.layers[0].keys.shape[2]) == (0, CONTEXT)
+
+
+def test_a_lever_is_paired_with_the_published_maps_and_credited_with_the_oracle_gap_it_closes():
+    accuracy = {"full": 1.0, "no_context": 0.0, "hybrid@160": 0.5, "hybrid@160+true-keys": 0.9,
+                "hybrid@160+true-values": 0.6, "attn:hybrid@160": 0.7, "attn:plain": 0.3, "plain": 0.2}
+    examples = [f"e{i}" for i in range(6)]
+    jitter = {e: 0.01 * i for i, e in enumerate(examples)}  # the same for every variant: paired differences are exact
+    scores = recipe_report.Scores({v: {e: a * (1 - jitter[e]) + jitter[e] * (v == "full") for e in examples}
+                                   for v, a in accuracy.items()},
+                                  {v: dict.fromkeys(examples, 0.1) for v in accuracy}, {e: f"{e}.py" for e in examples})
+    gains = {g["recipe"]: g for g in recipe_report.lever_gains(scores, 160)}
+    assert set(gains) == {"hybrid@160", "plain"} and gains["plain"]["lever"] == "attn"
+    hybrid = gains["hybrid@160"]
+    assert hybrid["minus_published"] == pytest.approx(0.2, abs=0.02)
+    assert hybrid["keys_gap_closed"] == pytest.approx(0.5, abs=0.05)  # 0.2 of the 0.4 the target's own keys add
+    assert hybrid["values_gap_closed"] == pytest.approx(2.0, abs=0.2)  # beyond what the values oracle adds
+    assert "keys_gap_closed" not in gains["plain"]  # the oracle swaps are the hybrid's
