@@ -18,6 +18,9 @@ from pathlib import Path
 
 import torch
 
+from peft_kvcache import KVMap
+from peft_kvcache.errors import RecordError
+
 from . import siblings
 from .common import ROOT, read_results, start_run
 
@@ -29,10 +32,15 @@ def fit(label: str, changes: dict, files: int, progress: bool = True) -> Path:
     ``files`` calibration files into ``runs/levers/<label>``; maps already there are kept."""
     folder = LEVERS / label
     folders = {d: folder / siblings.pair_name(d) for d in siblings.DIRECTIONS}
-    if all(f.is_dir() for f in folders.values()):
-        return folder
     config = replace(siblings.CONFIG, **changes)
     config.validate()
+    if all(f.is_dir() for f in folders.values()):
+        for f in folders.values():
+            fitted = KVMap.from_pretrained(f).config.calibration
+            if fitted.options != config or len(fitted.data.names()) != files:
+                raise RecordError(f"{f} holds a map fitted on {len(fitted.data.names())} files with other options "
+                                  f"({fitted.options}); remove it or choose another label")
+        return folder
     models, tokenizer = siblings.load_pair()
     texts = siblings.calibration_texts(tokenizer, files, config)
     vocab = models["small"].get_input_embeddings().weight.shape[0]
@@ -61,7 +69,9 @@ def main(argv: list[str] | None = None) -> None:
                                                ("max_length", args.max_length), ("top_k", args.top_k))
                if value is not None}
     scales = {row["chosen_files"] for row in read_results("sibling-scaling")["curve"].values()}
-    files = args.files or max(scales)
+    if args.files is None and len(scales) != 1:  # both directions come from one capture, at one scale
+        raise RecordError(f"the published maps were fitted on different scales {sorted(scales)}: pass --files")
+    files = args.files or scales.pop()
     print(fit(args.label, changes, files))
 
 

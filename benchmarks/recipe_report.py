@@ -18,6 +18,8 @@ import torch
 
 from . import siblings
 from .common import RESULTS, save, table
+from peft_kvcache.errors import RecordError
+
 from .recipes import chosen_defaults, read_records, records_path
 
 BOOTSTRAP, SEED = 2000, 0
@@ -239,6 +241,9 @@ def report(role: str, context: int) -> dict:
         choice = choose_default(rows, budget) if role == "selection" else None
         # the default these texts choose (selection) or report (final: the one the selection texts chose)
         default = choice["default"] if choice else chosen_defaults().get(direction)
+        if default is not None and default not in rows:
+            raise RecordError(f"the final records of {direction} hold no {default!r}, the default the selection texts "
+                              "chose: run `python -m benchmarks.recipes run --role final` again")
         levers = lever_gains(tasks["continuation"], budget)
         payload["directions"][direction] = {"budget": budget, "rows": rows, "choice": choice, "default": default,
                                             "pair": siblings.pair_name(direction), "trade_off": trade_off(rows),

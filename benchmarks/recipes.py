@@ -107,16 +107,17 @@ class Variant:
         return self.budget - PROBE - self.picked
 
 
-def variants_for(budget: int, levers: tuple[str, ...] = (), chosen: str | None = None) -> list[Variant]:
+def variants_for(budget: int, levers: tuple[str, ...] = (), final: bool = False,
+                 chosen: str | None = None) -> list[Variant]:
     """The standing variants at a direction's budget B (its published recipe's target compute): controls, the
     oracle swaps, and on selection texts the trade-off between a recent window and picked positions at B (middle
-    mapped and dropped) and the curve as the budget grows (B/2, 2B); on final texts (``chosen``: the default the
-    selection texts chose) only what reports it: the hybrid, today's refresh and the chosen default at B. Then each
-    lever's map set on the recipes that use a map."""
+    mapped and dropped) and the curve as the budget grows (B/2, 2B); on ``final`` texts only what reports the
+    default: the hybrid, today's refresh and ``chosen`` (the default the selection texts chose, if any) at B. Then
+    each lever's map set on the recipes that use a map."""
     out = [Variant("full"), Variant("no_context"), Variant("plain")]
-    if chosen is not None:
-        out += [Variant("window", budget), Variant("hybrid", budget), Variant("refresh", budget, budget - 2 * PROBE),
-                Variant.recipe(chosen)]
+    if final:
+        out += [Variant("window", budget), Variant("hybrid", budget), Variant("refresh", budget, budget - 2 * PROBE)]
+        out += [Variant.recipe(chosen)] if chosen is not None else []
     else:
         picks = sorted({0, budget // 8, budget // 4, budget // 2, budget - 2 * PROBE} - {0})
         for b in (budget, budget // 2, 2 * budget):
@@ -342,7 +343,8 @@ def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str
     chosen = chosen_defaults() if role == "final" else {}
     plan = {}
     for d in directions:
-        plan[d] = [v for v in variants_for(maps[d]["published"].config.refresh.compute, levers, chosen.get(d))
+        plan[d] = [v for v in variants_for(maps[d]["published"].config.refresh.compute, levers, role == "final",
+                                           chosen.get(d))
                    if only is None or only in v.name or v.kind in ("full", "no_context")]
     done = {record_key(r["example"], r["direction"], r["variant"], r["map"]) for r in read_records(path)}
     dtype = str(next(models["large"].parameters()).dtype).removeprefix("torch.")

@@ -110,6 +110,7 @@ def measure(source_run, target, kv_map, ids: torch.Tensor, repeats: int = 5, rec
                                                              refresh_tokens=0), repeats)}
     if recipe and kv_map.config.refresh is not None:
         row["recipe"] = timed(switch(None), repeats, before=clear)
+        row["recipe_name"] = kv_map.config.refresh.name  # what "recipe" timed
     for name in ("cold", "warm", "recipe"):
         if name in row:
             row[f"speedup_{name}"] = row["full"]["median"] / row[name]["median"]

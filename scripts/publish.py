@@ -496,7 +496,7 @@ def unmet_needs(stages: list[Stage], publisher: Publisher) -> list[str]:
             absent = [] if item in coming else [p for p in publisher.paths(item) if not p.exists()]
             if absent:
                 where = _shown(absent[0]) + (f" and {len(absent) - 1} more" if len(absent) > 1 else "")
-                missing.append(f"{item} ({where}; made by the stage {MAKERS[item]})")
+                missing.append(f"{item} ({where}; made by the stage {MAKERS.get(item, 'capture')})")
         if missing:
             lines.append(f"{stage.name} needs " + "; ".join(missing))
         coming.update(stage.makes)

@@ -52,6 +52,19 @@ def test_received_attention_is_what_the_attention_weights_give_each_token():
             assert float(received[row, first + k]) == pytest.approx(expected, rel=1e-4)
 
 
+def test_attention_modules_that_give_no_weights_are_refused_by_name():
+    from peft_kvcache.errors import IncompatibleModelsError
+    from peft_kvcache.modeling.capture import ReceivedAttention
+
+    model = tiny_model("qwen2", seed=0)
+    recorder = ReceivedAttention(model, torch.ones(1, 4, dtype=torch.long))
+    attention = recorder.modules[0]
+    with pytest.raises(IncompatibleModelsError, match="no attention weights"):
+        recorder._add(attention, (), (torch.zeros(1, 4, 64), None))  # what sdpa or flash attention returns
+    with pytest.raises(IncompatibleModelsError, match="0 of 2 layers"):
+        recorder.per_token()
+
+
 def test_calibration_weights_each_token_by_the_attention_its_target_gives_it():
     source, target = calibration_pair()
     config = CalibrationConfig(attention_weighting=0.5, sink_tokens=1)
@@ -88,7 +101,8 @@ def test_a_weighted_map_records_its_weighting_and_tokens_and_differs_from_the_pl
     assert weighted.config.calibration.options.attention_weighting == 1.0
     assert weighted.config.calibration.train_tokens == plain.config.calibration.train_tokens
     assert not torch.equal(weighted.tensors["keys.0.weight"], plain.tensors["keys.0.weight"])
-    assert statistics_options(weighted.config.calibration.options).attention_weighting == 1.0  # checkpoints differ
+    assert statistics_options(weighted.config.calibration.options)["attention_weighting"] == 1.0  # checkpoints differ
+    assert "attention_weighting" not in statistics_options(plain.config.calibration.options)
 
 
 def test_weighting_is_refused_where_it_has_no_single_target_or_no_meaning():
@@ -117,3 +131,6 @@ def test_lever_maps_are_the_published_calibration_but_for_the_lever(tmp_path, mo
         assert options.attention_weighting == 0.5 and options.top_k == siblings.CONFIG.top_k
         assert options.max_length == siblings.CONFIG.max_length
         assert len(kv_map.config.calibration.data.names()) == 5
+    assert lever_maps.fit("attention", {"attention_weighting": 0.5}, files=5, progress=False) == folder  # kept
+    with pytest.raises(RecordError, match="other options"):
+        lever_maps.fit("attention", {"attention_weighting": 0.25}, files=5, progress=False)

@@ -79,13 +79,14 @@ def test_compute_counts_the_probe_once_and_every_recipe_at_a_budget_spends_it():
 def test_final_texts_measure_the_chosen_default_beside_its_controls(tmp_path, monkeypatch):
     for name in ("hybrid@160", "refresh@160/p20", "index@160/p40"):
         assert Variant.recipe(name).name == name and Variant.recipe(name).compute == 160
-    names = [v.name for v in recipes.variants_for(160, chosen="index@160/p40")]
+    names = [v.name for v in recipes.variants_for(160, final=True, chosen="index@160/p40")]
     assert names == ["full", "no_context", "plain", "window@160", "hybrid@160", "refresh@160/p128", "index@160/p40",
                      "hybrid@160+true-keys", "hybrid@160+true-values"]
-    with_lever = [v.name for v in recipes.variants_for(160, ("attn",), chosen="index@160/p40")]
+    with_lever = [v.name for v in recipes.variants_for(160, ("attn",), final=True, chosen="index@160/p40")]
     assert with_lever[len(names):] == ["attn:plain", "attn:hybrid@160", "attn:refresh@160/p128", "attn:refresh@160/p40",
                                        "attn:index@160/p40"]
     assert len(recipes.variants_for(160)) > 2 * len(names)  # selection texts: the whole grid
+    assert len(recipes.variants_for(160, final=True)) == len(names) - 1  # no default chosen: the controls still run
     monkeypatch.setattr(recipes, "RESULTS", tmp_path)
     with pytest.raises(RecordError, match="selection"):
         recipes.chosen_defaults()
@@ -103,7 +104,7 @@ def test_records_resume_where_a_run_stopped(tmp_path, sibling_pair, sibling_map,
     items = [Example(f"continuation/{i}.py@0", f"{i}.py", "continuation", x, CONTINUATION) for i, x in enumerate(ids)]
     monkeypatch.setattr(recipes, "examples", lambda *args: items)
     plan = [Variant("full"), Variant("no_context"), Variant("window", 40), Variant("hybrid", 40)]
-    monkeypatch.setattr(recipes, "variants_for", lambda budget, levers=(), chosen=None: plan)
+    monkeypatch.setattr(recipes, "variants_for", lambda budget, levers=(), final=False, chosen=None: plan)
     path = tmp_path / "records.jsonl"
     maps = {"published": {d: tmp_path / "maps" / recipes.siblings.pair_name(d) for d in ("up", "down")}}
     run = lambda: recipes.run({"small": source, "large": target}, None, maps, "selection", CONTEXT, 3, 1, 0,
@@ -256,6 +257,12 @@ def test_a_cache_holding_part_of_its_context_refuses_what_would_read_it_whole(ex
     snapshot = whole.snapshot()
     whole.hold_only(torch.arange(8, CONTEXT), [(layer.keys[:, :, 8:], layer.values[:, :, 8:]) for layer in whole.layers])
     assert (whole.dropped_positions, whole.get_seq_length()) == (8, CONTEXT)
+    with pytest.raises(CacheMismatchError, match="cannot be cut"):
+        whole.truncate(4)  # the first 8 positions are not held: nothing before them to keep
+    with pytest.raises(CacheMismatchError, match="increasing"):
+        whole.hold_only(torch.tensor([3, 2]), [(layer.keys[:, :, :2], layer.values[:, :, :2]) for layer in whole.layers])
+    with pytest.raises(CacheMismatchError, match="each of"):
+        whole.hold_only(torch.tensor([2, 3]), [(layer.keys, layer.values) for layer in whole.layers])
     whole.restore(snapshot)  # a refresh that fails after dropping puts the whole context back
     assert (whole.dropped_positions, whole.layers[0].keys.shape[2]) == (0, CONTEXT)
 

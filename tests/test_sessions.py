@@ -327,3 +327,27 @@ def test_one_model_serves_as_source_with_its_adapter_disabled_and_errors_say_wha
     strong_cache = run_with_cache(model, ids)  # the adapter's own cache, to be mapped back to the base...
     with adapter_active(model, None), pytest.raises(FingerprintMismatchError, match="swap source and target"):
         MappedCache.from_source(strong_cache, kv_map, model, input_ids=ids)  # ...with base -> strong
+
+
+def test_an_index_recipe_switch_continues_and_keeps_the_base_in_sessions_and_the_server(real_shared, monkeypatch):
+    """A map whose default recipe drops the mapped middle (index@B/pP): its cache holds some positions only, so it is
+    never stored as a prefix's KV nor mapped back; the base catches up by a pass, and the conversation goes on."""
+    from peft_kvcache.maps.recipe import Refresh
+    from peft_kvcache.serving.engine import PrefixEngine
+    from peft_kvcache.serving.store import PrefixStore
+
+    monkeypatch.setattr(real_shared.maps.to_adapter["strong"].config, "refresh", Refresh.named("index@40/p8"))
+    session = AdapterSession(real_shared, keep_base="reverse_map", **GEN)
+    session.turn(random_ids(1, 40, seed=1)[0], adapter=None)
+    turn = session.turn(random_ids(1, 5, seed=2)[0], adapter="strong")
+    assert turn.context_source == "mapped" and session._last[1].dropped_positions > 0
+    assert turn.model_tokens["keep_base"] == 5 + turn.new_ids.shape[1]  # a pass, not the reverse map
+    again = session.turn(random_ids(1, 4, seed=3)[0], adapter="strong")  # continues the index cache
+    assert again.model_tokens["prefill"] == 4 + 1 and session.base_cached_tokens == session.ids.shape[1] - 1
+
+    engine = PrefixEngine(real_shared, PrefixStore(2**24), min_mapped_tokens=1)
+    history = random_ids(1, 40, seed=4)[0]
+    engine.run(None, history, GEN)
+    served = engine.run("strong", torch.cat([history, random_ids(1, 5, seed=5)[0]]), GEN)
+    assert served.context_source == "mapped"
+    assert {e.adapter for e in engine.store.entries()} == {None}  # the base caught up; the index cache not stored

@@ -56,13 +56,12 @@ class SufficientStatistics:
         x = x.to(device="cpu", dtype=torch.float64)
         if not torch.isfinite(x).all():
             raise NumericalError("source features contain NaN or Inf; the source model's cache is not finite")
-        if weights is None:
-            weights = torch.ones(x.shape[0], dtype=torch.float64)
-        weights = weights.to(device="cpu", dtype=torch.float64).reshape(-1)
-        if weights.shape[0] != x.shape[0] or not torch.isfinite(weights).all() or bool((weights < 0).any()):
-            raise CalibrationError(f"row weights must be {x.shape[0]} finite non-negative numbers")
-        weighted = x * weights[:, None]
-        self.count += weights.sum()
+        if weights is not None:
+            weights = weights.to(device="cpu", dtype=torch.float64).reshape(-1)
+            if weights.shape[0] != x.shape[0] or not torch.isfinite(weights).all() or bool((weights < 0).any()):
+                raise CalibrationError(f"row weights must be {x.shape[0]} finite non-negative numbers")
+        weighted = x if weights is None else x * weights[:, None]
+        self.count += x.shape[0] if weights is None else weights.sum()
         self.x_sum += weighted.sum(0)
         self.x_gram.addmm_(weighted.T, x)
         for name, y in ys.items():
@@ -71,8 +70,8 @@ class SufficientStatistics:
                 raise CalibrationError(f"target {name!r} has {y.shape[0]} rows for {x.shape[0]} source rows")
             if not torch.isfinite(y).all():
                 raise NumericalError(f"target {name!r} features contain NaN or Inf")
-            self.y_sum[name] += weights @ y
-            self.y_sumsq[name] += weights @ y.square()
+            self.y_sum[name] += y.sum(0) if weights is None else weights @ y
+            self.y_sumsq[name] += y.square().sum(0) if weights is None else weights @ y.square()
             self.xy[name].addmm_(weighted.T, y)
 
     def merge(self, other: "SufficientStatistics") -> "SufficientStatistics":

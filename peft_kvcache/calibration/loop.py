@@ -101,8 +101,10 @@ class StatisticsRun:
                                                                  {t: features[t][k] for t in targets}, weights[source])
 
     def _weights(self, target: CapturedKV, rows: torch.Tensor) -> torch.Tensor | None:
-        """Each row's weight in the fit: ``1 - a + a * r / mean(r)`` with ``r`` the attention the target gave the token
-        (`ReceivedAttention`) and ``a`` the attention weighting (None when 0: every token alike). Mean 1 per batch."""
+        """Each row's weight in the fit, train and held-out splits alike (so ridge strengths and layers are chosen,
+        and held-out R^2 reported, under the same weighting): ``1 - a + a * r / mean(r)`` with ``r`` the attention the
+        target gave the token (`ReceivedAttention`), the mean over the batch's rows, and ``a`` the attention weighting
+        (None when 0: every token alike). The weights average 1 per batch, so counts stay token counts."""
         if not self.attention_weighting:
             return None
         if target.received is None:
@@ -242,10 +244,19 @@ def build_map(run: StatisticsRun, source: str, target: str, config: CalibrationC
     return KVMap(map_config, tensors)
 
 
-def statistics_options(config: CalibrationConfig) -> CalibrationConfig:
-    """The options a checkpoint of statistics is keyed on: all but those that only shape the fit from them (the ridge
-    grid, the layer choice, the rank), so that fits with other such options resume from the same statistics."""
-    return replace(config, lambda_grid=DEFAULT_LAMBDA_GRID, top_k=1, residual_rank=0)
+def statistics_options(config: CalibrationConfig) -> dict:
+    """The options a checkpoint of statistics is keyed on: those that shape the statistics (not the ridge grid, the
+    layer choice or the rank, which only shape the fit from them, so fits with other such options resume from the same
+    statistics), where they differ from their defaults (an option added later with a default keeps the checkpoints
+    made before it).
+
+    Example:
+        >>> statistics_options(CalibrationConfig(top_k=4, max_length=1024))
+        {'max_length': 1024}
+    """
+    shaped, default = replace(config, lambda_grid=DEFAULT_LAMBDA_GRID, top_k=1, residual_rank=0), CalibrationConfig()
+    return {f.name: getattr(shaped, f.name) for f in fields(CalibrationConfig)
+            if getattr(shaped, f.name) != getattr(default, f.name)}
 
 
 def _same_shape(source: ModelSide, target: ModelSide) -> bool:
@@ -365,12 +376,14 @@ def calibrate_adapters(model: torch.nn.Module, calibration_data, tokenizer=None,
     texts = CalibrationTexts.build(calibration_data, tokenizer, config, vocab_size_of(model))
     groups = {BASE: list(adapters), **({a: [BASE] for a in adapters} if reverse else {})}
     run = StatisticsRun(groups, sides, config.same_layer, config.sink_tokens, config.attention_weighting)
+    # the models whose attention weights the fit (its targets), measured only when it is weighted
+    targets = {t for ts in groups.values() for t in ts} if config.attention_weighting else set()
 
     def run_models(ids, mask):
         runs = {}
         for name in [BASE, *adapters]:
             with adapter_active(model, None if name == BASE else name):
-                runs[name] = run_with_cache(model, ids, mask, received_attention=config.attention_weighting > 0)
+                runs[name] = run_with_cache(model, ids, mask, received_attention=name in targets)
         return runs
 
     collect(run_models, run, texts, config.batch_size, progress=progress, checkpoint_dir=checkpoint_dir,

@@ -210,7 +210,8 @@ def calibration_text(config: KVMapConfig) -> str:
                      "identity plus two thin factors")
     if options.attention_weighting:
         lines.append(f"- tokens weighted by the attention the target gives them ({options.attention_weighting:g} of each "
-                     "token's weight follows its received attention, relative to its chunk's mean)")
+                     "token's weight follows its received attention, relative to its batch's mean), in the fit and in "
+                     "the held-out R² alike")
     if train:
         lines.append(f"- files: {', '.join(f'`{n}`' for n in train[:6])}{', …' if len(train) > 6 else ''} "
                      "(all names in config.json)")
@@ -247,7 +248,7 @@ def quality_text(config: KVMapConfig) -> str:
 
 
 def recipe_text(config: KVMapConfig) -> str:
-    """The card's paragraph on the recommended refresh and the budget curve behind it."""
+    """The card's paragraph on the recommended recipe: its name, its target compute and what the target computes."""
     r = config.refresh
     if r is None or not r.active:
         return "`MappedCache.from_source` maps the whole context by default (no refresh is recommended for this map)."
@@ -256,7 +257,8 @@ def recipe_text(config: KVMapConfig) -> str:
         what = f"the target computes the last {computed} context tokens itself, over the mapped prefix"
     else:
         what = (f"the last {r.probe_tokens} context tokens probe the mapped cache, and the target recomputes the "
-                f"{r.tokens} positions they attend to most (spans of {r.span}) with the last {computed} tokens")
+                f"{r.tokens} positions the last of them attends to most (spans of {r.span}) with the last {computed} "
+                "tokens")
         if not r.mapped_middle:
             what += ("; the rest of the mapped context is then dropped (the map only chose what the target computes), "
                      "so the cache holds the sink and those positions alone")

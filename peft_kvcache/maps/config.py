@@ -66,9 +66,10 @@ class CalibrationConfig:
                                "on the calibration texts (reduced-rank regression, closed form from the statistics); "
                                "the map then runs as the identity plus two thin factors, 2r instead of the layer width "
                                "multiply-adds per feature; 0: the full correction", default=0)
-    attention_weighting: float = _help("weight each token in the fit by the attention the target gives it: a token "
-                                       "counts 1 - a + a * (its received attention / the chunk's mean), so the map is "
-                                       "fitted hardest where the target reads; 0: every token alike", default=0.0)
+    attention_weighting: float = _help("weight each token in the fit (and in the held-out choice of ridge strengths "
+                                       "and layers) by the attention the target gives it: a token counts 1 - a + a * "
+                                       "(its received attention / the mean over its batch), so the map is fitted "
+                                       "hardest where the target reads; 0: every token alike", default=0.0)
 
     def __post_init__(self):
         self.validate()

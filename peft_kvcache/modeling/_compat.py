@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
@@ -64,6 +66,24 @@ def update_positions(update_kwargs: dict) -> torch.Tensor | None:
 def attention_implementation(model: torch.nn.Module) -> str:
     """The attention implementation a model runs (``"eager"``, ``"sdpa"``, ...)."""
     return unwrap_peft(model).config._attn_implementation
+
+
+@contextmanager
+def eager_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Run the block with the model's attention in eager mode (the one that computes attention weights), then put its
+    implementation back. The model's state changes meanwhile: no other thread may run it (the library holds its
+    `model_lock` where models are shared). A model that cannot switch raises `IncompatibleModelsError`."""
+    from ..errors import IncompatibleModelsError
+
+    previous = attention_implementation(model)
+    model.set_attn_implementation("eager")  # transformers only warns where a model cannot switch
+    try:
+        if attention_implementation(model) != "eager":
+            raise IncompatibleModelsError(f"{type(unwrap_peft(model)).__name__} cannot run eager attention, which gives "
+                                          "the attention weights needed here; load it with attn_implementation='eager'")
+        yield
+    finally:
+        model.set_attn_implementation(previous)
 
 
 def fill_cache(cache: DynamicCache, layers_kv) -> DynamicCache:

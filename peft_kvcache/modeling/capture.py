@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
-from ..errors import CacheMismatchError, UnsupportedPositionalSchemeError
-from ._compat import output_cache, with_cache
-from .layout import model_device
+from ..errors import CacheMismatchError, IncompatibleModelsError, UnsupportedPositionalSchemeError
+from ._compat import eager_attention, output_cache, with_cache
+from .layout import decoder_layers, model_device
 from .positions import positions_from_mask
 
 
@@ -101,49 +102,53 @@ def run_with_cache(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
         out = forward(model, input_ids, None, position_ids=position_ids, attention_mask=attention_mask)
         return cache_states(output_cache(out))
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    with ReceivedAttention(model, mask) as received:
+    with ReceivedAttention(model, mask).recording() as received:
         out = forward(model, input_ids, None, position_ids=position_ids, attention_mask=attention_mask)
     captured = cache_states(output_cache(out))
     return CapturedKV(captured.keys, captured.values, received.per_token())
 
 
 class ReceivedAttention:
-    """While active, the attention every token receives in ``model``'s forward passes over a batch with
+    """While `recording`, the attention every token receives in ``model``'s forward passes over a batch with
     ``attention_mask`` ``[batch, seq]`` (left-padded): per layer and head, each query's weight on the token times the
     number of tokens that query sees (1 wherever attention is uniform), averaged over the queries that see it, the
     heads and the layers. Eager attention runs meanwhile (the weights are read from each attention module's output
     and reduced at once, never all kept)."""
 
     def __init__(self, model: torch.nn.Module, attention_mask: torch.Tensor):
-        from ._compat import attention_implementation
-        from .layout import decoder_layers
-
-        self.model, self.previous = model, attention_implementation(model)
-        self.modules = [layer.self_attn for layer in decoder_layers(model)]
+        self.model = model
+        self.modules = [getattr(layer, "self_attn", None) for layer in decoder_layers(model)]
+        if any(m is None for m in self.modules):
+            raise IncompatibleModelsError(f"{type(model).__name__}'s decoder layers have no self_attn module to read "
+                                          "attention weights from")
         valid = attention_mask.bool().cpu()
         self.seen = positions_from_mask(attention_mask.cpu()).float().add(1) * valid  # keys each query sees
         self.queries = (valid.sum(1, keepdim=True) - self.seen + 1) * valid  # queries that see each token
-        self.total, self.layers, self.hooks = torch.zeros(valid.shape), 0, []
+        self.total, self.layers = torch.zeros(valid.shape), 0
 
-    def __enter__(self) -> "ReceivedAttention":
-        self.model.set_attn_implementation("eager")
-        self.hooks = [m.register_forward_hook(self._add) for m in self.modules]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for hook in self.hooks:
-            hook.remove()
-        self.model.set_attn_implementation(self.previous)
+    @contextmanager
+    def recording(self) -> Iterator["ReceivedAttention"]:
+        """Record the passes of the block (eager attention meanwhile: `_compat.eager_attention`)."""
+        with eager_attention(self.model):
+            hooks = [m.register_forward_hook(self._add) for m in self.modules]
+            try:
+                yield self
+            finally:
+                for hook in hooks:
+                    hook.remove()
 
     def _add(self, module, args, output) -> None:
-        weights = output[1].detach().float().cpu()  # [batch, heads, queries, keys]
-        self.total += torch.einsum("bhqk,bq->bk", weights, self.seen) / weights.shape[1]
+        weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None  # [batch, heads, queries, keys]
+        if not isinstance(weights, torch.Tensor):
+            raise IncompatibleModelsError(f"{type(module).__name__} returned no attention weights in eager mode")
+        received = torch.einsum("bhqk,bq->bk", weights.detach().float(), self.seen.to(weights.device))
+        self.total += received.cpu() / weights.shape[1]
         self.layers += 1
 
     def per_token(self) -> torch.Tensor:
         """``[batch, seq]`` relative attention received (0 at padding)."""
-        if not self.layers:
-            raise CacheMismatchError("no attention weights were seen: the model's attention modules return none")
+        if self.layers != len(self.modules):
+            raise IncompatibleModelsError(f"attention weights came from {self.layers} of {len(self.modules)} layers")
         return self.total / self.layers / self.queries.clamp(min=1)
 
 

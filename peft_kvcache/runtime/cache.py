@@ -104,12 +104,18 @@ class ContextCache(DynamicCache):
         and values per layer are ``layers_kv``: the attention reads these alone, new tokens are numbered after the
         whole context."""
         positions = positions.reshape(-1).cpu()
+        layers_kv = list(layers_kv)
+        if not positions.numel() or bool((positions.diff() <= 0).any()) or int(positions[0]) < 0:
+            raise CacheMismatchError("hold_only needs context positions, increasing, at least one")
+        if len(layers_kv) != len(self.layers) or any(k.shape[2] != positions.numel() for k, _ in layers_kv):
+            raise CacheMismatchError(f"hold_only needs the keys and values of {positions.numel()} positions for each of "
+                                     f"the cache's {len(self.layers)} layers")
         length = int(positions[-1]) + 1
         gaps = torch.nonzero(positions.diff() != 1).reshape(-1)
-        for layer, (keys, values) in zip(self.layers, layers_kv, strict=True):
+        for layer, (keys, values) in zip(self.layers, layers_kv):
             layer.keys, layer.values = keys.to(layer.keys.dtype), values.to(layer.values.dtype)
         self._dropped = length - positions.numel()
-        self._held_from = int(positions[int(gaps[-1]) + 1]) if gaps.numel() else 0
+        self._held_from = int(positions[int(gaps[-1]) + 1 if gaps.numel() else 0])  # where the held tail begins
 
     # ----- operations -----
 

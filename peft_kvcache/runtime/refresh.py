@@ -29,7 +29,7 @@ import torch
 
 from ..errors import CacheMismatchError
 from ..maps.config import Refresh
-from ..modeling._compat import attention_implementation
+from ..modeling._compat import eager_attention
 from ..modeling.capture import forward, run_with_cache
 
 if TYPE_CHECKING:  # for annotations only: the cache module runs the refresh
@@ -57,12 +57,10 @@ def attention_scores(target_model, cache: "MappedCache", probe_ids: torch.Tensor
     returns ``[W, context]``, one row per probe token."""
     length = cache.get_seq_length()
     positions = torch.arange(length, length + probe_ids.shape[1]) + position_offset
-    previous = attention_implementation(target_model)
-    target_model.set_attn_implementation("eager")
     try:
-        out = forward(target_model, probe_ids, cache, position_ids=positions[None], output_attentions=True)
+        with eager_attention(target_model):
+            out = forward(target_model, probe_ids, cache, position_ids=positions[None], output_attentions=True)
     finally:
-        target_model.set_attn_implementation(previous)
         cache.truncate(length)
     rows = slice(None) if every_probe_token else -1
     per_layer = [a[0, :, rows, :length].float().amax(dim=0).cpu() for a in out.attentions]

@@ -201,8 +201,9 @@ def catch_up_base(shared: SharedPeftModel, adapter: str, base_cache: ContextCach
     """Extend ``base_cache`` (a prefix of ``ids`` ``[1, n]``) up to what ``adapter_cache`` covers (at most
     ``ids[:, :-1]``), in place: by the adapter -> base map from the adapter's KV of the new tokens
     (``"reverse_map"``; no model runs) or by a base pass over them (``"prefill"``, and always for Activated
-    LoRAs, adapters without a reverse map and a base cache that does not hold the sink yet). Returns the
-    tokens the model ran over (the rest were mapped back). The caller holds the model's lock.
+    LoRAs, adapters without a reverse map, a base cache that does not hold the sink yet and an adapter cache that
+    holds only some of its positions: an index recipe's). Returns the tokens the model ran over (the rest were
+    mapped back). The caller holds the model's lock.
 
     Example:
         >>> catch_up_base(shared, "shout", base_cache, adapter_cache, conversation_ids)   # doctest: +SKIP
@@ -214,7 +215,7 @@ def catch_up_base(shared: SharedPeftModel, adapter: str, base_cache: ContextCach
     reverse = shared.maps.to_base.get(adapter)
     # The sink is always the base model's own: mapping it back would cost the most quality.
     if (keep_base == "prefill" or reverse is None or is_activated_lora(model, adapter)
-            or start < reverse.config.sink_tokens):
+            or start < reverse.config.sink_tokens or adapter_cache.dropped_positions):
         with adapter_active(model, None):
             forward(model, ids[:, start:end], base_cache, position_ids=torch.arange(start, end)[None])
         return end - start

@@ -183,7 +183,8 @@ class PrefixEngine:
         if self.reuse == "none":
             return 0
         covered = cache.get_seq_length()  # the conversation but its last token
-        self.store.add(adapter, output[0, :covered], cache_states(cache), made if covered else EXACT)
+        if not cache.dropped_positions:  # a cache holding only some positions (an index recipe) is not a prefix's KV
+            self.store.add(adapter, output[0, :covered], cache_states(cache), made if covered else EXACT)
         if self.reuse != "map" or adapter is None:
             return 0
         base, length = self.store.longest(None, output[0], covered)
