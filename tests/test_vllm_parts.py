@@ -252,3 +252,42 @@ def test_a_map_fitted_per_shard_maps_a_ranks_heads_from_that_rank_alone(head_sha
         assert same or head_shards == 1
         differs |= not same
     assert differs == (head_shards == 1)
+
+
+def test_the_step_slicer_keeps_its_share_of_the_engines_time_and_the_jobs_order():
+    from peft_kvcache.vllm.slices import StepSlicer
+
+    now = [0.0]
+    clock = lambda: now[0]  # noqa: E731
+    log = []
+
+    def job(name: str, slices: int, seconds: float):
+        for i in range(slices):
+            now[0] += seconds  # each slice takes this long
+            log.append((name, i))
+            yield
+
+    slicer = StepSlicer(share=0.2, clock=clock)
+    slicer.add(job("load", 30, 0.002))
+    slicer.add(job("save", 2, 0.002))
+    assert slicer.advance() == 1  # nothing measured yet: one slice
+    per_step = []
+    while not slicer.idle:
+        now[0] += 0.040  # the engine's step (a forward) between two calls
+        per_step.append(slicer.advance())
+    # 20% of the time: 0.040 * 0.2 / 0.8 = 10 ms per step, 2 ms slices -> 5 a step
+    assert per_step[:5] == [5, 5, 5, 5, 5] and sum(per_step) == 31
+    assert [name for name, _ in log] == ["load"] * 30 + ["save"] * 2  # in order, each job to its end
+    now[0] += 0.001  # a step far shorter than a slice still runs one
+    slicer.add(job("tiny", 3, 0.002))
+    assert slicer.advance() == 1
+    now[0] += 30.0  # the engine idle between requests: not a step's time to take a share of
+    assert slicer.advance() == 1
+    with pytest.raises(ValueError, match="share"):
+        StepSlicer(share=1.0)
+
+
+def test_the_step_share_option_is_checked_by_name():
+    assert ConnectorOptions.parse({"maps": None, "mode": "exact"}).step_share == 0.2
+    with pytest.raises(ConnectorError, match="step_share"):
+        ConnectorOptions.parse({"maps": None, "mode": "exact", "step_share": 1.0}).validate()

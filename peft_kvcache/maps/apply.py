@@ -8,7 +8,7 @@ and placed on the target layer's device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -175,6 +175,23 @@ def map_cache(
     Returns:
         Per target layer ``(keys, values)`` of shape ``[batch, kv_heads, seq, head_dim]``.
     """
+    return list(iter_map_cache(kv_map, source_keys, source_values, source_positions, target_positions, placements,
+                               compute_dtype, source_rotary, target_rotary))
+
+
+def iter_map_cache(
+    kv_map,
+    source_keys: Sequence[torch.Tensor],
+    source_values: Sequence[torch.Tensor],
+    source_positions: torch.Tensor,
+    target_positions: torch.Tensor,
+    placements: Sequence[tuple[torch.device, torch.dtype]],
+    compute_dtype: torch.dtype | None = None,
+    source_rotary: RotarySpec | None = None,
+    target_rotary: RotarySpec | None = None,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """`map_cache` one target layer at a time: each ``(keys, values)`` is computed when it is asked for (the
+    connector spreads a mapping over engine steps). The arguments are checked before the first layer."""
     config = kv_map.config
     if len(source_keys) != config.source_layout.num_layers:
         raise CacheMismatchError(
@@ -192,10 +209,15 @@ def map_cache(
     compute_dtype = compute_dtype or default_compute_dtype(kv_map, source_keys[0].device)
     features = SourceFeatures(source_keys, source_values, source_rotary or kv_map.source_rotary, source_positions,
                               compute_dtype)
-    target_spec = target_rotary or kv_map.target_rotary
-    heads, head_dim = config.target_layout.kv_heads, config.target_layout.head_dim
+    return _mapped_layers(kv_map, features, target_rotary or kv_map.target_rotary, target_positions, placements,
+                          compute_dtype, factored)
 
-    mapped, rotations = [], {}
+
+def _mapped_layers(kv_map, features: SourceFeatures, target_spec: RotarySpec, target_positions: torch.Tensor,
+                   placements: Sequence[tuple[torch.device, torch.dtype]], compute_dtype: torch.dtype,
+                   factored: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    heads, head_dim = kv_map.config.target_layout.kv_heads, kv_map.config.target_layout.head_dim
+    rotations = {}
     for t, (device, dtype) in enumerate(placements):
         if device not in rotations:  # one cos/sin per device, shared by the layers placed there
             rotations[device] = rotary_cos_sin(target_spec, target_positions, device=device)
@@ -216,8 +238,7 @@ def map_cache(
             if kind == "keys":
                 states = rotate_(states.float(), cos, sin)
             layer.append(_cast_checked(states, dtype, t, kind, dict(zip(sources, inputs))))
-        mapped.append((layer[0], layer[1]))
-    return mapped
+        yield layer[0], layer[1]
 
 
 def _cast_checked(states: torch.Tensor, dtype: torch.dtype, layer: int, kind: str,

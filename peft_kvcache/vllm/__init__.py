@@ -5,6 +5,6 @@ published map between them and writes it into vLLM's paged cache; vLLM computes 
 
 Owns: the options (`options`), the CPU backend's paged layout (`layout`), the store and its index (`store`), the
 published maps that fit the engine's models (`pairs`), the scheduler's and the worker's halves (`scheduler`,
-`worker`) and the connector vLLM calls (`connector`). Imports `maps`, `modeling` and the foundation, and vLLM itself
+`worker`, whose jobs a CPU engine runs within its steps: `slices`) and the connector vLLM calls (`connector`). Imports `maps`, `modeling` and the foundation, and vLLM itself
 (only these modules do); never the runtime, calibration, serving or `lab`. Needs the ``vllm`` extra.
 """

@@ -137,7 +137,8 @@ class PeftKVCacheConnector(KVConnectorBase_V1):
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             self.scheduler = SchedulerSide(vllm_config, options, async_loads)
         else:
-            self.worker = WorkerSide(vllm_config, kv_cache_config, options.maps if options.mode == "map" else None)
+            self.worker = WorkerSide(vllm_config, kv_cache_config, options.maps if options.mode == "map" else None,
+                                     step_share=options.step_share)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -214,10 +215,11 @@ class PeftKVCacheConnector(KVConnectorBase_V1):
         return  # a loading request waits outside the step until its load is done (or, synchronous, it is written)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
-        return  # finished requests are copied by the job thread while vLLM holds their blocks
+        return  # finished requests are copied after the forward (or on a job thread) while vLLM holds their blocks
 
     def wait_for_save(self) -> None:
-        return
+        if self.worker is not None:  # after every step's forward (and in steps with none)
+            self.worker.step()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker.finished() if self.worker is not None else (None, None)

@@ -11,6 +11,7 @@ from typing import Literal, get_args
 from ..errors import PeftKVCacheError, RecordError
 from ..maps.records import check_fields, from_json
 from ..runtime.reuse import MIN_MAPPED_TOKENS
+from .slices import DEFAULT_SHARE
 
 # "map": another variant's prefix is mapped with the published map between the two; "naive": it is injected as it
 # is (the baseline: what a prefix cache that ignores the adapter would do); "exact": only a variant's own stored
@@ -74,6 +75,9 @@ class ConnectorOptions:
     # how many maps the KV of a stored entry may have passed through (a mapped switch, then the next switch from what
     # it computed, ...): each one drifts a little further from the target's own (benchmarks/vllm_load.py measures it)
     max_hops: int = 2
+    # on a CPU engine, the most of the engine's time the connector's copies and mapped loads take: they run inside its
+    # steps a layer at a time (`slices`), so a decoding stream's step takes at most ~1 / (1 - step_share) of its time
+    step_share: float = DEFAULT_SHARE
 
     @classmethod
     def parse(cls, extra: dict | None) -> "ConnectorOptions":
@@ -99,6 +103,8 @@ class ConnectorOptions:
             raise ConnectorError(f"{where}.store_gib must be a positive number of GiB, got {self.store_gib!r}")
         if self.min_mapped_tokens < 0:
             raise ConnectorError(f"{where}.min_mapped_tokens must be >= 0, got {self.min_mapped_tokens!r}")
+        if not 0 < self.step_share < 1:
+            raise ConnectorError(f"{where}.step_share must be strictly between 0 and 1, got {self.step_share!r}")
         if self.max_hops < 1:
             raise ConnectorError(f"{where}.max_hops must be >= 1 (a mapped load passes through one map at least), got "
                                  f"{self.max_hops!r}")

@@ -3,11 +3,13 @@ into it, and writes loads into vLLM's paged cache, mapping another variant's KV 
 (`peft_kvcache.maps.apply.map_cache`: RoPE removed with the source's rotary, one matmul per target layer, RoPE applied
 again at the target positions) and taking the leading positions from the target's own sink.
 
-Nothing heavy runs in the engine's step: the maps are loaded at start, off the engine loop, and the copies and loads
-run in the order the scheduler sent them on a job thread, while vLLM holds a finished request's blocks until its copy
-is reported done and a loading request until its load is (under tensor parallelism a mapped load gathers the source
-heads with a collective of the engine's group, so loads run in the step, after the queued copies). It reports what
-it could not do; a load that fails is reported as failed blocks, which vLLM recomputes (the connector sets
+Nothing heavy holds the engine's step: the maps are loaded at start, off the engine loop, and the copies and loads
+run in the order the scheduler sent them while vLLM holds a finished request's blocks until its copy is reported done
+and a loading request until its load is. On a CPU engine they run inside the steps, a target layer at a time, within
+a share of the engine's time (`slices.StepSlicer`: the forward and a mapping share the cores, so a mapping beside it
+would slow every decoding stream); on a GPU they run on a job thread; under tensor parallelism a mapped load gathers
+the source heads with a collective of the engine's group, so loads run in the step, after the queued copies. It
+reports what it could not do; a load that fails is reported as failed blocks, which vLLM recomputes (the connector sets
 ``kv_load_failure_policy`` to ``"recompute"``): a request never receives wrong KV, and never fails, because of the
 connector.
 """
@@ -17,17 +19,19 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Iterator
 
 import torch
 
 from ..errors import CacheMismatchError
-from ..maps.apply import map_cache, place_map
+from ..maps.apply import iter_map_cache, place_map
 from ..maps.kvmap import KVMap
 from ..maps.registry import MapRegistry
 from ..modeling.layout import KVLayout
 from .jobs import DropJob, LoadJob, SaveJob, WorkerReport
 from .layout import CpuLayout, LogicalLayout, PagedLayout
 from .parallel import Shard, shard_of, unsupported_parallelism
+from .slices import DEFAULT_SHARE, StepSlicer
 from .store import KVStore, StoredKV
 
 logger = logging.getLogger(__name__)
@@ -36,8 +40,11 @@ logger = logging.getLogger(__name__)
 class WorkerSide:
     """See the module. ``kv_cache_config``: the engine's (block count); ``shard``: this rank's tensor-parallel place."""
 
-    def __init__(self, vllm_config, kv_cache_config=None, maps_root: str | None = None, shard: Shard | None = None):
+    def __init__(self, vllm_config, kv_cache_config=None, maps_root: str | None = None, shard: Shard | None = None,
+                 step_share: float = DEFAULT_SHARE):
         self.vllm_config, self.kv_cache_config, self.maps_root = vllm_config, kv_cache_config, maps_root
+        self.step_share = step_share
+        self._slicer: StepSlicer | None = None  # a CPU engine's jobs, run within its steps (set at register)
         self.shard = shard or shard_of(vllm_config)
         self.layer_names: list[str] = []
         self.layers: list[torch.Tensor] = []  # per decoder layer, in order
@@ -71,6 +78,8 @@ class WorkerSide:
                 seen.add(tensor.data_ptr())
                 self.layer_names.append(name)
                 self.layers.append(tensor)
+        if self.layers and self.layers[0].device.type == "cpu" and self.async_loads:
+            self._slicer = StepSlicer(self.step_share)
         if self.maps_root is not None:  # every map this engine's model could use, read off the engine loop
             self._preload = threading.Thread(target=self._load_maps, name="peft-kvcache-maps", daemon=True)
             self._preload.start()
@@ -137,39 +146,51 @@ class WorkerSide:
 
     def before_forward(self, ops: list) -> None:
         """Queue the scheduler's store operations (copies of finished requests' blocks, which vLLM holds until the
-        copy is done; drops), in order, for the job thread."""
+        copy is done; drops), in order, for the steps (a CPU engine) or the job thread."""
         self._check_layout()
         for op in ops:
-            self._jobs.put(op)
+            self._queue(op)
 
     def load(self, loads: list[LoadJob]) -> None:
-        """Queue the step's loads for the job thread (vLLM holds each request until its load is reported done), or,
-        when loads are synchronous (tensor parallelism: the gather is a collective of the engine's group, which only
-        the engine's thread may call), run them now, after the queued copies."""
+        """Queue the step's loads (vLLM holds each request until its load is reported done), or, when loads are
+        synchronous (tensor parallelism: the gather is a collective of the engine's group, which only the engine's
+        thread may call), run them now, after the queued copies."""
         self._check_layout()
         if self.async_loads:
             for job in loads:
-                self._jobs.put(job)
+                self._queue(job)
             return
         self._jobs.join()  # the copies they may read are done
         for job in loads:
-            self._run_load(job)
+            for _ in self._load_steps(job, report_done=False):
+                pass
+
+    def step(self) -> None:
+        """After each step's forward: a CPU engine's queued jobs progress within their share of its time."""
+        if self._slicer is not None:
+            self._slicer.advance()
+
+    def _queue(self, job) -> None:
+        if self._slicer is not None:
+            self._slicer.add(self._job_steps(job))
+        else:
+            self._jobs.put(job)
+
+    def _job_steps(self, job) -> Iterator[None]:
+        """A store operation or a load, as slices (each ``yield`` ends one)."""
+        return self._load_steps(job, report_done=True) if isinstance(job, LoadJob) else self._op_steps(job)
 
     def _serve(self) -> None:
         """The job thread: store operations and loads, one at a time, in the order the scheduler sent them."""
         while True:
             job = self._jobs.get()
             try:
-                if isinstance(job, LoadJob):
-                    self._run_load(job)
-                    with self._lock:
-                        self._loaded.add(job.request_id)
-                else:
-                    self._run_op(job)
+                for _ in self._job_steps(job):
+                    pass
             finally:
                 self._jobs.task_done()
 
-    def _run_op(self, op) -> None:
+    def _op_steps(self, op) -> Iterator[None]:
         try:
             if isinstance(op, DropJob):
                 if op.key is None:  # a reset
@@ -182,7 +203,10 @@ class WorkerSide:
             if self.layout is None:
                 raise CacheMismatchError(self.problem or "no layout")
             if op.key is not None:
-                pairs = [self.layout.read(layer, op.block_ids) for layer in self.layers]
+                pairs = []
+                for layer in self.layers:  # a layer a slice
+                    pairs.append(self.layout.read(layer, op.block_ids))
+                    yield
                 self.store.entries[op.key] = StoredKV([_to_host(k) for k, _ in pairs], [_to_host(v) for _, v in pairs])
             if op.sink_key is not None:
                 if not op.block_ids or op.sink_tokens > self.layout.block_size:
@@ -200,17 +224,22 @@ class WorkerSide:
                 with self._lock:
                     self._saved.add(op.request_id)
 
-    def _run_load(self, job: LoadJob) -> None:
+    def _load_steps(self, job: LoadJob, report_done: bool) -> Iterator[None]:
+        """A load as slices; ``report_done``: say it is done (an asynchronous load) when it ends, failed or not."""
         try:
             if self.layout is None:
                 raise CacheMismatchError(self.problem or "no layout")
-            self._load(job)
+            yield from self._load(job)
         except Exception as err:  # vLLM recomputes the failed blocks
             with self._lock:
                 self._failed_blocks.update(job.block_ids)
                 self._report.failed_loads.append(job.request_id)
             logger.warning("peft-kvcache: the %s load of request %s failed and is recomputed: %s", job.kind,
                            job.request_id, err)
+        finally:
+            if report_done:
+                with self._lock:
+                    self._loaded.add(job.request_id)
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         """The requests whose copy (vLLM may free their blocks) and whose load (vLLM may schedule them) are done
@@ -221,7 +250,7 @@ class WorkerSide:
             self._failed_blocks = set()
         return saved or None, loaded or None
 
-    def _load(self, job: LoadJob) -> None:
+    def _load(self, job: LoadJob) -> Iterator[None]:
         entry = self.store.entries.get(job.source_key)
         count = len(job.block_ids) * self.layout.block_size
         held = entry is not None and entry.length >= job.start + count
@@ -233,33 +262,51 @@ class WorkerSide:
         else:
             raise CacheMismatchError(f"the stored prefix holds {0 if entry is None else entry.length} tokens, the "
                                      f"load needs {job.start + count}")
-        if job.kind == "mapped":
-            device = self.layers[0].device  # the group gathers on the device its communicator runs on
-            keys, values = ([t.to(device, non_blocking=True) for t in ts] for ts in (keys, values))
-            # maps fitted per shard for this split read this rank's source heads only: no collective
-            heads = self.shard.place if job.per_shard else self.shard.gather
-            keys, values = self._mapped(job, heads(keys, held), heads(values, held))
-        for layer, k, v in zip(self.layers, keys, values):
-            self.layout.write(layer, job.block_ids, k, v)
+        if job.kind != "mapped":
+            for layer, k, v in zip(self.layers, keys, values):  # a layer a slice
+                self.layout.write(layer, job.block_ids, k, v)
+                yield
+            return
+        device = self.layers[0].device  # the group gathers on the device its communicator runs on
+        keys, values = ([t.to(device, non_blocking=True) for t in ts] for ts in (keys, values))
+        # maps fitted per shard for this split read this rank's source heads only: no collective
+        heads = self.shard.place if job.per_shard else self.shard.gather
+        for mapped in self._mapped(job, heads(keys, held), heads(values, held)):
+            if mapped is not None:
+                t, k, v = mapped
+                self.layout.write(self.layers[t], job.block_ids, k, v)
+            yield
 
-    def _mapped(self, job: LoadJob, keys: list[torch.Tensor], values: list[torch.Tensor]):
+    def _mapped(self, job: LoadJob, keys: list[torch.Tensor], values: list[torch.Tensor]
+                ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor] | None]:
         """The source's KV through the maps, in order (the one apply function, on the device of the layer each target
         layer fills; between two maps the KV stays in float32), every source head gathered across the
-        tensor-parallel group first, this rank's target heads kept, the target's own sink in front."""
+        tensor-parallel group first, this rank's target heads kept, the target's own sink in front: one target layer
+        a slice, each layer of the last map as ``(layer, keys, values)`` ``[heads, tokens, head_dim]``, None for a
+        layer of an earlier map."""
         positions = torch.arange(job.start, job.start + keys[0].shape[1])[None]
         keys, values = [k[None] for k in keys], [v[None] for v in values]  # [1, kv_heads, tokens, head_dim]
+        # positions 0.. of the conversation, computed by the target itself
+        own_keys, own_values = self._sink(job.sink_key) if job.sink_key is not None else (None, None)
+        heads = self.shard.heads
         for i, folder in enumerate(job.map_folders):
             last = i == len(job.map_folders) - 1
             placements = [(layer.device, self.layout.dtype if last else torch.float32) for layer in self.layers]
-            mapped = map_cache(self._map(folder), keys, values, positions, positions, placements)
-            keys, values = [k for k, _ in mapped], [v for _, v in mapped]
-        heads = self.shard.heads
-        keys, values = [k[0, heads] for k in keys], [v[0, heads] for v in values]
-        if job.sink_key is not None:  # positions 0.. of the conversation, computed by the target itself
-            own_keys, own_values = self._sink(job.sink_key)
-            for k, v, k_own, v_own in zip(keys, values, own_keys, own_values):
-                k[:, : k_own.shape[1]], v[:, : v_own.shape[1]] = k_own.to(k.device, k.dtype), v_own.to(v.device, v.dtype)
-        return keys, values
+            layers = iter_map_cache(self._map(folder), keys, values, positions, positions, placements)
+            if not last:
+                mapped = []
+                for pair in layers:
+                    mapped.append(pair)
+                    yield None
+                keys, values = [k for k, _ in mapped], [v for _, v in mapped]
+                continue
+            for t, (k, v) in enumerate(layers):
+                k, v = k[0, heads], v[0, heads]
+                if own_keys is not None:
+                    k_own, v_own = own_keys[t], own_values[t]
+                    k[:, : k_own.shape[1]] = k_own.to(k.device, k.dtype)
+                    v[:, : v_own.shape[1]] = v_own.to(v.device, v.dtype)
+                yield t, k, v
 
     def _sink(self, sink_key: tuple) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This rank's heads of the target's own sink, per layer ``[heads, tokens, head_dim]``: kept in the store from

@@ -1,0 +1,71 @@
+"""Work the connector's worker runs inside the engine's steps, a slice at a time, so that a switch never holds the
+streams that are decoding: on a CPU the engine's forward and a mapping share the same cores, and a mapping run beside
+the forward (another thread) slows every stream's step by as much as it takes.
+
+Each step, after the forward, `StepSlicer.advance` runs the queued jobs' slices in order until they have taken
+``share`` of the engine's time since the previous step (``share / (1 - share)`` of the time the engine spent
+meanwhile), at least one slice: a decoding stream's step takes at most about ``1 / (1 - share)`` of its time without
+the connector, while a mapping still finishes within a few steps (one slice is one target layer).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+
+DEFAULT_SHARE = 0.2  # a stream's step at most ~1.25x of its time without the connector
+LONGEST_STEP = 1.0  # seconds: a longer gap between two calls is the engine idle, not a step (one slice then)
+
+
+class StepSlicer:
+    """Jobs (generators that yield between slices) run within a share of the engine's time, in the order added.
+
+    Example:
+        >>> done = []
+        >>> def job(name, slices):
+        ...     for _ in range(slices):
+        ...         yield
+        ...     done.append(name)
+        >>> slicer = StepSlicer(share=0.2)
+        >>> slicer.add(job("a", 2)); slicer.add(job("b", 1))
+        >>> slicer.advance(), done    # the first step: no engine time measured yet, one slice
+        (1, [])
+        >>> while not slicer.idle:
+        ...     _ = slicer.advance()
+        >>> done
+        ['a', 'b']
+    """
+
+    def __init__(self, share: float = DEFAULT_SHARE, clock: Callable[[], float] = time.perf_counter):
+        if not 0 < share < 1:
+            raise ValueError(f"share must be strictly between 0 and 1, got {share!r}")
+        self.share, self.clock = share, clock
+        self._jobs: deque[Iterator[None]] = deque()
+        self._last_end: float | None = None
+
+    @property
+    def idle(self) -> bool:
+        return not self._jobs
+
+    def add(self, job: Iterator[None]) -> None:
+        """Queue a job: a generator whose every ``yield`` ends a slice (its side effects done by its end)."""
+        self._jobs.append(job)
+
+    def advance(self) -> int:
+        """Run slices for this step (see the module); returns how many ran."""
+        start = self.clock()
+        engine = 0.0 if self._last_end is None else start - self._last_end
+        budget = engine * self.share / (1 - self.share) if engine <= LONGEST_STEP else 0.0
+        slices = 0
+        while self._jobs and (slices == 0 or self.clock() - start < budget):
+            try:
+                next(self._jobs[0])
+                slices += 1
+            except StopIteration:
+                self._jobs.popleft()
+        self._last_end = self.clock()
+        return slices
+
+
+__all__ = ["DEFAULT_SHARE", "StepSlicer"]
