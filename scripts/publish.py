@@ -70,7 +70,7 @@ BUDGET_PLAN = {1024: ([0, 16, 32, 64, 128], 6, 1)}
 LEVER_TOP_K, LEVER_FILES, LEVER_RECALL = {"top1": 1, "top4": 4}, 6, 1
 NONLINEAR_FILES, NONLINEAR_RECALL = 24, 4  # MLP rows from the first 24 of a map's own calibration files
 FINAL_CONTEXT, FINAL_FILES, FINAL_RECALL = 1024, 12, 2  # the goal table (recall cases per kind and depth)
-TTFT_LENGTHS, TTFT_REPEATS = (512, 2048), 5
+TTFT_LENGTHS, TTFT_REPEATS = (2048, 4096, 8192), 5  # the sibling defaults: TTFT >= 10x at 2k and >= 30x at 8k
 ADAPTER_CONTEXT, ADAPTER_CONTINUATION, ADAPTER_EXAMPLES = 512, 64, 48  # the adapter maps' retention (both ways)
 ADAPTER_TTFT_LENGTHS = (1024, 2048, 4096)
 
