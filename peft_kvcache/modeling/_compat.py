@@ -18,6 +18,8 @@ from functools import lru_cache
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from ..errors import IncompatibleModelsError
+
 logger = logging.getLogger(__name__)
 
 
@@ -73,8 +75,6 @@ def eager_attention(model: torch.nn.Module) -> Iterator[None]:
     """Run the block with the model's attention in eager mode (the one that computes attention weights), then put its
     implementation back. The model's state changes meanwhile: no other thread may run it (the library holds its
     `model_lock` where models are shared). A model that cannot switch raises `IncompatibleModelsError`."""
-    from ..errors import IncompatibleModelsError
-
     previous = attention_implementation(model)
     model.set_attn_implementation("eager")  # transformers only warns where a model cannot switch
     try:
