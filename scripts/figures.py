@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from benchmarks import siblings
 from benchmarks.adapters import PREFIX, results_stem
-from benchmarks.recipe_report import RECALL
 from benchmarks.common import ADAPTERS, RESULTS, ROOT, table
 from benchmarks.common import read_results as results
+from benchmarks.recipe_report import RECALL
 from benchmarks.tp_shards import markdown as tp_markdown
 from benchmarks.vllm_report import markdown as vllm_markdown
 from peft_kvcache import KVMap
