@@ -38,7 +38,7 @@ from peft_kvcache import load_model
 from peft_kvcache.maps.adapter_maps import AdapterMaps
 from peft_kvcache.modeling.adapters import adapter_active, load_adapters
 from peft_kvcache.modeling.capture import run_with_cache
-from peft_kvcache.runtime.cache import clear_target_sinks
+from peft_kvcache.runtime.target_sink import clear_target_sinks
 from peft_kvcache.runtime.turn import SharedPeftModel
 from peft_kvcache.serving.engine import PrefixEngine
 from peft_kvcache.serving.store import PrefixStore

@@ -65,7 +65,8 @@ def capture(models: dict, texts: CalibrationTexts, scales: list[int], config: Ca
                                    for name, model in models.items()},
                 run, part, config.batch_size, progress=progress,
                 checkpoint_dir=None if checkpoint_root is None else checkpoint_root / f"upto-{scale}",
-                checkpoint_key={"options": statistics_options(config), "upto": scale, "fingerprints": [s.fingerprint for s in sides.values()]})
+                checkpoint_key={"options": statistics_options(config), "upto": scale,
+                                "fingerprints": [s.fingerprint for s in sides.values()]})
         on_scale(scale, run)
         done = scale
 

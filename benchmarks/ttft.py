@@ -27,7 +27,8 @@ from peft_kvcache import KVMap, MappedCache
 from peft_kvcache.calibration.loop import ModelSide
 from peft_kvcache.maps.config import KVMapConfig
 from peft_kvcache.modeling.capture import forward, run_with_cache
-from peft_kvcache.runtime.cache import ContextCache, clear_target_sinks
+from peft_kvcache.runtime.cache import ContextCache
+from peft_kvcache.runtime.target_sink import clear_target_sinks
 
 from .common import RESULTS, interval, save, start_run, table, timed
 

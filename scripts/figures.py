@@ -120,9 +120,9 @@ def readme_table() -> str:
     rows = []
     fmt = lambda r: f"{r['normalized_retention']:.2f} [{r['normalized_low']:.2f}, {r['normalized_high']:.2f}]"  # noqa: E731
     evaluated = results("siblings")
-    directions = {siblings.pair_name(d): d for d in siblings.DIRECTIONS}
+    reports = {siblings.pair_name(d): final_recipe_reports(d) for d in siblings.DIRECTIONS}  # each file read once
     for name, tasks in evaluated["results"].items():
-        reported = final_recipe_reports(directions[name])
+        reported = reports[name]
         if reported:  # the default recipe, on the final texts of the recipes benchmark
             rows += _recipe_rows(name, reported)
             continue
@@ -146,7 +146,7 @@ def readme_table() -> str:
         rows.append([folder_name(PREFIX, adapter, reverse), f"continuation ({retention['examples']})",
                      fmt(by["mapped@1"]), "-", f"naive reuse {fmt(by['naive@1'])}",
                      f"{by['mapped@1']['kl']:.3f} (naive {by['naive@1']['kl']:.3f})", speed])
-    recipes = any(final_recipe_reports(d) for d in siblings.DIRECTIONS)
+    recipes = any(reports.values())
     return table(["map", "task (examples)", "plain switch: normalized [95% CI]", "with the recipe", "control at equal "
                   "compute", "KL plain / recipe", "TTFT vs re-prefill, cold sink: plain / recipe"], rows) + (
         "\n\nFrom `benchmarks/results/siblings.json`, `adapters.json`, `adapters-reverse.json` and `ttft-*.json` (provenance "

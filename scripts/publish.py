@@ -60,7 +60,6 @@ from scripts import figures
 
 logger = logging.getLogger("publish")
 HUB_CARDS = figures.HUB_CARDS
-SIBLING_CONFIG = siblings.CONFIG
 # Sizes of the evaluation stages are what one publish run fits in about an hour and a half on 2 CPU cores (a
 # 1.5B forward over 1k tokens takes ~20 s); every table states its example counts. The goal sizes (32
 # continuation files, 24 recall cases per depth, budgets up to 256, 2048-token contexts, 8k TTFT) are the next run.
@@ -119,18 +118,18 @@ class Publisher:
             logger.info("capture: every scale is fitted already")
             return
         models, tokenizer = self.sibling_models()
-        texts = siblings.calibration_texts(tokenizer, max(self.scales), SIBLING_CONFIG)
+        texts = siblings.calibration_texts(tokenizer, max(self.scales), siblings.CONFIG)
         vocab = models["small"].get_input_embeddings().weight.shape[0]
 
         def on_scale(scale, run):
             for direction in siblings.DIRECTIONS:
                 folder = self.scale_folder(scale, direction)
                 if not folder.is_dir():
-                    siblings.fit_direction(run, direction, texts, scale, SIBLING_CONFIG, vocab).save_pretrained(
+                    siblings.fit_direction(run, direction, texts, scale, siblings.CONFIG, vocab).save_pretrained(
                         folder, chart=False)
                     logger.info("fitted %s on %d files", folder.name, scale)
 
-        siblings.capture(models, texts, list(self.scales), SIBLING_CONFIG, on_scale,
+        siblings.capture(models, texts, list(self.scales), siblings.CONFIG, on_scale,
                          checkpoint_root=self.workdir / "siblings" / "checkpoints", progress=self.progress)
 
 
@@ -177,7 +176,7 @@ class Publisher:
         models, tokenizer = self.sibling_models()
         scale = {d: read_results("sibling-scaling")["curve"][d]["chosen_files"] for d in siblings.DIRECTIONS}
         if not all(self.lever_folder(label, d).is_dir() for label in LEVER_TOP_K for d in siblings.DIRECTIONS):
-            texts = siblings.calibration_texts(tokenizer, max(self.scales), SIBLING_CONFIG)
+            texts = siblings.calibration_texts(tokenizer, max(self.scales), siblings.CONFIG)
             vocab = models["small"].get_input_embeddings().weight.shape[0]
 
             def on_scale(files, run):
@@ -186,12 +185,12 @@ class Publisher:
                         continue
                     for label, top_k in LEVER_TOP_K.items():
                         layers = run.sides[siblings.DIRECTIONS[direction][0]].layout.num_layers
-                        config = replace(SIBLING_CONFIG, top_k=min(top_k, layers))
+                        config = replace(siblings.CONFIG, top_k=min(top_k, layers))
                         siblings.fit_direction(run, direction, texts, files, config, vocab).save_pretrained(
                             self.lever_folder(label, direction), chart=False)
 
             scales = [s for s in self.scales if s <= max(scale.values())]
-            siblings.capture(models, texts, scales, SIBLING_CONFIG, on_scale,
+            siblings.capture(models, texts, scales, siblings.CONFIG, on_scale,
                              checkpoint_root=self.workdir / "siblings" / "checkpoints", progress=self.progress)
         maps = {d: {"top2": self.chosen_map(d, with_recipe=False),
                     **{label: KVMap.from_pretrained(self.lever_folder(label, d)) for label in LEVER_TOP_K}} for d in siblings.DIRECTIONS}

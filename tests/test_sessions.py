@@ -17,7 +17,7 @@ from peft_kvcache.modeling._compat import unwrap_peft
 from peft_kvcache.modeling.adapters import adapter_active
 from peft_kvcache.modeling.capture import run_with_cache
 from peft_kvcache.modeling.identity import model_name
-from peft_kvcache.runtime.cache import clear_target_sinks
+from peft_kvcache.runtime.target_sink import clear_target_sinks
 
 GEN = dict(max_new_tokens=6, eos_token_id=None, pad_token_id=0)  # fixed reply length: no early stop
 

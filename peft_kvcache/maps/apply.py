@@ -146,8 +146,7 @@ def place_map(kv_map, device: torch.device) -> None:
                 kv_map.layer_mlp(kind, t, device, dtype)
 
 
-@torch.no_grad()  # inference: a cache is mapped, never trained through
-def map_cache(
+def iter_map_cache(
     kv_map,
     source_keys: Sequence[torch.Tensor],
     source_values: Sequence[torch.Tensor],
@@ -157,8 +156,10 @@ def map_cache(
     compute_dtype: torch.dtype | None = None,
     source_rotary: RotarySpec | None = None,
     target_rotary: RotarySpec | None = None,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Map a source cache into the target's KV space.
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Map a source cache into the target's KV space, one target layer at a time: each ``(keys, values)`` is
+    computed when it is asked for (the connector spreads a mapping over engine steps); `map_cache` maps them all.
+    The arguments are checked before the first layer.
 
     Args:
         kv_map: a `KVMap`.
@@ -175,23 +176,6 @@ def map_cache(
     Returns:
         Per target layer ``(keys, values)`` of shape ``[batch, kv_heads, seq, head_dim]``.
     """
-    return list(iter_map_cache(kv_map, source_keys, source_values, source_positions, target_positions, placements,
-                               compute_dtype, source_rotary, target_rotary))
-
-
-def iter_map_cache(
-    kv_map,
-    source_keys: Sequence[torch.Tensor],
-    source_values: Sequence[torch.Tensor],
-    source_positions: torch.Tensor,
-    target_positions: torch.Tensor,
-    placements: Sequence[tuple[torch.device, torch.dtype]],
-    compute_dtype: torch.dtype | None = None,
-    source_rotary: RotarySpec | None = None,
-    target_rotary: RotarySpec | None = None,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """`map_cache` one target layer at a time: each ``(keys, values)`` is computed when it is asked for (the
-    connector spreads a mapping over engine steps). The arguments are checked before the first layer."""
     config = kv_map.config
     if len(source_keys) != config.source_layout.num_layers:
         raise CacheMismatchError(
@@ -213,6 +197,7 @@ def iter_map_cache(
                           compute_dtype, factored)
 
 
+@torch.no_grad()  # inference: a cache is mapped, never trained through (a generator: at every layer it computes)
 def _mapped_layers(kv_map, features: SourceFeatures, target_spec: RotarySpec, target_positions: torch.Tensor,
                    placements: Sequence[tuple[torch.device, torch.dtype]], compute_dtype: torch.dtype,
                    factored: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -239,6 +224,11 @@ def _mapped_layers(kv_map, features: SourceFeatures, target_spec: RotarySpec, ta
                 states = rotate_(states.float(), cos, sin)
             layer.append(_cast_checked(states, dtype, t, kind, dict(zip(sources, inputs))))
         yield layer[0], layer[1]
+
+
+def map_cache(kv_map, *args, **kwargs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`iter_map_cache` (same arguments), every target layer at once: ``[(keys, values), ...]``."""
+    return list(iter_map_cache(kv_map, *args, **kwargs))
 
 
 def _cast_checked(states: torch.Tensor, dtype: torch.dtype, layer: int, kind: str,

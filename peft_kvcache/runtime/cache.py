@@ -19,10 +19,11 @@ from ..maps.config import Refresh
 from ..maps.kvmap import KVMap
 from ..modeling._compat import fill_cache, update_positions
 from ..modeling.capture import CapturedKV, cache_states, run_with_cache
-from ..modeling.identity import ModelMemo, weights_key
+from ..modeling.identity import weights_key
 from ..modeling.layout import check_token_ids, layer_placements, vocab_size_of
 from ..modeling.positions import positions_from_mask, rotary_spec_of
 from .refresh import RefreshResult, refresh_cache
+from .target_sink import with_target_sink
 
 logger = logging.getLogger(__name__)
 
@@ -367,7 +368,7 @@ class MappedCache(ContextCache):
                     "no input_ids given with the source cache: the first %d token(s) (the attention sink) are "
                     "mapped instead of computed by the target, which costs quality; pass input_ids", sink_tokens)
             else:
-                _with_target_sink(mapped, target_model, input_ids, attention_mask, sink_tokens, position_offset,
+                with_target_sink(mapped, target_model, input_ids, attention_mask, sink_tokens, position_offset,
                                   target_key)
         cache = cls(mapped, kv_map=kv_map)
         if policy is not None:  # before the positions are set: the refresh writes inside the context
@@ -422,38 +423,3 @@ def _check_cache_matches(captured: CapturedKV, input_ids, attention_mask) -> Non
         if ids is not None and tuple(ids.shape) != (batch, length):
             raise CacheMismatchError(f"{name} has shape {tuple(ids.shape)} but the source cache holds {batch} x "
                                      f"{length} tokens")
-
-
-@torch.no_grad()
-def _with_target_sink(mapped, target_model, input_ids, attention_mask, sink_tokens, position_offset,
-                      target_key: tuple | None = None) -> None:
-    """Replace the leading columns (left padding + ``sink_tokens`` real tokens) by the target's own KV, in
-    place: those tokens attend only to themselves, so the target computes them exactly for a few tokens' cost."""
-    real_start = int((attention_mask.shape[1] - attention_mask.sum(1)).max())
-    columns = min(real_start + sink_tokens, attention_mask.shape[1])
-    if columns == 0:
-        return
-    own = target_sink(target_model, input_ids[:, :columns], attention_mask[:, :columns], position_offset, target_key)
-    for (k, v), k_own, v_own in zip(mapped, own.keys, own.values):  # fresh tensors from map_cache
-        k[:, :, :columns] = k_own
-        v[:, :, :columns] = v_own
-
-
-# The sink's KV depends only on its token ids, their positions and the target's weights, and a chat template
-# starts every conversation with the same tokens: memoize it (outside the user's model object, keyed on the
-# weights' version) instead of paying a full pass over the target's weights at every switch.
-_SINKS = ModelMemo(16)
-
-
-def target_sink(target_model, ids: torch.Tensor, mask: torch.Tensor, position_offset: int,
-                target_key: tuple | None = None) -> CapturedKV:
-    """The target's own KV of the leading ``ids`` (memoized; ``target_key``: the model's `weights_key`, where the
-    caller read it already)."""
-    key = (weights_key(target_model) if target_key is None else target_key, ids.numpy().tobytes(), tuple(ids.shape), mask.numpy().tobytes(), position_offset)
-    positions = positions_from_mask(mask) + position_offset
-    return _SINKS.get(target_model, key, lambda: run_with_cache(target_model, ids, mask, position_ids=positions))
-
-
-def clear_target_sinks() -> None:
-    """Forget every memoized target sink (to time or count a cold switch: the next one computes its sink again)."""
-    _SINKS.clear()
