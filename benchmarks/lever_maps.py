@@ -4,10 +4,15 @@ and options (`siblings.CONFIG`) with the lever's changes, both directions from o
 
     python -m benchmarks.lever_maps --label attention --attention-weighting 0.5
     python -m benchmarks.lever_maps --label l2048 --max-length 2048
+    python -m benchmarks.lever_maps --label joint --joint-kinds
     python -m benchmarks.recipes run --maps hub_cards --role selection --lever attention=runs/levers/attention
 
-Writes ``runs/levers/<label>/<pair>`` (maps named as the published ones); the statistics are checkpointed beside
-them, so a stopped capture resumes.
+Writes ``runs/levers/<label>/<pair>`` (maps named as the published ones). The statistics are checkpointed under
+``runs/levers/statistics/<the options that shape them>``, so a stopped capture resumes and levers that differ only in
+how the maps are fitted from the statistics (``--top-k``) share one capture:
+
+    python -m benchmarks.lever_maps --label top4 --top-k 4
+    python -m benchmarks.lever_maps --label top8 --top-k 8     # no forward pass: top4's statistics
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 import torch
 
 from peft_kvcache import KVMap
+from peft_kvcache.calibration.loop import statistics_options
 from peft_kvcache.errors import RecordError
 
 from . import siblings
@@ -49,8 +55,16 @@ def fit(label: str, changes: dict, files: int, progress: bool = True) -> Path:
         for direction, out in folders.items():
             siblings.fit_direction(run, direction, texts, scale, config, vocab).save_pretrained(out, chart=False)
 
-    siblings.capture(models, texts, [files], config, on_scale, checkpoint_root=folder / "checkpoints", progress=progress)
+    siblings.capture(models, texts, [files], config, on_scale, checkpoint_root=statistics_folder(config),
+                     progress=progress)
     return folder
+
+
+def statistics_folder(config) -> Path:
+    """Where a lever's statistics are checkpointed: one folder per set of options that shape them (a checkpoint also
+    checks the texts' digest before it resumes)."""
+    shaping = statistics_options(config)
+    return LEVERS / "statistics" / ("-".join(f"{k}={v}" for k, v in sorted(shaping.items())) or "default")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention-weighting", type=float, help="CalibrationConfig.attention_weighting")
     parser.add_argument("--max-length", type=int, help="CalibrationConfig.max_length (tokens per calibration chunk)")
     parser.add_argument("--top-k", type=int, help="CalibrationConfig.top_k (source layers per target layer)")
+    parser.add_argument("--joint-kinds", action="store_true", default=None,
+                        help="CalibrationConfig.joint_kinds (each kind from the source's keys and values together)")
     parser.add_argument("--files", type=int, help="calibration files (default: the published maps' scale)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
@@ -66,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     changes = {name: value for name, value in (("attention_weighting", args.attention_weighting),
-                                               ("max_length", args.max_length), ("top_k", args.top_k))
+                                               ("max_length", args.max_length), ("top_k", args.top_k),
+                                               ("joint_kinds", args.joint_kinds))
                if value is not None}
     scales = {row["chosen_files"] for row in read_results("sibling-scaling")["curve"].values()}
     if args.files is None and len(scales) != 1:  # both directions come from one capture, at one scale

@@ -55,8 +55,7 @@ def capture(models: dict, texts: CalibrationTexts, scales: list[int], config: Ca
     of each scale, ``on_scale(scale, run)`` sees the statistics of exactly those texts (nested: the 16-text fit
     holds the 8 texts of the 8-text fit). Each increment checkpoints under ``checkpoint_root`` and resumes."""
     sides = {name: ModelSide.of(model) for name, model in models.items()}
-    run = StatisticsRun({"small": ["large"], "large": ["small"]}, sides, False, config.sink_tokens,
-                        config.attention_weighting)
+    run = StatisticsRun({"small": ["large"], "large": ["small"]}, sides, config)
     weighting = config.attention_weighting > 0  # each model is the other's target
     done = 0
     for scale in scales:

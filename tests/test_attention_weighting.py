@@ -69,13 +69,13 @@ def test_calibration_weights_each_token_by_the_attention_its_target_gives_it():
     source, target = calibration_pair()
     config = CalibrationConfig(attention_weighting=0.5, sink_tokens=1)
     sides = {"source": ModelSide.of(source), "target": ModelSide.of(target)}
-    run = StatisticsRun({"source": ["target"]}, sides, False, config.sink_tokens, config.attention_weighting)
+    run = StatisticsRun({"source": ["target"]}, sides, config)
     ids, mask = next(batches(random_ids(1, 20, seed=4), 1))
     runs = {"source": run_with_cache(source, ids, mask), "target": run_with_cache(target, ids, mask, received_attention=True)}
     received = runs["target"].received[0, 1:].double()
     run.add("train", runs, mask)
     weights = 0.5 + 0.5 * received / received.mean()  # the sink is left out
-    plain = StatisticsRun({"source": ["target"]}, sides, False, config.sink_tokens)
+    plain = StatisticsRun({"source": ["target"]}, sides, CalibrationConfig(sink_tokens=1))
     plain.add("train", runs, mask)
     ours, unweighted = run.stats["source", None, "train", "keys"], plain.stats["source", None, "train", "keys"]
     x_sum = weights @ torch.stack([row for row in _features(runs["source"], sides["source"], mask)])
@@ -111,7 +111,7 @@ def test_weighting_is_refused_where_it_has_no_single_target_or_no_meaning():
     source, target = calibration_pair()
     sides = {"a": ModelSide.of(source), "b": ModelSide.of(target), "c": ModelSide.of(target)}
     with pytest.raises(CalibrationError, match="one target per source"):
-        StatisticsRun({"a": ["b", "c"]}, sides, False, 1, attention_weighting=0.5)
+        StatisticsRun({"a": ["b", "c"]}, sides, CalibrationConfig(attention_weighting=0.5))
 
 
 def test_lever_maps_are_the_published_calibration_but_for_the_lever(tmp_path, monkeypatch, sibling_pair):
@@ -134,3 +134,12 @@ def test_lever_maps_are_the_published_calibration_but_for_the_lever(tmp_path, mo
     assert lever_maps.fit("attention", {"attention_weighting": 0.5}, files=5, progress=False) == folder  # kept
     with pytest.raises(RecordError, match="other options"):
         lever_maps.fit("attention", {"attention_weighting": 0.25}, files=5, progress=False)
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("a lever that only fits differently reuses the captured statistics")
+
+    monkeypatch.setattr(siblings, "run_with_cache", no_forward)
+    top1 = lever_maps.fit("attention-top1", {"attention_weighting": 0.5, "top_k": 1}, files=5, progress=False)
+    for direction in siblings.DIRECTIONS:
+        kv_map = KVMap.from_pretrained(top1 / siblings.pair_name(direction))
+        assert {len(layers) for layers in kv_map.config.key_layers} == {1}

@@ -56,7 +56,7 @@ def test_sibling_shards_add_up_to_the_whole():
     source, target = tiny_model("qwen2", seed=0), tiny_model("qwen2", seed=1)
     sides = {"source": ModelSide.of(source), "target": ModelSide.of(target)}
     texts = CalibrationTexts.build(random_ids(10, 9), None, CalibrationConfig(heldout_fraction=0.3))
-    _assert_shards_sum_to_whole(lambda: StatisticsRun({"source": ["target"]}, sides, False, 1),
+    _assert_shards_sum_to_whole(lambda: StatisticsRun({"source": ["target"]}, sides, CalibrationConfig()),
                                 lambda i, m: {"source": run_with_cache(source, i, m),
                                               "target": run_with_cache(target, i, m)}, texts)
 
@@ -83,7 +83,8 @@ def test_adapter_shards_add_up_to_the_whole():
         return runs
 
     texts = CalibrationTexts.build(random_ids(10, 9, seed=5), None, CalibrationConfig(heldout_fraction=0.3))
-    _assert_shards_sum_to_whole(lambda: StatisticsRun({"base": ["loud"], "loud": ["base"]}, sides, True, 1), run_models,
+    _assert_shards_sum_to_whole(lambda: StatisticsRun({"base": ["loud"], "loud": ["base"]}, sides,
+                                                              CalibrationConfig(same_layer=True)), run_models,
                                 texts)
 
 

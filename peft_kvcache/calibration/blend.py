@@ -58,13 +58,13 @@ def blend_toward_source(kv_map: KVMap, keys: float, values: float) -> KVMap:
     tensors = dict(kv_map.tensors)
     for kind in KINDS:
         for t in range(config.target_layout.num_layers):
-            sources = kv_map.source_layers(kind, t)
-            if t not in sources:
-                raise CalibrationError(f"{kind} of target layer {t} are not mapped from source layer {t}, so there "
-                                       f"is no source cache to blend toward (source layers {sources})")
+            sources = kv_map.source_inputs(kind, t)
+            if (kind, t) not in sources:
+                raise CalibrationError(f"{kind} of target layer {t} are not mapped from source layer {t}'s {kind}, so "
+                                       f"there is no source cache to blend toward (inputs {sources})")
             weight = tensors[f"{kind}.{t}.weight"]
             copy_same_layer = torch.zeros_like(weight)
-            row = sources.index(t) * width
+            row = sources.index((kind, t)) * width
             copy_same_layer[row: row + width] = torch.eye(width, dtype=weight.dtype)
             tensors[f"{kind}.{t}.weight"] = copy_same_layer + alphas[kind] * (weight - copy_same_layer)
             tensors[f"{kind}.{t}.bias"] = alphas[kind] * tensors[f"{kind}.{t}.bias"]

@@ -312,12 +312,14 @@ def fit_layers(
     identity_prior: bool = False,
     progress=None,
     head_shards: int = 1,
+    identity_offset: int = 0,
 ) -> list[LayerFit]:
     """Per target layer: score every source layer by held-out R^2, keep the best ``top_k`` and refit on
     their concatenation, with a ridge per target KV head.
 
     ``identity_prior`` (same-shape pairs, e.g. base -> adapter) shrinks toward copying the same layer's
-    heads instead of toward zero. ``progress`` is an optional callable advanced once per source layer.
+    heads instead of toward zero: target layer t copies source layer ``t + identity_offset`` (a value map
+    whose candidates list the source's keys first). ``progress`` is an optional callable advanced once per source layer.
     ``head_shards`` > 1 predicts each target head from its own shard's source heads only (`ShardedRidge`).
     """
     if top_k < 1 or top_k > source_layout.num_layers:
@@ -334,7 +336,7 @@ def fit_layers(
         prior = torch.zeros(len(sources) * d_src, len(targets) * d_tgt, dtype=torch.float64)
         for i, s in enumerate(sources):
             for j, t in enumerate(targets):
-                if s == t:
+                if s == t + identity_offset:
                     prior[i * d_src : (i + 1) * d_src, j * d_tgt : (j + 1) * d_tgt] = torch.eye(d_src)
         return prior
 

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 SPLITS = ("train", "heldout")
 KINDS = ("keys", "values")
+JOINT = "keys+values"  # the one statistic both kinds share with joint_kinds
 BASE = "base"  # the name the base model of a PeftModel has in adapter calibration
 
 
@@ -63,20 +64,26 @@ class ModelSide:
 class StatisticsRun:
     """Streaming statistics of one calibration pass: for each source (by name), from its KV features to each of
     its targets', per layer block (all layers side by side, or each layer alone with ``same_layer``), per split
-    and kind."""
+    and kind. With ``joint_kinds`` the source's keys and values of all layers are one feature row, so both kinds
+    share one statistic (its ``X^T X``), its targets named ``<target>:<kind>``."""
 
-    def __init__(self, groups: dict[str, list[str]], sides: dict[str, ModelSide], same_layer: bool, sink_tokens: int,
-                 attention_weighting: float = 0.0):
-        if attention_weighting and any(len(targets) != 1 for targets in groups.values()):
+    def __init__(self, groups: dict[str, list[str]], sides: dict[str, ModelSide], config: CalibrationConfig):
+        if config.attention_weighting and any(len(targets) != 1 for targets in groups.values()):
             raise CalibrationError("attention_weighting weights a source's tokens by what its target attends to: it "
                                    "needs one target per source (fit the targets one at a time)")
-        self.groups, self.sides, self.sink_tokens = groups, sides, sink_tokens
-        self.attention_weighting = attention_weighting
-        self.blocks: list[int | None] = list(range(next(iter(sides.values())).layout.num_layers)) if same_layer else [None]
+        self.groups, self.sides, self.sink_tokens = groups, sides, config.sink_tokens
+        self.attention_weighting, self.joint_kinds = config.attention_weighting, config.joint_kinds
+        self.blocks: list[int | None] = (list(range(next(iter(sides.values())).layout.num_layers))
+                                         if config.same_layer else [None])
         self.stats = {}
         for source, targets in groups.items():
             for block in self.blocks:
                 for split in SPLITS:
+                    if self.joint_kinds:
+                        self.stats[source, block, split, JOINT] = SufficientStatistics.empty(
+                            2 * self._width(source, block),
+                            {f"{t}:{kind}": self._width(t, block) for t in targets for kind in KINDS})
+                        continue
                     for kind in KINDS:
                         self.stats[source, block, split, kind] = SufficientStatistics.empty(
                             self._width(source, block), {t: self._width(t, block) for t in targets})
@@ -96,6 +103,12 @@ class StatisticsRun:
             features = {name: stacked_features(run, self.sides[name].rotary, positions, rows, block)
                         for name, run in runs.items()}
             for source, targets in self.groups.items():
+                if self.joint_kinds:  # keys of every layer, then values of every layer: `KVMapConfig.source_input`
+                    self.stats[source, block, split, JOINT].update(
+                        torch.cat(features[source], dim=-1),
+                        {f"{t}:{kind}": features[t][k] for t in targets for k, kind in enumerate(KINDS)},
+                        weights[source])
+                    continue
                 for k, kind in enumerate(KINDS):
                     self.stats[source, block, split, kind].update(features[source][k],
                                                                  {t: features[t][k] for t in targets}, weights[source])
@@ -124,9 +137,18 @@ class StatisticsRun:
         """Sum the statistics over the processes of a ``torchrun`` job."""
         all_reduce_statistics(list(self.stats.values()))
 
-    def pair(self, source: str, block: int | None, kind: str) -> tuple[SufficientStatistics, SufficientStatistics]:
-        """The train and held-out statistics of one source group, layer block and kind."""
-        return self.stats[source, block, "train", kind], self.stats[source, block, "heldout", kind]
+    def pair(self, source: str, target: str, block: int | None,
+             kind: str) -> tuple[SufficientStatistics, SufficientStatistics, str]:
+        """The train and held-out statistics from ``source`` to ``kind`` of ``target`` in one layer block, and the
+        target's name in them."""
+        if self.joint_kinds:
+            return self.stats[source, block, "train", JOINT], self.stats[source, block, "heldout", JOINT], \
+                f"{target}:{kind}"
+        return self.stats[source, block, "train", kind], self.stats[source, block, "heldout", kind], target
+
+    def tokens(self, source: str, split: str) -> float:
+        """The rows ``source``'s statistics of ``split`` hold (their total weight: the token count, weighted or not)."""
+        return float(self.stats[source, self.blocks[0], split, JOINT if self.joint_kinds else "keys"].count)
 
 
 def stacked_features(captured: CapturedKV, spec: RotarySpec, positions: torch.Tensor, rows: torch.Tensor,
@@ -215,20 +237,24 @@ def build_map(run: StatisticsRun, source: str, target: str, config: CalibrationC
     with tqdm(total=2 * steps, desc="fitting", unit="layer", disable=not progress) as bar:
         for kind in KINDS:
             if config.same_layer:
-                fits[kind] = fit_same_layers([run.pair(source, t, kind) for t in run.blocks], target, tgt.layout,
-                                             config.lambda_grid, identity_prior=same_shape, progress=bar.update,
-                                             head_shards=config.head_shards, residual_rank=config.residual_rank)
-            else:
-                fits[kind] = fit_layers(*run.pair(source, None, kind), target, src.layout, tgt.layout,
+                fits[kind] = fit_same_layers([run.pair(source, target, t, kind)[:2] for t in run.blocks], target,
+                                             tgt.layout, config.lambda_grid, identity_prior=same_shape,
+                                             progress=bar.update, head_shards=config.head_shards,
+                                             residual_rank=config.residual_rank)
+            else:  # with joint_kinds the candidates are the source's keys of every layer, then its values
+                candidates = replace(src.layout, num_layers=2 * src.layout.num_layers) if config.joint_kinds \
+                    else src.layout
+                identity_offset = src.layout.num_layers if config.joint_kinds and kind == "values" else 0
+                fits[kind] = fit_layers(*run.pair(source, target, None, kind), candidates, tgt.layout,
                                         top_k=config.top_k, lambda_grid=config.lambda_grid,
-                                        identity_prior=same_shape, progress=bar.update, head_shards=config.head_shards)
+                                        identity_prior=same_shape, progress=bar.update, head_shards=config.head_shards,
+                                        identity_offset=identity_offset)
             for t, layer in enumerate(fits[kind]):
                 tensors[f"{kind}.{t}.weight"] = layer.fit.weight.float()
                 tensors[f"{kind}.{t}.bias"] = layer.fit.bias.float()
-    block = run.blocks[0]
     # a count is the rows' total weight, their number whatever the weighting (each batch's weights average 1)
-    record = replace(record, train_tokens=round(float(run.stats[source, block, "train", "keys"].count)),
-                     heldout_tokens=round(float(run.stats[source, block, "heldout", "keys"].count)))
+    record = replace(record, train_tokens=round(run.tokens(source, "train")),
+                     heldout_tokens=round(run.tokens(source, "heldout")))
     k, v = fits["keys"], fits["values"]
     map_config = KVMapConfig(
         source_name=src.name, target_name=tgt.name, source_fingerprint=src.fingerprint,
@@ -313,16 +339,16 @@ def calibrate(source_model: torch.nn.Module, target_model: torch.nn.Module, cali
     sides = {"source": ModelSide.of(source_model), "target": ModelSide.of(target_model)}
     if config.same_layer and sides["source"].layout != sides["target"].layout:
         raise CalibrationError("same_layer needs models of the same depth and KV width; use top_k layer selection")
-    if not config.same_layer and config.top_k > sides["source"].layout.num_layers:
-        raise CalibrationError(f"top_k {config.top_k} exceeds the source model's {sides['source'].layout.num_layers} "
-                               "layers")
+    candidates = sides["source"].layout.num_layers * (2 if config.joint_kinds else 1)
+    if not config.same_layer and config.top_k > candidates:
+        raise CalibrationError(f"top_k {config.top_k} exceeds the source model's {candidates} candidate inputs (its "
+                               "layers, or with joint_kinds their keys and values)")
     if config.residual_rank and not _same_shape(sides["source"], sides["target"]):
         raise CalibrationError("residual_rank corrects the identity, so it needs a same-shape pair (one KV layout and "
                                "one RoPE, e.g. base -> adapter); pass residual_rank=0")
     check_head_shards(config, sides)
     texts = CalibrationTexts.build(calibration_data, tokenizer, config, vocab_size_of(source_model))
-    run = StatisticsRun({"source": ["target"]}, sides, config.same_layer, config.sink_tokens,
-                        config.attention_weighting)
+    run = StatisticsRun({"source": ["target"]}, sides, config)
     weighting = config.attention_weighting > 0
     collect(lambda ids, mask: {"source": run_with_cache(source_model, ids, mask),
                                "target": run_with_cache(target_model, ids, mask, received_attention=weighting)},
@@ -375,7 +401,7 @@ def calibrate_adapters(model: torch.nn.Module, calibration_data, tokenizer=None,
     check_head_shards(config, sides)
     texts = CalibrationTexts.build(calibration_data, tokenizer, config, vocab_size_of(model))
     groups = {BASE: list(adapters), **({a: [BASE] for a in adapters} if reverse else {})}
-    run = StatisticsRun(groups, sides, config.same_layer, config.sink_tokens, config.attention_weighting)
+    run = StatisticsRun(groups, sides, config)
     # the models whose attention weights the fit (its targets), measured only when it is weighted
     targets = {t for ts in groups.values() for t in ts} if config.attention_weighting else set()
 

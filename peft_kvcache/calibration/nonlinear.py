@@ -203,7 +203,8 @@ class MLPRows:
         cpu = torch.device("cpu")
         for kind, chosen in self.layers.items():
             for t in chosen:
-                x = torch.cat([features.get(kind, s, cpu) for s in self.kv_map.source_layers(kind, t)], dim=-1)[rows]
+                x = torch.cat([features.get(*source, cpu) for source in self.kv_map.source_inputs(kind, t)],
+                              dim=-1)[rows]
                 weight, bias = self.kv_map.layer_weights(kind, t, cpu, torch.float32)
                 states = target.keys[t] if kind == "keys" else target.values[t]
                 if kind == "keys":

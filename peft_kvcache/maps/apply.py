@@ -209,8 +209,8 @@ def _mapped_layers(kv_map, features: SourceFeatures, target_spec: RotarySpec, ta
         cos, sin = rotations[device]
         layer = []
         for kind in ("keys", "values"):
-            sources = kv_map.source_layers(kind, t)
-            inputs = [features.heads(kind, s, device) for s in sources]
+            sources = kv_map.source_inputs(kind, t)
+            inputs = [features.heads(*source, device) for source in sources]
             if factored:  # the one input is source layer t
                 states = map_layer_factored(inputs[0], *kv_map.layer_factors(kind, t, device, compute_dtype))
             else:
@@ -232,15 +232,16 @@ def map_cache(kv_map, *args, **kwargs) -> list[tuple[torch.Tensor, torch.Tensor]
 
 
 def _cast_checked(states: torch.Tensor, dtype: torch.dtype, layer: int, kind: str,
-                  inputs: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+                  inputs: dict[tuple[str, int], torch.Tensor] | None = None) -> torch.Tensor:
     """Cast to the target dtype, refusing NaN/Inf (from a bad source cache or float16 overflow); the error
-    names the source layers whose features were not finite (``inputs``: source layer -> its features)."""
+    names the source inputs whose features were not finite (``inputs``: (kind, source layer) -> its features)."""
     cast = states.to(dtype)
     # A cheap reduction first (a NaN/Inf anywhere makes the sum non-finite), the elementwise check only to confirm.
     if not torch.isfinite(cast.sum(dtype=torch.float32)) and not torch.isfinite(cast).all():
         bad_sources = [s for s, f in (inputs or {}).items() if not torch.isfinite(f).all()]
         if bad_sources:
-            cause = f"is NaN/Inf: the source cache's {kind} of layer(s) {list(bad_sources)} contain NaN or Inf"
+            named = ", ".join(f"{source_kind} of layer {s}" for source_kind, s in bad_sources)
+            cause = f"is NaN/Inf: the source cache's {named} contain NaN or Inf"
         elif torch.isfinite(states).all():
             largest = float(states.abs().max())
             cause = f"overflows {dtype} (largest magnitude {largest:.3g}); load the target in bfloat16 or float32"

@@ -70,6 +70,10 @@ class CalibrationConfig:
                                        "and layers) by the attention the target gives it: a token counts 1 - a + a * "
                                        "(its received attention / the mean over its batch), so the map is fitted "
                                        "hardest where the target reads; 0: every token alike", default=0.0)
+    joint_kinds: bool = _help("predict each kind of the target (keys, values) from the source's keys and values "
+                              "together: every source layer offers two candidates to the top_k choice, its keys "
+                              "(numbered as the layer) and its values (numbered num_layers + the layer); the "
+                              "statistics hold twice the source width, shared by both kinds", default=False)
 
     def __post_init__(self):
         self.validate()
@@ -93,6 +97,8 @@ class CalibrationConfig:
             ("residual_rank", self.residual_rank == 0 or self.head_shards == 1, "needs head_shards=1 (a reduced-rank "
              "correction mixes the heads of every shard)"),
             ("attention_weighting", 0 <= self.attention_weighting <= 1, "must be between 0 and 1"),
+            ("joint_kinds", not (self.joint_kinds and self.same_layer), "needs same_layer=False (each target "
+             "layer chooses among the source's keys and values of every layer)"),
         ]
         for name, ok, message in checks:
             if not ok:
@@ -277,6 +283,28 @@ class KVMapConfig:
         """Leading tokens the target computes itself (left out of the fit)."""
         return self.calibration.options.sink_tokens
 
+    @property
+    def source_candidates(self) -> int:
+        """How many source inputs a target layer chooses among: the source's layers, or with ``joint_kinds`` each
+        layer's keys and values (`source_input`)."""
+        return self.source_layout.num_layers * (2 if self.calibration.options.joint_kinds else 1)
+
+    def source_input(self, kind: str, index: int) -> tuple[str, int]:
+        """``(kind, source layer)`` of input ``index`` of a ``kind`` map: the same kind of that layer, or with
+        ``joint_kinds`` the source's keys of layer ``index`` or its values of layer ``index - num_layers``.
+
+        Example:
+            >>> config = KVMapConfig.__new__(KVMapConfig)
+            >>> config.source_layout = KVLayout(num_layers=4, kv_heads=1, head_dim=8)
+            >>> config.calibration = CalibrationRecord(options=CalibrationConfig(joint_kinds=True))
+            >>> config.source_input("keys", 1), config.source_input("keys", 5)
+            (('keys', 1), ('values', 1))
+        """
+        if not self.calibration.options.joint_kinds:
+            return kind, index
+        layers = self.source_layout.num_layers
+        return ("keys", index) if index < layers else ("values", index - layers)
+
     def mlp_layers(self, kind: str) -> list[int]:
         """Target layers whose ``kind`` ('keys' or 'values') has a residual MLP head."""
         return [] if self.nonlinear is None else self.nonlinear.layers(kind)
@@ -312,7 +340,7 @@ class KVMapConfig:
             raise RecordError(f"{where}.pair_kind is {self.pair_kind!r}; expected one of {PAIR_KINDS}")
         if self.vocab_size <= 0:
             raise RecordError(f"{where}.vocab_size must be positive, got {self.vocab_size}")
-        sources, targets = self.source_layout.num_layers, self.target_layout.num_layers
+        sources, targets = self.source_candidates, self.target_layout.num_layers
         for name, groups in (("key_layers", self.key_layers), ("value_layers", self.value_layers)):
             if len(groups) != targets or not all(0 < len(g) <= sources and all(0 <= s < sources for s in g)
                                                  for g in groups):

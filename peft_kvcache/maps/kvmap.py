@@ -89,6 +89,11 @@ class KVMap:
         layers = self.config.key_layers if kind == "keys" else self.config.value_layers
         return layers[target_layer]
 
+    def source_inputs(self, kind: str, target_layer: int) -> list[tuple[str, int]]:
+        """``(kind, source layer)`` of each input feeding ``kind`` of ``target_layer``, in its weight's row order: the
+        same kind of the `source_layers`, or with ``joint_kinds`` keys and values alike (`KVMapConfig.source_input`)."""
+        return [self.config.source_input(kind, s) for s in self.source_layers(kind, target_layer)]
+
     def layer_weights(self, kind: str, target_layer: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(weight, bias) of one target layer, cast and placed once per (device, dtype) and reused."""
         return self._placed_tensors((kind, target_layer), ("weight", "bias"), device, dtype)
