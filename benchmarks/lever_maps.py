@@ -5,6 +5,7 @@ and options (`siblings.CONFIG`) with the lever's changes, both directions from o
     python -m benchmarks.lever_maps --label attention --attention-weighting 0.5
     python -m benchmarks.lever_maps --label l2048 --max-length 2048
     python -m benchmarks.lever_maps --label joint --joint-kinds
+    python -m benchmarks.lever_maps --label distill --distill      # the published maps, distilled
     python -m benchmarks.recipes run --maps hub_cards --role selection --lever attention=runs/levers/attention
 
 Writes ``runs/levers/<label>/<pair>`` (maps named as the published ones). The statistics are checkpointed under
@@ -24,8 +25,10 @@ from pathlib import Path
 import torch
 
 from peft_kvcache import KVMap
+from peft_kvcache.calibration.distill import distill_map
 from peft_kvcache.calibration.loop import statistics_options
 from peft_kvcache.errors import RecordError
+from peft_kvcache.lab.corpus import stdlib_texts
 
 from . import siblings
 from .common import ROOT, read_results, start_run
@@ -60,6 +63,32 @@ def fit(label: str, changes: dict, files: int, progress: bool = True) -> Path:
     return folder
 
 
+def distill(label: str, options: dict, files: int, progress: bool = True) -> Path:
+    """Both published maps (``hub_cards``) distilled (`distill_map` with ``options``) on their own calibration files
+    (the first ``files``; their held-out texts choose the step kept) into ``runs/levers/<label>``; a direction already
+    distilled with these options is kept, so a stopped run resumes with the next direction."""
+    folder = LEVERS / label
+    models = tokenizer = None
+    for direction in siblings.DIRECTIONS:
+        out = folder / siblings.pair_name(direction)
+        if out.is_dir():
+            record = KVMap.from_pretrained(out).config.distillation
+            if record is None or any(getattr(record, k) != v for k, v in options.items()):
+                raise RecordError(f"{out} holds a map distilled with other options ({record}); remove it or choose "
+                                  "another label")
+            continue
+        published = KVMap.from_pretrained(ROOT / "hub_cards" / siblings.pair_name(direction))
+        if len(published.config.calibration.data.names()) != files:
+            raise RecordError(f"the published {direction} map was fitted on "
+                              f"{len(published.config.calibration.data.names())} files, not {files}: pass --files")
+        if models is None:
+            models, tokenizer = siblings.load_pair()
+        source, target = (models[name] for name in siblings.DIRECTIONS[direction])
+        distill_map(published, source, target, stdlib_texts("calibration", files), tokenizer, progress=progress,
+                    **options).save_pretrained(out, chart=False)
+    return folder
+
+
 def statistics_folder(config) -> Path:
     """Where a lever's statistics are checkpointed: one folder per set of options that shape them (a checkpoint also
     checks the texts' digest before it resumes)."""
@@ -75,6 +104,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top-k", type=int, help="CalibrationConfig.top_k (source layers per target layer)")
     parser.add_argument("--joint-kinds", action="store_true", default=None,
                         help="CalibrationConfig.joint_kinds (each kind from the source's keys and values together)")
+    parser.add_argument("--distill", action="store_true",
+                        help="distill the published maps (peft_kvcache.calibration.distill) instead of fitting new ones")
+    parser.add_argument("--rank", type=int, default=8, help="--distill: the correction's rank")
+    parser.add_argument("--steps", type=int, default=100, help="--distill: Adam steps")
+    parser.add_argument("--learning-rate", type=float, default=1e-3, help="--distill: Adam's learning rate")
     parser.add_argument("--files", type=int, help="calibration files (default: the published maps' scale)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
@@ -89,7 +123,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.files is None and len(scales) != 1:  # both directions come from one capture, at one scale
         raise RecordError(f"the published maps were fitted on different scales {sorted(scales)}: pass --files")
     files = args.files or scales.pop()
-    print(fit(args.label, changes, files))
+    if args.distill:
+        if changes:
+            raise RecordError("--distill corrects the published maps: pass no calibration options with it")
+        print(distill(args.label, {"rank": args.rank, "steps": args.steps, "learning_rate": args.learning_rate}, files,
+                      progress=True))
+    else:
+        print(fit(args.label, changes, files))
 
 
 if __name__ == "__main__":

@@ -65,3 +65,12 @@ def test_joint_kinds_are_refused_where_they_have_no_meaning():
     model = tiny_model("qwen2", seed=3)  # 2 layers: 4 candidates with joint_kinds
     with pytest.raises(CalibrationError, match="top_k 5 exceeds the source model's 4 candidate inputs"):
         KVMap.calibrate(model, model, random_ids(4, 20), progress=False, joint_kinds=True, top_k=5)
+
+
+def test_the_card_names_each_input_by_its_kind():
+    from peft_kvcache.maps.card import render_card, summary_text
+
+    model = tiny_model("qwen2", seed=3)
+    kv_map = KVMap.calibrate(model, model, random_ids(10, 40), progress=False, joint_kinds=True)
+    assert "| 1 | k1 | v1 |" in render_card(kv_map.config, "org/map").content
+    assert "layers vals  0<-v0 1<-v1" in summary_text(kv_map.config)

@@ -270,10 +270,11 @@ def recipe_text(config: KVMapConfig) -> str:
 def summary_text(config: KVMapConfig, folder: Path | None = None) -> str:
     """What ``peft-kvcache inspect`` prints: the pair, the layers chosen, the fit, the data, the figures, the files."""
     c = config
-    groups = lambda layers: " ".join(f"{t}<-{'+'.join(map(str, g))}" for t, g in enumerate(layers))  # noqa: E731
+    groups = lambda kind: " ".join(f"{t}<-{_inputs(c, kind, t, '+')}"  # noqa: E731
+                                   for t in range(c.target_layout.num_layers))
     lines = [f"map          {folder or '(in memory)'}", f"pair         {c.source_name} -> {c.target_name} ({c.pair_kind})",
              f"fingerprints {c.source_fingerprint} -> {c.target_fingerprint}",
-             f"layers keys  {groups(c.key_layers)}", f"layers vals  {groups(c.value_layers)}",
+             f"layers keys  {groups('keys')}", f"layers vals  {groups('values')}",
              f"fit          held-out R2 keys {_mean(c.key_r2):.3f}, values {_mean(c.value_r2):.3f}; "
              f"{parameter_count(c):,} parameters; sink tokens {c.sink_tokens}", "", calibration_text(c), "",
              quality_text(c), "", recipe_text(c)]
@@ -297,14 +298,37 @@ def _blend_text(config: KVMapConfig) -> str:
             + "\n".join(rows) + "\n")
 
 
+def _distillation_text(config: KVMapConfig) -> str:
+    record = config.distillation
+    if record is None:
+        return ""
+    curve = dict((int(step), kl) for step, kl in record.heldout_kl)
+    kept = (f"the correction of step {record.kept_step} is folded into the weights (held-out KL "
+            f"{curve[0]:.4f} -> {curve[record.kept_step]:.4f})" if record.kept else
+            f"no step lowered the held-out KL of the ridge map ({curve[0]:.4f}), so the weights are the ridge fit's")
+    return (f"\nDistilled (`peft_kvcache.calibration.distill`): a rank-{record.rank} correction of every layer trained "
+            f"by the target's next-token KL over {record.scored_tokens} tokens, with the mapped context and the last "
+            f"{record.recent_tokens} context tokens computed by the target in place ({record.steps} Adam steps of "
+            f"{record.batch_size} of {record.train_chunks} calibration chunks, {record.heldout_chunks} held-out chunks "
+            f"choosing the step); {kept}.\n")
+
+
+def _inputs(config: KVMapConfig, kind: str, target_layer: int, separator: str = ", ") -> str:
+    """The source inputs of one target layer: layer numbers, or with ``joint_kinds`` ``k3`` / ``v3`` (keys / values)."""
+    layers = config.key_layers if kind == "keys" else config.value_layers
+    if not config.calibration.options.joint_kinds:
+        return separator.join(map(str, layers[target_layer]))
+    return separator.join(f"{source_kind[0]}{layer}" for source_kind, layer in
+                          (config.source_input(kind, s) for s in layers[target_layer]))
+
+
 def _layers_text(config: KVMapConfig) -> str:
     c = config
     rows = ["| target layer | source layer(s) for keys | for values | key R² | value R² |", "|---|---|---|---|---|"]
     for t in range(c.target_layout.num_layers):
         k_r2 = f"{sum(c.key_r2[t]) / len(c.key_r2[t]):.3f}" if c.key_r2 else "–"
         v_r2 = f"{sum(c.value_r2[t]) / len(c.value_r2[t]):.3f}" if c.value_r2 else "–"
-        rows.append(f"| {t} | {', '.join(map(str, c.key_layers[t]))} | {', '.join(map(str, c.value_layers[t]))} "
-                    f"| {k_r2} | {v_r2} |")
+        rows.append(f"| {t} | {_inputs(c, 'keys', t)} | {_inputs(c, 'values', t)} | {k_r2} | {v_r2} |")
     return "\n".join(rows)
 
 
@@ -340,7 +364,7 @@ def render_card(config: KVMapConfig, repo_hint: str, chart: bool = False, weight
         weights_dtype=weights_dtype, calibration_text=calibration_text(c),
         key_r2=f"{key_r2:.3f}" if math.isfinite(key_r2) else "not recorded",
         value_r2=f"{value_r2:.3f}" if math.isfinite(value_r2) else "not recorded",
-        layers_text=_layers_text(c), blend_text=_blend_text(c),
+        layers_text=_layers_text(c), blend_text=_blend_text(c) + _distillation_text(c),
         chart=f"![held-out R² per target layer and of each candidate source layer]({CHART_NAME})" if chart else "",
         evaluation_text=evaluation_text(c), quality_text=quality_text(c), recipe_text=recipe_text(c),
         weights_text=weights_text(c),

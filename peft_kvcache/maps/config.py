@@ -235,6 +235,28 @@ class NonlinearRecord:
         return list(self.keys if kind == "keys" else self.values)
 
 
+@dataclass
+class DistillationRecord:
+    """A low-rank correction trained by the target's next-token KL, folded into the weights
+    (`peft_kvcache.calibration.distill`): its options and the held-out KL that chose the step kept."""
+
+    rank: int = 8
+    steps: int = 100
+    batch_size: int = 4
+    learning_rate: float = 1e-3
+    recent_tokens: int = 64
+    scored_tokens: int = 64
+    train_chunks: int = 0
+    heldout_chunks: int = 0
+    kept_step: int = 0
+    heldout_kl: list[list[float]] = field(default_factory=list)  # [step, mean KL] from step 0 (the ridge map)
+
+    @property
+    def kept(self) -> bool:
+        """Whether a correction was kept (a step after 0 lowered the held-out KL)."""
+        return self.kept_step > 0
+
+
 # ----- the artifact's config -----
 
 
@@ -272,6 +294,9 @@ class KVMapConfig:
     nonlinear: NonlinearRecord | None = _help("residual MLP heads (None: a purely linear map)", default=None)
     blend: BlendRecord | None = _help("same-shape maps: the blend toward the source cache folded into the weights",
                                       default=None)
+    distillation: DistillationRecord | None = _help("a low-rank correction trained by the target's next-token KL, "
+                                                    "folded into the weights (None: the ridge fit as is)",
+                                                    default=None)
     sinks: list[list[int]] = _help("conversation starts (their first sink_tokens token ids) whose target KV the map "
                                    "ships (sink.<i>.keys / .values): the target's own attention sink, for an engine "
                                    "that cannot run the target itself", default_factory=list)
