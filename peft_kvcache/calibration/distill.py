@@ -46,10 +46,10 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Example:
     """One chunk, prepared once: the source's position-free features of the mapped part, the target's own sink and
-    the teacher's log-probabilities at the scored positions."""
+    the teacher's log-probabilities at the scored positions (float32: the KL is a small difference of large sums)."""
 
     ids: torch.Tensor  # [1, n]
-    features: SourceFeatures  # the source's context up to `mapped_end`
+    features: dict[tuple[str, int], torch.Tensor]  # (kind, source layer) -> [1, mapped_end - sink, width] float32
     sink: list[tuple[torch.Tensor, torch.Tensor]]  # per target layer, the target's own KV of the sink
     teacher: torch.Tensor  # [scored, vocab] float32 log-probabilities
     mapped_end: int
@@ -91,8 +91,7 @@ def _mapped_pairs(kv_map: KVMap, correction: Correction, example: _Example, targ
     for t, (device, dtype) in enumerate(placements):
         layer = []
         for k, kind in enumerate(KINDS):
-            inputs = [example.features.get(*source, torch.device("cpu"))[:, sink:]
-                      for source in kv_map.source_inputs(kind, t)]
+            inputs = [example.features[source] for source in kv_map.source_inputs(kind, t)]
             states = map_layer(inputs, *correction.weights(kv_map, kind, t), head_dim)
             if kind == "keys":
                 states = apply_rotary(states, cos, sin)
@@ -131,23 +130,26 @@ def _prepare(kv_map: KVMap, source_model, target_model, chunk: torch.Tensor, rec
     ids = chunk[None].long()
     mapped_end = ids.shape[1] - recent - scored
     source = run_with_cache(source_model, ids[:, :mapped_end])
-    features = SourceFeatures(source.keys, source.values, rotary_spec_of(source_model),
-                              torch.arange(mapped_end)[None], torch.float32)
+    states = SourceFeatures(source.keys, source.values, rotary_spec_of(source_model), torch.arange(mapped_end)[None],
+                            torch.float32)
+    sink, cpu = kv_map.config.sink_tokens, torch.device("cpu")
+    used = {s for kind in KINDS for t in range(kv_map.config.target_layout.num_layers)
+            for s in kv_map.source_inputs(kind, t)}
+    features = {s: states.get(*s, cpu)[:, sink:].contiguous() for s in used}
     out = forward(target_model, ids, None, logits_to_keep=scored)
     teacher = torch.log_softmax(out.logits[0].float(), dim=-1).cpu()
-    sink = kv_map.config.sink_tokens
-    own = [(keys[:, :, :sink], values[:, :, :sink]) for keys, values in cache_states(output_cache(out)).pairs()]
+    # copies: a view would keep the teacher's whole cache alive for as long as the example
+    own = [(keys[:, :, :sink].clone(), values[:, :, :sink].clone())
+           for keys, values in cache_states(output_cache(out)).pairs()]
     return _Example(ids, features, own, teacher, mapped_end)
 
 
 def _input_scales(kv_map: KVMap, example: _Example) -> dict[tuple[str, int], float]:
     """The root-mean-square of each layer's input features on one example (scales the correction's start)."""
-    sink = kv_map.config.sink_tokens
     scales = {}
     for kind in KINDS:
         for t in range(kv_map.config.target_layout.num_layers):
-            x = torch.cat([example.features.get(*s, torch.device("cpu"))[:, sink:]
-                           for s in kv_map.source_inputs(kind, t)], dim=-1)
+            x = torch.cat([example.features[s] for s in kv_map.source_inputs(kind, t)], dim=-1)
             scales[kind, t] = max(float(x.square().mean().sqrt()), 1e-6)
     return scales
 
