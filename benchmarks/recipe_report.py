@@ -44,10 +44,13 @@ class Scores:
 
 def group(records: list[dict], direction: str) -> dict[str, Scores]:
     """``{task: Scores}`` for one direction, and every recall task pooled under `RECALL`. A record measured again
-    (same example, variant and map) counts once: the latest."""
+    (same example, variant and map) counts once: the latest. Of a map set (``maps``) only the records of the map it
+    held last count (its fingerprint in the latest record): examples measured with maps since replaced are dropped,
+    never mixed with the new ones."""
+    current = {r["maps"]: r["map"] for r in records if r["direction"] == direction and r.get("map") is not None}
     by_task: dict[str, Scores] = defaultdict(lambda: Scores(defaultdict(dict), defaultdict(dict), {}))
     for r in records:
-        if r["direction"] != direction:
+        if r["direction"] != direction or (r.get("map") is not None and r["map"] != current[r["maps"]]):
             continue
         for task in (r["task"], RECALL) if r["task"].startswith("recall-") else (r["task"],):
             scores = by_task[task]
@@ -245,6 +248,11 @@ def report(role: str, context: int) -> dict:
             raise RecordError(f"the final records of {direction} hold no {default!r}, the default the selection texts "
                               "chose: run `python -m benchmarks.recipes run --role final` again")
         levers = lever_gains(tasks["continuation"], budget)
+        for entry in levers:  # the lever's map as the latest run that used it recorded it (older runs did not)
+            facts = next((run["map_sets"][entry["lever"]][direction] for run in reversed(runs)
+                          if direction in run.get("map_sets", {}).get(entry["lever"], {})), None)
+            entry["map"] = None if facts is None else {k: facts[k] for k in
+                                                       ("parameters", "multiply_adds_per_token", "options", "distilled")}
         payload["directions"][direction] = {"budget": budget, "rows": rows, "choice": choice, "default": default,
                                             "pair": siblings.pair_name(direction), "trade_off": trade_off(rows),
                                             "levers": levers}
@@ -267,14 +275,17 @@ def report(role: str, context: int) -> dict:
                       ""]
         if levers:
             share = lambda v: "-" if v is None else f"{v:+.2f}"  # noqa: E731
+            size = lambda m: "-" if m is None else f"{m['parameters']:,} / {m['multiply_adds_per_token']:,}"  # noqa: E731
             cells = [[e["lever"], e["recipe"], e["examples"], f"{e['normalized']:.3f}",
                       f"{e['minus_published']:+.3f} [{e['interval'][0]:+.3f}, {e['interval'][1]:+.3f}]",
-                      f"{share(e.get('keys_gap_closed'))} / {share(e.get('values_gap_closed'))}"] for e in levers]
+                      f"{share(e.get('keys_gap_closed'))} / {share(e.get('values_gap_closed'))}", size(e["map"])]
+                     for e in levers]
             lines += [f"## {siblings.pair_name(direction)}, levers (continuation)", "",
                       "Each lever's maps against the published maps on the same recipe and examples (paired); for the "
                       "hybrid, the share of the gap to the target's own keys / values in the mapped prefix it closes.",
                       "", table(["lever", "recipe", "examples", "normalized", "minus the published maps",
-                                 "oracle gap closed: keys / values"], cells), ""]
+                                 "oracle gap closed: keys / values", "map parameters / multiply-adds per token"],
+                                cells), ""]
         if choice:
             lines += [f"Default earned: **{choice['default']}**" if choice["default"] else
                       "No recipe qualifies (continuation interval not below the control, recall >= "

@@ -33,7 +33,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -44,6 +44,7 @@ from peft_kvcache.calibration.retention import cached_logits, token_kl, window_l
 from peft_kvcache.errors import RecordError
 from peft_kvcache.lab.corpus import prose_texts, stdlib_texts, token_ids
 from peft_kvcache.lab.provenance import code_state, provenance
+from peft_kvcache.maps.config import CalibrationConfig, parameter_count
 from peft_kvcache.maps.recipe import Refresh
 from peft_kvcache.modeling._compat import output_cache
 from peft_kvcache.modeling.capture import CapturedKV, cache_states, forward
@@ -327,6 +328,17 @@ def append(path: Path, record: dict) -> None:
 
 
 @torch.no_grad()
+def map_facts(folder: Path, kv_map: KVMap, fingerprint: str) -> dict:
+    """What a run records about one map it uses: where it is, what it is (its records' ``map``), its size and cost, and
+    how it was fitted where that differs from the defaults (the lever)."""
+    config = kv_map.config
+    options = {f.name: getattr(config.calibration.options, f.name) for f in fields(CalibrationConfig)
+               if getattr(config.calibration.options, f.name) != getattr(CalibrationConfig(), f.name)}
+    return {"folder": str(folder), "fingerprint": fingerprint, "parameters": parameter_count(config),
+            "multiply_adds_per_token": kv_map.multiply_adds_per_token, "options": options,
+            "distilled": config.distillation is not None and config.distillation.kept}
+
+
 def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str, context: int, windows: int,
         per_file: int, recall_cases: int, directions: tuple[str, ...] = ("up", "down"), only: str | None = None,
         progress: bool = True, records: Path | None = None) -> Path:
@@ -335,10 +347,13 @@ def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str
     path = records or records_path(role, context)
     drop_partial_line(path)
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-    append(path.with_name("runs.jsonl"), {"run": run_id, "role": role, "context": context, **provenance()})
     commit = code_state()["commit"]
     maps = {d: {label: KVMap.from_pretrained(folders[d]) for label, folders in map_sets.items()} for d in directions}
     prints = {d: {label: map_fingerprint(folders[d]) for label, folders in map_sets.items()} for d in directions}
+    append(path.with_name("runs.jsonl"), {"run": run_id, "role": role, "context": context, **provenance(),
+                                          "map_sets": {label: {d: map_facts(folders[d], maps[d][label], prints[d][label])
+                                                               for d in directions}
+                                                       for label, folders in map_sets.items()}})
     levers = tuple(label for label in map_sets if label != "published")
     chosen = chosen_defaults() if role == "final" else {}
     plan = {}

@@ -4,6 +4,8 @@ whole files."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import random_ids
@@ -13,7 +15,7 @@ from benchmarks.recipes import PROBE, Example, ExampleRun, Variant, full_pass
 from peft_kvcache import MappedCache
 from peft_kvcache.calibration.retention import cached_logits, window_logits
 from peft_kvcache.errors import CacheMismatchError, RecordError
-from peft_kvcache.maps.config import Refresh
+from peft_kvcache.maps.config import Refresh, parameter_count
 
 CONTEXT, CONTINUATION = 56, 8
 
@@ -112,6 +114,9 @@ def test_records_resume_where_a_run_stopped(tmp_path, sibling_pair, sibling_map,
     run()
     first = recipes.read_records(path)
     assert len(first) == 3 * len(plan) and {r["map"] for r in first if r["variant"] == "hybrid@40"} != {None}
+    facts = json.loads(path.with_name("runs.jsonl").read_text().splitlines()[-1])["map_sets"]["published"]["up"]
+    assert facts["fingerprint"] == first[-1]["map"] and facts["parameters"] == parameter_count(sibling_map.config)
+    assert facts["options"] == {}  # the sibling fixture's map is fitted with the default options
     lines = path.read_text().splitlines()
     path.write_text("\n".join(lines[:5]) + "\n" + lines[5][:20])  # a stop mid-write
     run()
@@ -282,3 +287,16 @@ def test_a_lever_is_paired_with_the_published_maps_and_credited_with_the_oracle_
     assert hybrid["keys_gap_closed"] == pytest.approx(0.5, abs=0.05)  # 0.2 of the 0.4 the target's own keys add
     assert hybrid["values_gap_closed"] == pytest.approx(2.0, abs=0.2)  # beyond what the values oracle adds
     assert "keys_gap_closed" not in gains["plain"]  # the oracle swaps are the hybrid's
+
+
+def test_records_of_maps_since_replaced_are_dropped_not_mixed_with_the_new_ones():
+    def record(example, variant, maps, fingerprint, correct):
+        return {"direction": "up", "example": example, "file": f"{example}.py", "task": "continuation",
+                "variant": variant, "maps": maps, "map": fingerprint, "correct": correct, "tokens": 4, "kl": 0.0}
+
+    records = [record("e0", "window@160", "published", None, 1), record("e0", "attn:hybrid@160", "attn", "old", 1),
+               record("e1", "attn:hybrid@160", "attn", "old", 2), record("e0", "hybrid@160", "published", "p", 3),
+               record("e0", "attn:hybrid@160", "attn", "new", 4)]  # the lever's maps were fitted again
+    scores = recipe_report.group(records, "up")["continuation"]
+    assert scores.accuracy["attn:hybrid@160"] == {"e0": 1.0}  # e1 was measured with the old maps only
+    assert scores.accuracy["hybrid@160"] == {"e0": 0.75} and scores.accuracy["window@160"] == {"e0": 0.25}

@@ -84,3 +84,19 @@ def test_the_final_texts_report_the_default_the_selection_texts_chose(results):
     assert not any(".recipe." in name for name in figures_of_card)  # the evaluate stage's recipe rows stay out
     readme = figures.readme_table()
     assert "`index@160/p40`" in readme and "vs the control" in readme and "sibling-recipes-final" in readme
+
+
+def test_the_lever_table_states_each_lever_maps_size_as_its_run_recorded_it(results):
+    records = _records("selection", ACCURACY)
+    for r in [r for r in records if r["variant"] == "hybrid@160"]:
+        records.append({**r, "variant": "attn:hybrid@160", "maps": "attn", "map": "a1", "correct": r["correct"] + 1})
+    facts = {"folder": "runs/levers/attn/x", "fingerprint": "a1", "parameters": 1234567,
+             "multiply_adds_per_token": 890, "options": {"attention_weighting": 0.5}, "distilled": False}
+    (results / "sibling-recipes" / "selection-2048.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (results / "sibling-recipes" / "runs.jsonl").write_text(json.dumps(
+        {"role": "selection", "context": 2048, "map_sets": {"attn": {"up": facts}}}) + "\n")
+    payload = recipe_report.report("selection", 2048)
+    lever = payload["directions"]["up"]["levers"][0]
+    assert lever["lever"] == "attn" and lever["map"]["parameters"] == 1234567
+    assert lever["map"]["options"] == {"attention_weighting": 0.5}
+    assert "| 1,234,567 / 890 |" in (results / "sibling-recipes-selection-2048.md").read_text()
