@@ -6,6 +6,7 @@ and options (`siblings.CONFIG`) with the lever's changes, both directions from o
     python -m benchmarks.lever_maps --label l2048 --max-length 2048
     python -m benchmarks.lever_maps --label joint --joint-kinds
     python -m benchmarks.lever_maps --label distill --distill      # the published maps, distilled
+    python -m benchmarks.lever_maps --label nonlinear --nonlinear  # the published maps with nonlinear heads
     python -m benchmarks.recipes run --maps hub_cards --role selection --lever attention=runs/levers/attention
 
 Writes ``runs/levers/<label>/<pair>`` (maps named as the published ones). The statistics are checkpointed under
@@ -19,14 +20,17 @@ how the maps are fitted from the statistics (``--top-k``) share one capture:
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from peft_kvcache import KVMap
+from peft_kvcache._files import atomic_write
 from peft_kvcache.calibration.distill import distill_map
 from peft_kvcache.calibration.loop import statistics_options
+from peft_kvcache.calibration.nonlinear import fit_nonlinear_heads
 from peft_kvcache.errors import RecordError
 from peft_kvcache.lab.corpus import stdlib_texts
 
@@ -63,18 +67,24 @@ def fit(label: str, changes: dict, files: int, progress: bool = True) -> Path:
     return folder
 
 
-def distill(label: str, options: dict, files: int, progress: bool = True) -> Path:
-    """Both published maps (``hub_cards``) distilled (`distill_map` with ``options``) on their own calibration files
-    (the first ``files``; their held-out texts choose the step kept) into ``runs/levers/<label>``; a direction already
-    distilled with these options is kept, so a stopped run resumes with the next direction."""
+# What can be added to a published map after its fit: name -> function(map, source, target, texts, tokenizer, **options)
+ADDITIONS = {"distill": distill_map, "nonlinear": fit_nonlinear_heads}
+
+
+def add_to_published(label: str, addition: str, options: dict, files: int, progress: bool = True) -> Path:
+    """Both published maps (``hub_cards``) with ``addition`` (`ADDITIONS`: distillation, nonlinear heads) fitted on
+    their own calibration files (the first ``files``: their held-out texts stay held out) into
+    ``runs/levers/<label>``; a direction already done with these options is kept (``lever.json`` beside it says what
+    was done), so a stopped run resumes with the next direction."""
     folder = LEVERS / label
+    what = {"addition": addition, "options": options, "files": files}
     models = tokenizer = None
     for direction in siblings.DIRECTIONS:
         out = folder / siblings.pair_name(direction)
         if out.is_dir():
-            record = KVMap.from_pretrained(out).config.distillation
-            if record is None or any(getattr(record, k) != v for k, v in options.items()):
-                raise RecordError(f"{out} holds a map distilled with other options ({record}); remove it or choose "
+            done = json.loads((out / "lever.json").read_text()) if (out / "lever.json").is_file() else None
+            if done != what:
+                raise RecordError(f"{out} holds a map made otherwise ({done}, not {what}); remove it or choose "
                                   "another label")
             continue
         published = KVMap.from_pretrained(ROOT / "hub_cards" / siblings.pair_name(direction))
@@ -84,8 +94,10 @@ def distill(label: str, options: dict, files: int, progress: bool = True) -> Pat
         if models is None:
             models, tokenizer = siblings.load_pair()
         source, target = (models[name] for name in siblings.DIRECTIONS[direction])
-        distill_map(published, source, target, stdlib_texts("calibration", files), tokenizer, progress=progress,
-                    **options).save_pretrained(out, chart=False)
+        kv_map = ADDITIONS[addition](published, source, target, stdlib_texts("calibration", files), tokenizer,
+                                     progress=progress, **options)
+        kv_map.save_pretrained(out, chart=False)  # lever.json last: a folder without it is not done
+        atomic_write(out / "lever.json", lambda tmp: Path(tmp).write_text(json.dumps(what, indent=1)))
     return folder
 
 
@@ -106,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="CalibrationConfig.joint_kinds (each kind from the source's keys and values together)")
     parser.add_argument("--distill", action="store_true",
                         help="distill the published maps (peft_kvcache.calibration.distill) instead of fitting new ones")
+    parser.add_argument("--nonlinear", action="store_true",
+                        help="add nonlinear heads to the published maps (peft_kvcache.calibration.nonlinear)")
     parser.add_argument("--rank", type=int, default=8, help="--distill: the correction's rank")
     parser.add_argument("--steps", type=int, default=100, help="--distill: Adam steps")
     parser.add_argument("--learning-rate", type=float, default=1e-3, help="--distill: Adam's learning rate")
@@ -123,11 +137,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.files is None and len(scales) != 1:  # both directions come from one capture, at one scale
         raise RecordError(f"the published maps were fitted on different scales {sorted(scales)}: pass --files")
     files = args.files or scales.pop()
-    if args.distill:
-        if changes:
-            raise RecordError("--distill corrects the published maps: pass no calibration options with it")
-        print(distill(args.label, {"rank": args.rank, "steps": args.steps, "learning_rate": args.learning_rate}, files,
-                      progress=True))
+    if args.distill or args.nonlinear:
+        if changes or (args.distill and args.nonlinear):
+            raise RecordError("--distill and --nonlinear each add to the published maps: pass one, with no "
+                              "calibration options")
+        addition, options = ("distill", {"rank": args.rank, "steps": args.steps, "learning_rate": args.learning_rate}) \
+            if args.distill else ("nonlinear", {})
+        print(add_to_published(args.label, addition, options, files))
     else:
         print(fit(args.label, changes, files))
 

@@ -106,17 +106,17 @@ def test_the_lever_distills_each_published_map_once_and_resumes(tmp_path, monkey
     monkeypatch.setattr(siblings, "load_pair", lambda: (models, None))
     monkeypatch.setattr(lever_maps, "stdlib_texts", lambda split, files: dict(list(texts.items())[:files]))
     options = {"rank": 2, "steps": 2, "learning_rate": 1e-3}
-    monkeypatch.setattr(lever_maps, "distill_map", lambda *a, **k: distill_map(*a, recent_tokens=RECENT,
-                                                                                 scored_tokens=SCORED, **k))
-    folder = lever_maps.distill("distill", options, files=12, progress=False)
+    monkeypatch.setitem(lever_maps.ADDITIONS, "distill", lambda *a, **k: distill_map(*a, recent_tokens=RECENT,
+                                                                                       scored_tokens=SCORED, **k))
+    folder = lever_maps.add_to_published("distill", "distill", options, files=12, progress=False)
     for direction in siblings.DIRECTIONS:
         assert KVMap.from_pretrained(folder / siblings.pair_name(direction)).config.distillation.rank == 2
     monkeypatch.setattr(siblings, "load_pair", lambda: pytest.fail("both directions are done: nothing runs again"))
-    assert lever_maps.distill("distill", options, files=12, progress=False) == folder
-    with pytest.raises(RecordError, match="distilled with other options"):
-        lever_maps.distill("distill", {**options, "rank": 4}, files=12, progress=False)
+    assert lever_maps.add_to_published("distill", "distill", options, files=12, progress=False) == folder
+    with pytest.raises(RecordError, match="made otherwise"):
+        lever_maps.add_to_published("distill", "distill", {**options, "rank": 4}, files=12, progress=False)
     with pytest.raises(RecordError, match="fitted on 12 files, not 5"):
-        lever_maps.distill("other", options, files=5, progress=False)
+        lever_maps.add_to_published("other", "distill", options, files=5, progress=False)
 
 
 def test_the_card_says_what_was_distilled_and_what_it_gained(distilled):
