@@ -114,7 +114,7 @@ def variants_for(budget: int, levers: tuple[str, ...] = (), final: bool = False,
     oracle swaps, and on selection texts the trade-off between a recent window and picked positions at B (middle
     mapped and dropped) and the curve as the budget grows (B/2, 2B); on ``final`` texts only what reports the
     default: the hybrid, today's refresh and ``chosen`` (the default the selection texts chose, if any) at B. Then
-    each lever's map set on the recipes that use a map."""
+    each lever's map set on the hybrid, today's refresh and ``chosen`` at B."""
     out = [Variant("full"), Variant("no_context"), Variant("plain")]
     if final:
         out += [Variant("window", budget), Variant("hybrid", budget), Variant("refresh", budget, budget - 2 * PROBE)]
@@ -127,10 +127,8 @@ def variants_for(budget: int, levers: tuple[str, ...] = (), final: bool = False,
                 if 0 < p <= b - 2 * PROBE:  # the probe's 16 tokens are the least a recent window holds
                     out += [Variant("refresh", b, p), Variant("index", b, p)]
     out += [Variant("hybrid", budget, oracle="keys"), Variant("hybrid", budget, oracle="values")]
-    for label in levers:
-        out += [Variant("plain", maps=label), Variant("hybrid", budget, maps=label),
-                Variant("refresh", budget, budget - 2 * PROBE, maps=label),
-                Variant("refresh", budget, budget // 4, maps=label)]
+    for label in levers:  # the hybrid (whose oracle gaps a lever closes) and today's refresh, at the budget
+        out += [Variant("hybrid", budget, maps=label), Variant("refresh", budget, budget - 2 * PROBE, maps=label)]
         if chosen is not None:
             out.append(replace(Variant.recipe(chosen), maps=label))
     return list(dict.fromkeys(out))
