@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from peft_kvcache import KVMap, MappedCache
-from peft_kvcache.calibration.loop import ModelSide, StatisticsRun, build_map, collect, statistics_options
+from peft_kvcache.calibration.loop import build_map, collect, statistics_options
+from peft_kvcache.calibration.statistics import ModelSide, StatisticsRun
 from peft_kvcache.calibration.texts import CalibrationTexts
 from peft_kvcache.calibration.retention import (
     RetentionReport,

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from peft_kvcache import KVMap, MappedCache
-from peft_kvcache.calibration.loop import ModelSide
+from peft_kvcache.calibration.statistics import ModelSide
 from peft_kvcache.maps.config import KVMapConfig
 from peft_kvcache.modeling.capture import forward, run_with_cache
 from peft_kvcache.runtime.cache import ContextCache

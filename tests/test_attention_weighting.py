@@ -10,7 +10,8 @@ from conftest import CALIBRATION_OPTIONS, calibration_pair, random_ids, tiny_mod
 
 from peft_kvcache import KVMap
 from peft_kvcache.calibration.fit import SufficientStatistics
-from peft_kvcache.calibration.loop import ModelSide, StatisticsRun, statistics_options
+from peft_kvcache.calibration.loop import statistics_options
+from peft_kvcache.calibration.statistics import ModelSide, StatisticsRun
 from peft_kvcache.errors import CalibrationError, RecordError
 from peft_kvcache.maps.config import CalibrationConfig
 from peft_kvcache.modeling.capture import CapturedKV, batches, run_with_cache
@@ -87,7 +88,7 @@ def test_calibration_weights_each_token_by_the_attention_its_target_gives_it():
 
 
 def _features(captured, side, mask):
-    from peft_kvcache.calibration.loop import stacked_features
+    from peft_kvcache.calibration.statistics import stacked_features
 
     positions = positions_from_mask(mask)
     return stacked_features(captured, side.rotary, positions, mask.bool() & (positions >= 1))[0].double()

@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from peft_kvcache import KVMap
 from peft_kvcache.calibration.fit import SufficientStatistics, all_reduce_statistics
-from peft_kvcache.calibration.loop import ModelSide, StatisticsRun, collect
+from peft_kvcache.calibration.loop import collect
+from peft_kvcache.calibration.statistics import ModelSide, StatisticsRun
 from peft_kvcache.calibration.texts import CalibrationTexts
 from peft_kvcache.maps.config import CalibrationConfig
 from peft_kvcache.modeling.capture import run_with_cache

@@ -9,7 +9,7 @@ import torch
 from conftest import random_ids, tiny_model
 
 from peft_kvcache import KVMap
-from peft_kvcache.calibration.loop import JOINT, ModelSide, StatisticsRun
+from peft_kvcache.calibration.statistics import JOINT, ModelSide, StatisticsRun
 from peft_kvcache.errors import CalibrationError, RecordError
 from peft_kvcache.maps.apply import map_cache
 from peft_kvcache.maps.config import CalibrationConfig

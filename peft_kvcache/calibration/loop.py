@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 
 import torch
 import torch.distributed as dist
@@ -21,146 +21,23 @@ from tqdm.auto import tqdm
 
 from ..errors import CalibrationError, RecordError
 from ..maps.adapter_maps import AdapterMaps
-from ..maps.config import DEFAULT_LAMBDA_GRID, CalibrationConfig, CalibrationRecord, KVMapConfig, ModelSpec
+from ..maps.config import DEFAULT_LAMBDA_GRID, KINDS, CalibrationConfig, CalibrationRecord, KVMapConfig, ModelSpec
 from ..maps.kvmap import KVMap
 from ..modeling.adapters import adapter_active, is_activated_lora, is_peft_model
 from ..modeling.capture import CapturedKV, batches, run_with_cache
-from ..modeling.identity import cached_fingerprint, check_pair, model_name
-from ..modeling.layout import KVLayout, layer_features, vocab_size_of
-from ..modeling.positions import RotarySpec, position_free_keys, positions_from_mask, rotary_spec_of
+from ..modeling.identity import check_pair
+from ..modeling.layout import vocab_size_of
 from .checkpoint import CalibrationCheckpoint, Progress, run_digest
-from .fit import SufficientStatistics, all_reduce_statistics, check_shards, fit_layers, fit_same_layers
+from .fit import check_shards, fit_layers, fit_same_layers
+from .statistics import SPLITS, ModelSide, StatisticsRun
 from .texts import CalibrationTexts
 
 logger = logging.getLogger(__name__)
 
-SPLITS = ("train", "heldout")
-KINDS = ("keys", "values")
-JOINT = "keys+values"  # the one statistic both kinds share with joint_kinds
 BASE = "base"  # the name the base model of a PeftModel has in adapter calibration
 
 
-@dataclass(frozen=True)
-class ModelSide:
-    """What a map records about one of its two models."""
-
-    name: str
-    fingerprint: str
-    layout: KVLayout
-    rotary: RotarySpec
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> "ModelSide":
-        """The facts calibration records about ``model``: name, fingerprint, KV layout and rotary."""
-        return cls(model_name(model), cached_fingerprint(model), KVLayout.of(model), rotary_spec_of(model))
-
-
-# ----- data -----
-
-
 # ----- the loop -----
-
-
-class StatisticsRun:
-    """Streaming statistics of one calibration pass: for each source (by name), from its KV features to each of
-    its targets', per layer block (all layers side by side, or each layer alone with ``same_layer``), per split
-    and kind. With ``joint_kinds`` the source's keys and values of all layers are one feature row, so both kinds
-    share one statistic (its ``X^T X``), its targets named ``<target>:<kind>``."""
-
-    def __init__(self, groups: dict[str, list[str]], sides: dict[str, ModelSide], config: CalibrationConfig):
-        if config.attention_weighting and any(len(targets) != 1 for targets in groups.values()):
-            raise CalibrationError("attention_weighting weights a source's tokens by what its target attends to: it "
-                                   "needs one target per source (fit the targets one at a time)")
-        self.groups, self.sides, self.sink_tokens = groups, sides, config.sink_tokens
-        self.attention_weighting, self.joint_kinds = config.attention_weighting, config.joint_kinds
-        self.blocks: list[int | None] = (list(range(next(iter(sides.values())).layout.num_layers))
-                                         if config.same_layer else [None])
-        self.stats = {}
-        for source, targets in groups.items():
-            for block in self.blocks:
-                for split in SPLITS:
-                    if self.joint_kinds:
-                        self.stats[source, block, split, JOINT] = SufficientStatistics.empty(
-                            2 * self._width(source, block),
-                            {f"{t}:{kind}": self._width(t, block) for t in targets for kind in KINDS})
-                        continue
-                    for kind in KINDS:
-                        self.stats[source, block, split, kind] = SufficientStatistics.empty(
-                            self._width(source, block), {t: self._width(t, block) for t in targets})
-
-    def _width(self, name: str, block: int | None) -> int:
-        layout = self.sides[name].layout
-        return layout.layer_width * (layout.num_layers if block is None else 1)
-
-    def add(self, split: str, runs: dict[str, CapturedKV], mask: torch.Tensor) -> None:
-        """Add one batch's features (past the sink, unpadded tokens only) to ``split``'s statistics."""
-        positions = positions_from_mask(mask)
-        rows = mask.bool() & (positions >= self.sink_tokens)  # the sink is the target's own at inference
-        if not rows.any():
-            return
-        weights = {source: self._weights(runs[targets[0]], rows) for source, targets in self.groups.items()}
-        for block in self.blocks:
-            features = {name: stacked_features(run, self.sides[name].rotary, positions, rows, block)
-                        for name, run in runs.items()}
-            for source, targets in self.groups.items():
-                if self.joint_kinds:  # keys of every layer, then values of every layer: `KVMapConfig.source_input`
-                    self.stats[source, block, split, JOINT].update(
-                        torch.cat(features[source], dim=-1),
-                        {f"{t}:{kind}": features[t][k] for t in targets for k, kind in enumerate(KINDS)},
-                        weights[source])
-                    continue
-                for k, kind in enumerate(KINDS):
-                    self.stats[source, block, split, kind].update(features[source][k],
-                                                                 {t: features[t][k] for t in targets}, weights[source])
-
-    def _weights(self, target: CapturedKV, rows: torch.Tensor) -> torch.Tensor | None:
-        """Each row's weight in the fit, train and held-out splits alike (so ridge strengths and layers are chosen,
-        and held-out R^2 reported, under the same weighting): ``1 - a + a * r / mean(r)`` with ``r`` the attention the
-        target gave the token (`ReceivedAttention`), the mean over the batch's rows, and ``a`` the attention weighting
-        (None when 0: every token alike). The weights average 1 per batch, so counts stay token counts."""
-        if not self.attention_weighting:
-            return None
-        if target.received is None:
-            raise CalibrationError("attention_weighting needs the target's received attention: run it with "
-                                   "run_with_cache(..., received_attention=True)")
-        received = target.received[rows.cpu()].double()
-        a = self.attention_weighting
-        return 1 - a + a * received / received.mean().clamp(min=torch.finfo(torch.float64).tiny)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Every statistic as named tensors (the checkpoint's content)."""
-        return {f"{source}|{block}|{split}|{kind}|{name}": tensor
-                for (source, block, split, kind), entry in self.stats.items()
-                for name, tensor in entry.state_dict().items()}
-
-    def all_reduce(self) -> None:
-        """Sum the statistics over the processes of a ``torchrun`` job."""
-        all_reduce_statistics(list(self.stats.values()))
-
-    def pair(self, source: str, target: str, block: int | None,
-             kind: str) -> tuple[SufficientStatistics, SufficientStatistics, str]:
-        """The train and held-out statistics from ``source`` to ``kind`` of ``target`` in one layer block, and the
-        target's name in them."""
-        if self.joint_kinds:
-            return self.stats[source, block, "train", JOINT], self.stats[source, block, "heldout", JOINT], \
-                f"{target}:{kind}"
-        return self.stats[source, block, "train", kind], self.stats[source, block, "heldout", kind], target
-
-    def tokens(self, source: str, split: str) -> float:
-        """The rows ``source``'s statistics of ``split`` hold (their total weight: the token count, weighted or not)."""
-        return float(self.stats[source, self.blocks[0], split, JOINT if self.joint_kinds else "keys"].count)
-
-
-def stacked_features(captured: CapturedKV, spec: RotarySpec, positions: torch.Tensor, rows: torch.Tensor,
-                     block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of all layers (or of layer ``block``) side by side for the selected token ``rows`` (bool
-    ``[batch, seq]``): two ``[n, layers * kv_heads * head_dim]`` float32 matrices, keys without RoPE."""
-    layers = range(len(captured.keys)) if block is None else [block]
-    keys = torch.cat([layer_features(position_free_keys(captured.keys[i], spec, positions.to(captured.keys[i].device)))
-                      [rows.to(captured.keys[i].device)].cpu() for i in layers], dim=-1)
-    values = torch.cat([layer_features(captured.values[i].float())[rows.to(captured.values[i].device)].cpu()
-                        for i in layers], dim=-1)
-    return keys, values
 
 
 def join_process_group() -> tuple[int, int]:
@@ -242,8 +119,7 @@ def build_map(run: StatisticsRun, source: str, target: str, config: CalibrationC
                                              progress=bar.update, head_shards=config.head_shards,
                                              residual_rank=config.residual_rank)
             else:  # with joint_kinds the candidates are the source's keys of every layer, then its values
-                candidates = replace(src.layout, num_layers=2 * src.layout.num_layers) if config.joint_kinds \
-                    else src.layout
+                candidates = replace(src.layout, num_layers=config.candidate_inputs(src.layout.num_layers))
                 identity_offset = src.layout.num_layers if config.joint_kinds and kind == "values" else 0
                 fits[kind] = fit_layers(*run.pair(source, target, None, kind), candidates, tgt.layout,
                                         top_k=config.top_k, lambda_grid=config.lambda_grid,
@@ -339,7 +215,7 @@ def calibrate(source_model: torch.nn.Module, target_model: torch.nn.Module, cali
     sides = {"source": ModelSide.of(source_model), "target": ModelSide.of(target_model)}
     if config.same_layer and sides["source"].layout != sides["target"].layout:
         raise CalibrationError("same_layer needs models of the same depth and KV width; use top_k layer selection")
-    candidates = sides["source"].layout.num_layers * (2 if config.joint_kinds else 1)
+    candidates = config.candidate_inputs(sides["source"].layout.num_layers)
     if not config.same_layer and config.top_k > candidates:
         raise CalibrationError(f"top_k {config.top_k} exceeds the source model's {candidates} candidate inputs (its "
                                "layers, or with joint_kinds their keys and values)")
@@ -450,5 +326,5 @@ def calibrate_missing(model, tokenizer, adapters: Sequence[str], maps: AdapterMa
     return maps
 
 
-__all__ = ["BASE", "ModelSide", "StatisticsRun", "build_map", "calibrate", "calibrate_adapters",
-           "calibrate_missing", "collect", "join_process_group", "resolve_config", "stacked_features"]
+__all__ = ["BASE", "build_map", "calibrate", "calibrate_adapters", "calibrate_missing", "collect", "join_process_group",
+           "resolve_config"]

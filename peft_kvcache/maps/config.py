@@ -78,6 +78,11 @@ class CalibrationConfig:
     def __post_init__(self):
         self.validate()
 
+    def candidate_inputs(self, source_layers: int) -> int:
+        """How many source inputs a target layer chooses among: the source's layers, or with ``joint_kinds`` each
+        layer's keys and values (`KVMapConfig.source_input`)."""
+        return source_layers * (2 if self.joint_kinds else 1)
+
     def validate(self, where: str = "CalibrationConfig") -> None:
         """Refuse options of the wrong type or out of range (`RecordError`); the message names the field (the CLI
         turns it into its flag). Run when the options are built, and again by calibration (a field set later)."""
@@ -310,9 +315,8 @@ class KVMapConfig:
 
     @property
     def source_candidates(self) -> int:
-        """How many source inputs a target layer chooses among: the source's layers, or with ``joint_kinds`` each
-        layer's keys and values (`source_input`)."""
-        return self.source_layout.num_layers * (2 if self.calibration.options.joint_kinds else 1)
+        """How many source inputs a target layer chooses among (`CalibrationConfig.candidate_inputs`)."""
+        return self.calibration.options.candidate_inputs(self.source_layout.num_layers)
 
     def source_input(self, kind: str, index: int) -> tuple[str, int]:
         """``(kind, source layer)`` of input ``index`` of a ``kind`` map: the same kind of that layer, or with
