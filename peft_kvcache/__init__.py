@@ -29,6 +29,7 @@ from .maps.kvmap import KVMap
 from .modeling.adapters import adapter_active, load_adapters
 from .modeling.capture import CapturedKV, run_with_cache
 from .modeling.fixtures import load_model
+from ._allocator import keep_freed_memory
 from .runtime.cache import ContextCache, MappedCache
 from .runtime.check import ContextCheck, check_context, meets_quality, prefill_context
 from .runtime.sessions import AdapterSession
@@ -42,6 +43,8 @@ __all__ = [
     "AdapterMaps", "AdapterSession", "SharedPeftModel", "TurnResult", "adapter_active", "load_adapters",
     # quality at a switch
     "meets_quality", "ContextCheck", "check_context", "prefill_context",
+    # a serving process's allocator (switches without page faults)
+    "keep_freed_memory",
     # the errors users catch (the rest: peft_kvcache.errors)
     "PeftKVCacheError", "ArtifactError", "CacheMismatchError", "FingerprintMismatchError", "QualityError",
     "SessionError",

@@ -28,6 +28,7 @@ from ..maps.adapter_maps import MISSES, AdapterMaps
 from ..maps.registry import NO_MAP, MapRegistry
 from ..modeling.adapters import is_activated_lora, load_adapters
 from ..modeling.identity import base_name
+from .._allocator import keep_freed_memory
 from ..runtime.turn import KEEP_BASE, SharedPeftModel
 from .engine import DEFAULT_MIN_MAPPED_TOKENS, REUSE_MODES, PrefixEngine
 from .errors import ServerError
@@ -198,6 +199,9 @@ def build(options: ServeOptions):
 
     from ..modeling.fixtures import load_model
 
+    # before the model's tensors: a switch's temporaries then reuse freed memory instead of faulting fresh pages in
+    allocator = ("glibc malloc keeps freed blocks (switches without page faults)" if keep_freed_memory() else
+                 "left as it is (not glibc, or another allocator preloaded)")
     base, tokenizer = load_model(options.model, dtype=getattr(torch, options.dtype))  # a ModelLoadError names it
     model = load_adapters(base, options.adapters)
     maps = find_maps(model, list(options.adapters), options.maps)
@@ -209,7 +213,7 @@ def build(options: ServeOptions):
         raise ServerError("maps that cannot be used: " + "; ".join(unusable.values()) +
                           " (pass --calibrate-missing to fit new ones at startup)")
     name = options.served_model_name or base_name(model)
-    lines = [f"serving {name!r} and adapters {list(options.adapters)}"]
+    lines = [f"serving {name!r} and adapters {list(options.adapters)}", f"allocator: {allocator}"]
     if missing and options.calibrate_missing:
         lines.append(f"calibrated the maps of {missing} on {options.calibration_files} stdlib files (in memory, not "
                      "saved)" + "".join(f"; unusable: {why}" for why in unusable.values()))

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 import torch
 
+from .._allocator import keep_freed_memory
 from ..errors import CacheMismatchError
 from ..maps.apply import iter_map_cache, place_map
 from ..maps.kvmap import KVMap
@@ -78,8 +79,12 @@ class WorkerSide:
                 seen.add(tensor.data_ptr())
                 self.layer_names.append(name)
                 self.layers.append(tensor)
-        if self.layers and self.layers[0].device.type == "cpu" and self.async_loads:
-            self._slicer = StepSlicer(self.step_share)
+        if self.layers and self.layers[0].device.type == "cpu":
+            # what vLLM's CPU build does by preloading tcmalloc where it ships one (keep_freed_memory logs it):
+            # a mapping's temporaries reuse freed memory, not fresh pages faulted in at every switch
+            keep_freed_memory()
+            if self.async_loads:
+                self._slicer = StepSlicer(self.step_share)
         if self.maps_root is not None:  # every map this engine's model could use, read off the engine loop
             self._preload = threading.Thread(target=self._load_maps, name="peft-kvcache-maps", daemon=True)
             self._preload.start()
