@@ -29,7 +29,7 @@ from .common import ADAPTERS, RESULTS, ROOT, start_run, table, timed
 ALLOCATORS = ("glibc", "kept")
 
 
-def child(allocator: str, tokens: int, repeats: int, extra: dict[str, str]) -> dict:
+def child(allocator: str, tokens: int, repeats: int, extra: list[tuple[str, str]]) -> dict:
     """One process's timings, in seconds: map label -> {map, own, switch: [runs]}."""
     from peft_kvcache import AdapterMaps, KVMap, MappedCache, adapter_active, keep_freed_memory, run_with_cache
     from peft_kvcache.modeling.capture import forward
@@ -42,7 +42,7 @@ def child(allocator: str, tokens: int, repeats: int, extra: dict[str, str]) -> d
     model, _ = adapters.load_smollm2(ADAPTERS)
     maps = AdapterMaps.from_pretrained(ROOT / "hub_cards", model, list(ADAPTERS))
     chosen = {f"base -> {a}": (a, maps.to_adapter[a]) for a in ADAPTERS}
-    chosen.update({f"base -> {a} ({Path(folder).name})": (a, KVMap.from_pretrained(folder)) for a, folder in extra.items()})
+    chosen.update({f"base -> {a} ({Path(folder).name})": (a, KVMap.from_pretrained(folder)) for a, folder in extra})
     ids = torch.randint(100, 40000, (1, tokens), generator=torch.Generator().manual_seed(0))
     context, last, step = ids[:, :-1], ids[:, -1:], torch.tensor([[tokens - 1]])
     with adapter_active(model, None):
@@ -102,7 +102,9 @@ def main(argv=None) -> int:
     parser.add_argument("--child", choices=ALLOCATORS, help=argparse.SUPPRESS)
     parser.add_argument("--output", type=Path, default=RESULTS / "allocator")
     args = parser.parse_args(argv)
-    extra = dict(item.split("=", 1) for item in args.extra)
+    extra = [tuple(item.split("=", 1)) for item in args.extra]
+    if any(len(pair) != 2 or pair[0] not in ADAPTERS for pair in extra):
+        parser.error(f"--extra takes ADAPTER=FOLDER with ADAPTER one of {list(ADAPTERS)}, got {args.extra}")
     torch.set_num_threads(args.threads)
     if args.child:
         print(json.dumps(child(args.child, args.tokens, args.repeats, extra)))

@@ -2,8 +2,8 @@
 
 glibc hands every freed block above its mmap threshold back to the kernel, and the next allocation of that size
 takes fresh pages, zeroed one page fault at a time. A mapping allocates a few tensors per target layer (1.5 MiB each
-for SmolLM2-135M at 2k tokens), a decode step its activations: on the machines measured here those faults made the
-mapping of a 2k-token cache take ~70 ms instead of ~24 ms (`benchmarks.allocator`). vLLM's CPU build
+for SmolLM2-135M at 2k tokens), a decode step its activations: those faults show as a slower, far more variable
+switch (`benchmarks.allocator`, both allocators side by side). vLLM's CPU build
 preloads tcmalloc for the same reason where it ships one. `keep_freed_memory` sets glibc's thresholds so that
 blocks up to ``mmap_threshold`` come from the heap and the heap is trimmed only above ``trim_threshold``: freed
 memory is reused, at the price of a resident size that stays near its peak (up to ``trim_threshold`` above it).
