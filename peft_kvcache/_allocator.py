@@ -2,13 +2,14 @@
 
 glibc hands every freed block above its mmap threshold back to the kernel, and the next allocation of that size
 takes fresh pages, zeroed one page fault at a time. A mapping allocates a few tensors per target layer (1.5 MiB each
-for SmolLM2-135M at 2k tokens), a decode step its activations: those faults show as a slower, far more variable
-switch (`benchmarks.allocator`, both allocators side by side). vLLM's CPU build
-preloads tcmalloc for the same reason where it ships one. `keep_freed_memory` sets glibc's thresholds so that
+for SmolLM2-135M at 2k tokens), a decode step its activations: those faults make a switch more variable and at
+times far slower (`benchmarks.allocator`: both allocators side by side). vLLM's CPU build preloads tcmalloc for the
+same reason where it ships one. `keep_freed_memory` sets glibc's thresholds so that
 blocks up to ``mmap_threshold`` come from the heap and the heap is trimmed only above ``trim_threshold``: freed
 memory is reused, at the price of a resident size that stays near its peak (up to ``trim_threshold`` above it).
 It changes the whole process, so the library never calls it on import: a serving process calls it at start
-(`peft-kvcache serve` and the vLLM connector do, and say so in their log).
+(`peft-kvcache serve` does and prints which allocator it runs on; the vLLM connector does on a CPU engine, logged at
+INFO by this module).
 """
 
 from __future__ import annotations

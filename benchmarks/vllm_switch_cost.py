@@ -1,0 +1,94 @@
+"""What a switch costs the rest of a vLLM engine and how close it comes to the adapter's own cache (issue 32), the two
+measurements of `benchmarks.vllm_load` that the connector's step slicing and its allocator setting change, on one
+freshly started server (a) (vLLM's CPU build with the connector mapping; the same setup as `benchmarks.vllm_load`):
+
+1. Streams: the inter-token latency of two long base-model streams while requests arrive on histories the base model
+   computed, switching to adapters or (the same load without switches) to the base model again, ``--repetitions``
+   windows per condition; the per-window p95 ratio switches / none with its 95% t-interval.
+2. At ``--own-tokens`` of history, ``--repeats`` times: an adapter continuing its own cached prefix, a mapped switch
+   and a prefill; mapped / own run by run, and the mapped switch's first-token KL against the prefill.
+
+    python -m benchmarks.vllm_switch_cost          # ~20 min on 2 cores; a quiet machine: it times
+
+Writes benchmarks/results/vllm-switch-cost.json and .md (the raw measurements inside).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from peft_kvcache.lab.provenance import write_results
+from peft_kvcache.modeling.fixtures import converted_path
+
+from . import vllm_traffic as traffic
+from .common import RESULTS, ROOT, SMOLLM, start_run, table
+from .vllm_load import MAPS
+from .vllm_report import ci, own_summary, streams_summary
+from .vllm_servers import vllm_server
+
+
+def markdown(payload: dict) -> str:
+    s, st, own = payload["setup"], payload["streams"], payload["own_cache"]
+    return "\n".join([
+        "# A switch inside vLLM: the streams around it and the adapter's own cache", "",
+        f"Server (a) of `benchmarks.vllm_load` (vLLM's CPU build, the connector mapping), started fresh; "
+        f"{s['threads']} threads.", "",
+        f"## Inter-token latency of streams that do not switch ({s['repetitions']} windows per condition)", "",
+        table(["ITL p50 / p95, no switches (ms)", "ITL p50 / p95, switches (ms)",
+               "p95 ratio switches / none (per window)", "their TTFT, none / switches (s)"],
+              [[f"{1e3 * st['none']['itl_p50']:.1f} / {1e3 * st['none']['itl_p95']:.1f}",
+                f"{1e3 * st['switch']['itl_p50']:.1f} / {1e3 * st['switch']['itl_p95']:.1f}", ci(st["p95_ratio"]),
+                f"{st['none']['foreground_ttft_median']:.3f} / {st['switch']['foreground_ttft_median']:.3f}"]]), "",
+        f"## An adapter's own cache against a mapped switch ({own['prompt_tokens']} prompt tokens, "
+        f"{s['repeats']} repeats)", "",
+        table(["reply", "TTFT median [min, max] (s)", "cached tokens"],
+              [[kind, f"{own[kind]['median']:.3f} [{own[kind]['min']:.3f}, {own[kind]['max']:.3f}]",
+                own["cached"][kind]] for kind in ("own", "mapped", "prefill")]), "",
+        f"Mapped / own, run by run: median {own['mapped_to_own']['median']:.2f} [{own['mapped_to_own']['min']:.2f}, "
+        f"{own['mapped_to_own']['max']:.2f}]; the mapped switch's first-token KL against the prefill "
+        f"{ci(own['mapped_kl'], 4)}.",
+    ])
+
+
+def main(argv=None) -> int:
+    start_run()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repetitions", type=int, default=4, help="inter-token latency windows per condition")
+    parser.add_argument("--own-tokens", type=int, default=2048, help="history of the own-cache comparison")
+    parser.add_argument("--repeats", type=int, default=5, help="repeats of the own / mapped / prefill timings")
+    parser.add_argument("--history-chars", type=int, default=6000, help="characters of the module shared first")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
+                        help="python of the vLLM environment (scripts/vllm_env.sh)")
+    parser.add_argument("--log", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "vllm-switch-cost.log")
+    parser.add_argument("--output", type=Path, default=RESULTS / "vllm-switch-cost")
+    args = parser.parse_args(argv)
+    if not Path(args.vllm_python).exists():
+        raise SystemExit(f"{args.vllm_python} does not exist: build the vLLM environment with bash scripts/vllm_env.sh")
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(converted_path(SMOLLM))
+    texts = traffic.modules(args.history_chars)
+    module = next(t for t in traffic.modules(0) if len(t) > 40000)
+    with vllm_server(args.vllm_python, converted_path(SMOLLM), {"maps": MAPS}, args.log) as url:
+        traffic.warm_up(url)
+        windows = traffic.streams(url, texts, args.history_chars, args.repetitions)
+        rows = traffic.own_versus_mapped(url, tokenizer, module, args.own_tokens, args.repeats)
+    setup = {"model": SMOLLM, "server": "a", "maps": MAPS, **{k: getattr(args, k) for k in
+                                                              ("repetitions", "own_tokens", "repeats", "threads")}}
+    payload = {"setup": setup, "streams": streams_summary(windows), "own_cache": own_summary(rows),
+               "raw": {"windows": windows, "own": rows}}
+    text = markdown(payload)
+    print(text)
+    write_results(args.output, payload, text, data={
+        "texts": "evaluation-split stdlib modules (first history_chars characters) for the streams' histories; a "
+                 "module over 40,000 characters for the own-cache timings"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
