@@ -283,6 +283,9 @@ def test_the_step_slicer_keeps_its_share_of_the_engines_time_and_the_jobs_order(
     assert slicer.advance() == 1
     now[0] += 30.0  # the engine idle between requests: not a step's time to take a share of
     assert slicer.advance() == 1
+    slicer.add(job("alone", 4, 0.002))
+    now[0] += 0.001  # a step that computed no token (the requests wait for their loads): nothing to hold
+    assert slicer.advance(forward=False) == 5 and slicer.idle  # tiny's last slice and all of alone's
     with pytest.raises(ValueError, match="share"):
         StepSlicer(share=1.0)
 

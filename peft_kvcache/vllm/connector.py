@@ -41,10 +41,11 @@ logger = logging.getLogger(__name__)
 
 
 class PeftKVCacheMetadata(KVConnectorMetadata):
-    """One step's store operations and loads, scheduler -> worker."""
+    """One step's store operations and loads, scheduler -> worker; ``forward``: whether the step computes any token
+    (without one, nothing is decoding and a CPU engine's queued jobs run in full)."""
 
-    def __init__(self, ops: list, loads: list[LoadJob]):
-        self.ops, self.loads = ops, loads
+    def __init__(self, ops: list, loads: list[LoadJob], forward: bool = True):
+        self.ops, self.loads, self.forward = ops, loads, forward
 
 
 class PeftKVCacheWorkerMetadata(KVConnectorWorkerMetadata):
@@ -163,7 +164,7 @@ class PeftKVCacheConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         ops, loads = self.scheduler.take_jobs()
-        return PeftKVCacheMetadata(ops, loads)
+        return PeftKVCacheMetadata(ops, loads, forward=scheduler_output.total_num_scheduled_tokens > 0)
 
     def update_connector_output(self, connector_output) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -219,7 +220,8 @@ class PeftKVCacheConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         if self.worker is not None:  # after every step's forward (and in steps with none)
-            self.worker.step()
+            metadata = self._get_connector_metadata() if self.has_connector_metadata() else None
+            self.worker.step(forward=not isinstance(metadata, PeftKVCacheMetadata) or metadata.forward)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker.finished() if self.worker is not None else (None, None)

@@ -5,7 +5,8 @@ the forward (another thread) slows every stream's step by as much as it takes.
 Each step, after the forward, `StepSlicer.advance` runs the queued jobs' slices in order until they have taken
 ``share`` of the engine's time since the previous step (``share / (1 - share)`` of the time the engine spent
 meanwhile), at least one slice: a decoding stream's step takes at most about ``1 / (1 - share)`` of its time without
-the connector, while a mapping still finishes within a few steps (one slice is one target layer).
+the connector, while a mapping still finishes within a few steps (one slice is one target layer). A step that
+computed no token (every request waits for a load) holds no stream: the queued slices then all run at once.
 """
 
 from __future__ import annotations
@@ -52,13 +53,14 @@ class StepSlicer:
         """Queue a job: a generator whose every ``yield`` ends a slice (its side effects done by its end)."""
         self._jobs.append(job)
 
-    def advance(self) -> int:
-        """Run slices for this step (see the module); returns how many ran."""
+    def advance(self, forward: bool = True) -> int:
+        """Run slices for this step (see the module); ``forward=False``: the step computed no token (every request
+        waits for a load, nothing is decoding), so every queued slice runs now. Returns how many ran."""
         start = self.clock()
         engine = 0.0 if self._last_end is None else start - self._last_end
         budget = engine * self.share / (1 - self.share) if engine <= LONGEST_STEP else 0.0
         slices = 0
-        while self._jobs and (slices == 0 or self.clock() - start < budget):
+        while self._jobs and (not forward or slices == 0 or self.clock() - start < budget):
             try:
                 next(self._jobs[0])
                 slices += 1

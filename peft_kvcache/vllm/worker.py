@@ -170,10 +170,11 @@ class WorkerSide:
             for _ in self._load_steps(job, report_done=False):
                 pass
 
-    def step(self) -> None:
-        """After each step's forward: a CPU engine's queued jobs progress within their share of its time."""
+    def step(self, forward: bool = True) -> None:
+        """After each step's forward: a CPU engine's queued jobs progress within their share of its time, or run in
+        full after a step that computed no token (``forward=False``: every request waits, none decodes)."""
         if self._slicer is not None:
-            self._slicer.advance()
+            self._slicer.advance(forward)
 
     def _queue(self, job) -> None:
         if self._slicer is not None:
