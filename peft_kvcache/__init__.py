@@ -28,7 +28,6 @@ from .maps.config import CalibrationConfig, KVMapConfig, Refresh
 from .maps.kvmap import KVMap
 from .modeling.adapters import adapter_active, load_adapters
 from .modeling.capture import CapturedKV, run_with_cache
-from .modeling.fixtures import load_model
 from ._allocator import keep_freed_memory
 from .runtime.cache import ContextCache, MappedCache
 from .runtime.check import ContextCheck, check_context, meets_quality, prefill_context
@@ -49,3 +48,12 @@ __all__ = [
     "PeftKVCacheError", "ArtifactError", "CacheMismatchError", "FingerprintMismatchError", "QualityError",
     "SessionError",
 ]
+
+
+def __getattr__(name: str):
+    # `load_model` is imported on first use: imported here eagerly, `python -m peft_kvcache.modeling.fixtures` would
+    # find its own module imported already and run it a second time (runpy's RuntimeWarning)
+    if name == "load_model":
+        from .modeling.fixtures import load_model
+        return load_model
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -63,3 +63,12 @@ def test_adapter_maps_calibrate_fits_both_directions():
     maps = AdapterMaps.calibrate(model, random_ids(6, 24), progress=False)
     assert set(maps.to_adapter) == set(maps.to_base) == {"loud"}
     assert maps.to_adapter["loud"].config.pair_kind == "same_shape"
+
+
+def test_the_readme_fixture_command_runs_its_module_once():
+    # the package root imported the fixtures module eagerly, so `python -m` found it imported already and runpy warned
+    done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "peft_kvcache.modeling.fixtures",
+                           "no-such-fixture"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "unknown fixture 'no-such-fixture'" in done.stderr and "RuntimeWarning" not in done.stderr
+    assert peft_kvcache.load_model.__module__ == "peft_kvcache.modeling.fixtures"
