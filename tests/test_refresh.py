@@ -36,6 +36,49 @@ def test_refreshing_every_position_gives_the_targets_own_prefill(sibling_pair, s
     assert _max_error(cache, own) < 1e-5  # ...and a refresh of everything past the (exact) sink is exact
 
 
+def test_a_refresh_on_sdpa_attention_is_exact_and_copies_no_kv_head(monkeypatch):
+    # transformers' SDPA repeats every KV head for each query head it serves whenever a mask is given; the refresh
+    # pass gives one, and on the CPU runs torch's grouped SDPA instead (`_compat.masked_attention`)
+    import transformers.integrations.sdpa_attention as sdpa
+
+    model = tiny_model("qwen2", seed=3)
+    assert model.config.num_attention_heads > model.config.num_key_value_heads  # grouped heads: the case at stake
+    ids, other = random_ids(2, 30, seed=5)
+    ids = ids[None]
+    stale = run_with_cache(model, other[None])  # a cache of other tokens: every refreshed position changes
+    chosen = torch.tensor([2, 3, 11, 12, 20])
+    eager = MappedCache(stale)
+    refresh_positions(model, eager, ids, chosen, append_ids=ids[:, -2:])
+    repeats = []
+    monkeypatch.setattr(sdpa, "repeat_kv", lambda *a: repeats.append(1) or _repeat_kv(*a))
+    model.set_attn_implementation("sdpa")
+    grouped = MappedCache(stale)
+    refresh_positions(model, grouped, ids, chosen, append_ids=ids[:, -2:])
+    assert attention_implementation(model) == "sdpa"  # put back
+    assert _max_error(grouped, eager.captured()) < 1e-5
+    assert (grouped.layers[-1].keys[:, :, chosen] - stale.keys[-1][:, :, chosen]).abs().amin() > 0  # refreshed
+    assert not repeats
+    failing = MappedCache(stale)
+    with pytest.raises(RuntimeError, match="out of memory"):  # a pass that fails midway puts SDPA back too
+        handle = model.model.layers[-1].register_forward_pre_hook(_out_of_memory)
+        try:
+            refresh_positions(model, failing, ids, chosen)
+        finally:
+            handle.remove()
+    assert attention_implementation(model) == "sdpa"
+    model.set_attn_implementation("eager")  # the other implementations are left alone
+    refresh_positions(model, MappedCache(stale), ids, chosen)
+    assert attention_implementation(model) == "eager" and not repeats
+
+
+def _out_of_memory(module, args):
+    raise RuntimeError("out of memory")
+
+
+def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
+    return states.repeat_interleave(groups, dim=1)
+
+
 def test_refresh_changes_only_the_chosen_positions(sibling_pair, sibling_map):
     source, target = sibling_pair
     ids = random_ids(1, 30, seed=6)[0][None]

@@ -16,7 +16,10 @@ from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..errors import IncompatibleModelsError
 
@@ -84,6 +87,45 @@ def eager_attention(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         model.set_attn_implementation(previous)
+
+
+GROUPED_SDPA = "peft_kvcache_grouped_sdpa"
+
+
+def _grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                  **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, except that on the CPU an explicit mask over grouped KV heads goes to torch's
+    SDPA with ``enable_gqa``: transformers copies every KV head once per query head it serves whenever a mask is
+    given (CUDA's fast kernels take no mask with grouped heads), and for a refresh pass over an 8k-token context
+    (Qwen2.5-1.5B: 6 query heads per KV head) that copy took as long as the attention itself."""
+    grouped = getattr(module, "num_key_value_groups", 1) > 1
+    plain = kwargs.get("softcap") is None and kwargs.get("position_bias") is None and not kwargs.get("output_attentions")
+    if attention_mask is None or not grouped or not plain or query.device.type != "cpu":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                              dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return output.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED_SDPA, _grouped_sdpa)
+AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+
+
+@contextmanager
+def masked_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Run the block, where the model runs SDPA attention, with `_grouped_sdpa` (the same attention without copying
+    KV heads under an explicit mask), then put SDPA back; any other implementation is left as it is. The same
+    single-thread rule as `eager_attention`."""
+    if attention_implementation(model) != "sdpa":
+        yield
+        return
+    model.set_attn_implementation(GROUPED_SDPA)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation("sdpa")
 
 
 def fill_cache(cache: DynamicCache, layers_kv) -> DynamicCache:

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import CacheMismatchError
 from ..maps.config import Refresh
-from ..modeling._compat import eager_attention
+from ..modeling._compat import eager_attention, masked_attention
 from ..modeling.capture import forward, run_with_cache
 
 if TYPE_CHECKING:  # for annotations only: the cache module runs the refresh
@@ -117,7 +117,7 @@ def refresh_positions(target_model, cache: "MappedCache", context_ids: torch.Ten
     new = queries[None] <= queries[:, None]  # refreshed/appended entries up to each query (causal)
     allowed = torch.cat([old, new], dim=1)
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-    with cache.restored_on_error():
+    with cache.restored_on_error(), masked_attention(target_model):
         forward(target_model, tokens, cache, position_ids=(queries + position_offset)[None],
                 attention_mask=mask[None, None])
     split = length + positions.numel()
