@@ -11,9 +11,10 @@ replace the mapped ones; the probe tokens are recomputed on top in the same pass
 Cost: ``2 * probe + budget`` target tokens over the context (plus a recent window, if any; vs the whole context
 for prefill), in two passes over the target's weights (the probe, then refresh + probe again). With every context
 position refreshed the result is exactly the target's own prefill (a test checks this). The probe pass runs with
-eager attention (transformers returns attention weights only from it). Two other recipes share the machinery
-(`Refresh`): the last tokens computed over the mapped prefix with no probe pass (``hybrid``), and the picked
-positions kept without the mapped context around them (``index``: the map only chooses).
+eager attention (transformers returns attention weights only from it); the recompute pass, whose mask is
+explicit, with SDPA over grouped KV heads where the model runs SDPA (`_compat.masked_attention`). Two other recipes
+share the machinery (`Refresh`): the last tokens computed over the mapped prefix with no probe pass (``hybrid``), and
+the picked positions kept without the mapped context around them (``index``: the map only chooses).
 
 Every function here runs on a `MappedCache` (``cache``): it cuts the cache with its ``truncate`` and puts it back
 with ``restored_on_error`` when a pass fails midway.
