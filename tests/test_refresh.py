@@ -50,7 +50,8 @@ def test_a_refresh_on_sdpa_attention_is_exact_and_copies_no_kv_head(monkeypatch)
     eager = MappedCache(stale)
     refresh_positions(model, eager, ids, chosen, append_ids=ids[:, -2:])
     repeats = []
-    monkeypatch.setattr(sdpa, "repeat_kv", lambda *a: repeats.append(1) or _repeat_kv(*a))
+    repeat_kv = sdpa.repeat_kv
+    monkeypatch.setattr(sdpa, "repeat_kv", lambda *a: repeats.append(1) or repeat_kv(*a))
     model.set_attn_implementation("sdpa")
     grouped = MappedCache(stale)
     refresh_positions(model, grouped, ids, chosen, append_ids=ids[:, -2:])
@@ -73,10 +74,6 @@ def test_a_refresh_on_sdpa_attention_is_exact_and_copies_no_kv_head(monkeypatch)
 
 def _out_of_memory(module, args):
     raise RuntimeError("out of memory")
-
-
-def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
-    return states.repeat_interleave(groups, dim=1)
 
 
 def test_refresh_changes_only_the_chosen_positions(sibling_pair, sibling_map):

@@ -74,19 +74,27 @@ def attention_implementation(model: torch.nn.Module) -> str:
 
 
 @contextmanager
+def _attention_as(model: torch.nn.Module, implementation: str) -> Iterator[bool]:
+    """Run the block with the model's attention set to ``implementation`` (yields whether the model took it), then put
+    its previous implementation back. The model's state changes meanwhile: no other thread may run it (the library
+    holds its `model_lock` where models are shared)."""
+    previous = attention_implementation(model)
+    model.set_attn_implementation(implementation)  # transformers only warns where a model cannot switch
+    try:
+        yield attention_implementation(model) == implementation
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@contextmanager
 def eager_attention(model: torch.nn.Module) -> Iterator[None]:
     """Run the block with the model's attention in eager mode (the one that computes attention weights), then put its
-    implementation back. The model's state changes meanwhile: no other thread may run it (the library holds its
-    `model_lock` where models are shared). A model that cannot switch raises `IncompatibleModelsError`."""
-    previous = attention_implementation(model)
-    model.set_attn_implementation("eager")  # transformers only warns where a model cannot switch
-    try:
-        if attention_implementation(model) != "eager":
+    implementation back (`_attention_as`). A model that cannot switch raises `IncompatibleModelsError`."""
+    with _attention_as(model, "eager") as switched:
+        if not switched:
             raise IncompatibleModelsError(f"{type(unwrap_peft(model)).__name__} cannot run eager attention, which gives "
                                           "the attention weights needed here; load it with attn_implementation='eager'")
         yield
-    finally:
-        model.set_attn_implementation(previous)
 
 
 GROUPED_SDPA = "peft_kvcache_grouped_sdpa"
@@ -116,16 +124,12 @@ AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
 @contextmanager
 def masked_attention(model: torch.nn.Module) -> Iterator[None]:
     """Run the block, where the model runs SDPA attention, with `_grouped_sdpa` (the same attention without copying
-    KV heads under an explicit mask), then put SDPA back; any other implementation is left as it is. The same
-    single-thread rule as `eager_attention`."""
+    KV heads under an explicit mask), then put SDPA back (`_attention_as`); any other implementation is left as it is."""
     if attention_implementation(model) != "sdpa":
         yield
         return
-    model.set_attn_implementation(GROUPED_SDPA)
-    try:
+    with _attention_as(model, GROUPED_SDPA):
         yield
-    finally:
-        model.set_attn_implementation("sdpa")
 
 
 def fill_cache(cache: DynamicCache, layers_kv) -> DynamicCache:
