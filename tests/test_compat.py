@@ -65,6 +65,16 @@ def test_filled_caches_hold_the_given_tensors_without_a_copy():
     assert cache.layers[1].keys.data_ptr() == keys.data_ptr()
 
 
+def test_a_cache_update_puts_new_tensors_in_the_layer():
+    # the refresh writes into the tensors a pass left in the cache (`refresh_positions`): safe only while an update
+    # concatenates into new tensors instead of writing into the ones the layer held (which copies may share)
+    cache = _compat.fill_cache(DynamicCache(), [(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4))])
+    keys, values = cache.layers[0].keys, cache.layers[0].values
+    cache.update(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4), 0)
+    for new, old in ((cache.layers[0].keys, keys), (cache.layers[0].values, values)):
+        assert new.shape[2] == 6 and new.untyped_storage().data_ptr() != old.untyped_storage().data_ptr()
+
+
 def test_replayed_attention_equals_the_modules_own_output():
     model = tiny_model("llama", seed=3)
     ids = random_ids(1, 10, seed=4)[0][None]

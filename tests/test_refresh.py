@@ -131,6 +131,39 @@ def test_attention_scores_match_the_models_own_attention_and_leave_cache_and_mod
     assert torch.allclose(scores, expected, atol=1e-5)
 
 
+def test_attention_scores_copy_no_kv_head_and_equal_transformers_eager(monkeypatch):
+    # transformers' eager attention (the only one returning weights) repeats every KV head once per query head it
+    # serves; the probe pass runs `_compat._grouped_eager`, which multiplies each KV head against its block of queries
+    import transformers.models.qwen2.modeling_qwen2 as qwen2
+
+    model = tiny_model("qwen2", seed=3)
+    assert model.config.num_attention_heads > model.config.num_key_value_heads  # grouped heads: the case at stake
+    ids = random_ids(1, 24, seed=7)[0][None]
+    attentions = model(ids, output_attentions=True).attentions  # transformers' own eager attention
+    expected = torch.stack([a[0, :, -4:, :20].amax(dim=0) for a in attentions]).mean(0)
+    repeats = []
+    repeat_kv = qwen2.repeat_kv
+    monkeypatch.setattr(qwen2, "repeat_kv", lambda *a: repeats.append(1) or repeat_kv(*a))
+    model.set_attn_implementation("sdpa")
+    cache = MappedCache(run_with_cache(model, ids[:, :20]))
+    scores = attention_scores(model, cache, ids[:, 20:], every_probe_token=True)
+    assert torch.allclose(scores, expected, atol=1e-6) and not repeats
+    assert attention_implementation(model) == "sdpa" and cache.get_seq_length() == 20
+
+
+def test_a_refresh_leaves_a_copy_of_the_cache_as_it_was(sibling_pair, sibling_map):
+    # the refresh moves the recomputed entries into place within the pass's own tensors, never a tensor a copy shares
+    source, target = sibling_pair
+    ids = random_ids(1, 30, seed=8)[0][None]
+    cache = _plain(MappedCache.from_source(source, sibling_map, target, input_ids=ids))
+    twin = cache.copy()
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in twin.layers]
+    refresh_positions(target, cache, ids, torch.tensor([3, 4, 17]), append_ids=ids[:, -3:])
+    assert cache.get_seq_length() == 33
+    for layer, (keys, values) in zip(twin.layers, before):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+
+
 def test_select_spans_follows_the_scores_within_the_budget():
     scores = torch.zeros(40)
     scores[0], scores[20], scores[9] = 5.0, 1.0, 0.5  # position 0 is the sink: never chosen

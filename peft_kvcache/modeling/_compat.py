@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -19,7 +20,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from ..errors import IncompatibleModelsError
 
@@ -86,10 +87,50 @@ def _attention_as(model: torch.nn.Module, implementation: str) -> Iterator[bool]
         model.set_attn_implementation(previous)
 
 
+GROUPED_EAGER = "peft_kvcache_grouped_eager"
+
+
+def _grouped_eager(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                   **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' eager attention (the one that returns the attention weights) without copying KV heads: each KV
+    head is multiplied against the block of query heads it serves, where transformers repeats every KV head once per
+    query head (at 8k tokens of context, Qwen2.5-1.5B's probe pass copied 6x its whole cache per layer). A model whose
+    attention adds to the plain softmax (a softcap, sinks) runs its own eager attention."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups == 1 or kwargs.get("softcap") is not None or getattr(module, "sinks", None) is not None:
+        own = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if own is None:
+            raise IncompatibleModelsError(f"{type(module).__name__} has no eager attention function to read attention "
+                                          "weights from; load the model with attn_implementation='eager'")
+        return own(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    batch, heads, length, head_dim = query.shape
+    kv_heads = key.shape[1]
+    scaling = head_dim ** -0.5 if scaling is None else scaling
+    # query heads j * groups .. (j + 1) * groups - 1 read KV head j: one [groups * length] block per KV head
+    blocks = query.reshape(batch, kv_heads, groups * length, head_dim)
+    weights = torch.matmul(blocks, key.transpose(2, 3)).view(batch, heads, length, -1) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = torch.nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    output = torch.matmul(weights.view(batch, kv_heads, groups * length, -1), value)
+    return output.view(batch, heads, length, head_dim).transpose(1, 2).contiguous(), weights
+
+
+AttentionInterface.register(GROUPED_EAGER, _grouped_eager)
+AttentionMaskInterface.register(GROUPED_EAGER, eager_mask)
+
+
 @contextmanager
 def eager_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Run the block with the model's attention in eager mode (the one that computes attention weights), then put its
-    implementation back (`_attention_as`). A model that cannot switch raises `IncompatibleModelsError`."""
+    """Run the block with the model's attention computing attention weights (`_grouped_eager`: transformers' eager
+    attention without copying KV heads; transformers' own eager where a model cannot take it), then put its
+    implementation back (`_attention_as`). A model that can run neither raises `IncompatibleModelsError`."""
+    with _attention_as(model, GROUPED_EAGER) as grouped:
+        if grouped:
+            yield
+            return
     with _attention_as(model, "eager") as switched:
         if not switched:
             raise IncompatibleModelsError(f"{type(unwrap_peft(model)).__name__} cannot run eager attention, which gives "

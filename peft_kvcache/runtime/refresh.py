@@ -11,8 +11,9 @@ replace the mapped ones; the probe tokens are recomputed on top in the same pass
 Cost: ``2 * probe + budget`` target tokens over the context (plus a recent window, if any; vs the whole context
 for prefill), in two passes over the target's weights (the probe, then refresh + probe again). With every context
 position refreshed the result is exactly the target's own prefill (a test checks this). The probe pass runs with
-eager attention (transformers returns attention weights only from it); the recompute pass, whose mask is
-explicit, with SDPA over grouped KV heads where the model runs SDPA (`_compat.masked_attention`). Two other recipes
+eager attention (transformers returns attention weights only from it) over grouped KV heads
+(`_compat.eager_attention`); the recompute pass, whose mask is explicit, with SDPA over grouped KV heads where the
+model runs SDPA (`_compat.masked_attention`): neither copies a KV head per query head. Two other recipes
 share the machinery (`Refresh`): the last tokens computed over the mapped prefix with no probe pass (``hybrid``), and
 the picked positions kept without the mapped context around them (``index``: the map only chooses).
 
@@ -121,13 +122,18 @@ def refresh_positions(target_model, cache: "MappedCache", context_ids: torch.Ten
     with cache.restored_on_error(), masked_attention(target_model):
         forward(target_model, tokens, cache, position_ids=(queries + position_offset)[None],
                 attention_mask=mask[None, None])
+    # The pass appended the refreshed tokens, then the appended ones, to every layer: move them into place. The
+    # layers' tensors are the pass's own (`ContextCache.update` concatenates into new ones; a tensor the cache held
+    # before, which a copy of the cache may share, is never written), so the moves run in place and only the appended
+    # tail (a few tokens) is copied; the context is left in a view of the longer tensor, not copied again.
     split = length + positions.numel()
     for layer in cache.layers:
         index = positions.to(layer.keys.device)
-        keys, values = layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone()
-        keys[:, :, index], values[:, :, index] = layer.keys[:, :, length:split], layer.values[:, :, length:split]
-        layer.keys = torch.cat([keys, layer.keys[:, :, split:]], dim=2)
-        layer.values = torch.cat([values, layer.values[:, :, split:]], dim=2)
+        for name in ("keys", "values"):
+            states = getattr(layer, name)
+            states[:, :, index] = states[:, :, length:split]
+            states[:, :, length:length + appended] = states[:, :, split:].clone()  # the ranges may overlap
+            setattr(layer, name, states[:, :, :length + appended])
 
 
 @torch.no_grad()
