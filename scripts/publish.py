@@ -47,6 +47,7 @@ from benchmarks.tasks import continuation_examples
 from peft_kvcache import AdapterMaps, KVMap
 from peft_kvcache._files import atomic_write
 from peft_kvcache.calibration.blend import choose_adapter_blends
+from peft_kvcache.calibration.rank import DEFAULT_RANK_GRID, choose_adapter_ranks
 from peft_kvcache.calibration.loop import calibrate_adapters
 from peft_kvcache.calibration.sinks import conversation_starts, ship_target_sinks
 from peft_kvcache.lab.corpus import stdlib_texts, token_ids
@@ -290,16 +291,21 @@ class Publisher:
 
     def calibrate_adapters(self) -> None:
         """The base <-> adapter maps: the first 512 tokens of 128 calibration-split files and 8 chat-formatted
-        calibration-split docstring prompts; each map's blend toward its source cache chosen on 12 further files."""
+        calibration-split docstring prompts, fitted at the full correction and at each residual rank of
+        `DEFAULT_RANK_GRID`; on 12 further files, each map's rank (`choose_adapter_ranks`: the smallest the held-out KL
+        cannot tell from the full correction), then its blend toward its source cache."""
         if all((self.workdir / "adapters" / folder_name(PREFIX, a, r)).is_dir() for a in ADAPTERS for r in (0, 1)):
             return
         model, tokenizer = self.adapter_model()
         data, description = adapters.calibration_data(tokenizer)
-        maps = calibrate_adapters(model, data, adapters=list(ADAPTERS), description=description, base_spec=SMOLLM,
-            adapter_paths={a: f"adapters/{a}" for a in ADAPTERS}, progress=self.progress,
-            checkpoint_dir=self.workdir / "adapters-checkpoint")
+        candidates = {rank: calibrate_adapters(model, data, adapters=list(ADAPTERS), description=description,
+                                               base_spec=SMOLLM, adapter_paths={a: f"adapters/{a}" for a in ADAPTERS},
+                                               residual_rank=rank, progress=self.progress,
+                                               checkpoint_dir=self.workdir / "adapters-checkpoint")
+                      for rank in (0, *DEFAULT_RANK_GRID)}  # one capture: every rank is fitted from its statistics
         blend_texts = stdlib_texts("calibration", BLEND_FILES, ADAPTER_FILES)
         sequences = [token_ids(tokenizer, t, 512 + 64) for t in blend_texts.values()]
+        maps = choose_adapter_ranks(candidates, model, sequences, continuation=64, progress=self.progress)
         maps = choose_adapter_blends(maps, model, sequences, continuation=64, progress=self.progress)
         maps.save_pretrained(self.workdir / "adapters", PREFIX)
 

@@ -194,3 +194,82 @@ def test_a_factored_map_counts_the_multiply_adds_of_its_factors(factored_maps):
     dense.config.calibration.options.residual_rank = 0
     assert dense.multiply_adds_per_token == 2 * layout.num_layers * layout.layer_width ** 2
     assert kv_map.multiply_adds_per_token == 2 * layout.num_layers * 2 * 4 * layout.layer_width
+
+
+def _with_rank(kv_map: KVMap, rank: int, scale: float = 1.0) -> KVMap:
+    """``kv_map`` run at residual ``rank``, its correction of the identity scaled by ``scale``."""
+    config = copy.deepcopy(kv_map.config)
+    config.calibration.options.residual_rank = rank
+    width = config.target_layout.layer_width
+    tensors = {name: torch.eye(width) + scale * (t - torch.eye(width)) if name.endswith(".weight") else t
+               for name, t in kv_map.tensors.items()}
+    return KVMap(config, tensors)
+
+
+@pytest.fixture(scope="module")
+def rank_candidates(factored_maps):
+    model, _ = factored_maps
+    data = random_ids(16, 48, seed=3)
+    full = calibrate_adapters(model, data, adapters=["strong"], progress=False)
+    near_full = calibrate_adapters(model, data, adapters=["strong"], residual_rank=14, progress=False)
+    return model, full, near_full, random_ids(10, 40, seed=21)
+
+
+def test_the_rank_kept_is_the_smallest_the_held_out_kl_cannot_tell_from_the_full_correction(rank_candidates):
+    from peft_kvcache.calibration.rank import choose_adapter_ranks, choose_rank
+
+    model, full, near_full, held_out = rank_candidates
+    full_map = full.to_adapter["strong"]
+    worse = _with_rank(full_map, 2, scale=3.0)  # a rank-2 correction three times too large: a clearly worse map
+    candidates = {0: full, 2: type(full)(to_adapter={"strong": worse},
+                                         to_base={"strong": _with_rank(full.to_base["strong"], 2, scale=3.0)}),
+                  14: near_full}
+    chosen = choose_adapter_ranks(candidates, model, held_out, continuation=8, progress=False)
+    record = chosen.to_adapter["strong"].config.rank_choice
+    assert record.examples == 10 and set(record.kl) == {"0", "2", "14"}
+    assert record.minus_full["2"][1] > 0  # the worse map's KL is above the full's on every resample...
+    assert record.rank == min([int(r) for r, (_, low, _) in record.minus_full.items() if low <= 0], default=0)
+    assert record.rank != 2  # ...so it is never kept
+    assert chosen.to_adapter["strong"].residual_rank == record.rank
+    kept = candidates[record.rank].to_adapter["strong"]
+    assert all(torch.equal(t, kept.tensors[n]) for n, t in chosen.to_adapter["strong"].tensors.items())
+    assert full_map.config.rank_choice is None and worse.config.rank_choice is None  # the candidates stay as given
+    assert chosen.to_base["strong"].config.rank_choice is not None  # every direction chose
+    # a candidate the held-out texts cannot tell from the full correction is kept (here: the same map)
+    model.set_adapter("strong")
+    same = near_full.to_adapter["strong"]
+    picked = choose_rank({0: same, 14: same}, model, held_out, lambda ids: _base_cache(model, ids), continuation=8,
+                         progress=False)
+    assert picked.config.rank_choice.rank == 14 and picked.config.rank_choice.minus_full["14"] == [0, 0, 0]
+
+
+def _base_cache(model, ids):
+    with model.disable_adapter():
+        return run_with_cache(model, ids)
+
+
+def test_a_rank_choice_without_the_full_correction_or_with_a_mislabelled_rank_is_refused(rank_candidates,
+                                                                                         monkeypatch):
+    from peft_kvcache.calibration.rank import choose_adapter_ranks, choose_rank
+
+    model, full, near_full, held_out = rank_candidates
+    monkeypatch.setattr(model, "forward", lambda *a, **k: pytest.fail("a model ran"))
+    with pytest.raises(CalibrationError, match="residual_rank=0"):
+        choose_adapter_ranks({14: near_full}, model, held_out, progress=False)
+    with pytest.raises(CalibrationError, match="residual_rank=4"):
+        choose_rank({0: full.to_adapter["strong"], 4: near_full.to_adapter["strong"]}, model, held_out,
+                    lambda ids: None, progress=False)
+
+
+def test_the_rank_choice_survives_saving_and_the_card_shows_it(rank_candidates, tmp_path):
+    from peft_kvcache.maps.config import RankRecord
+
+    _, full, _, _ = rank_candidates
+    kv_map = _with_rank(full.to_adapter["strong"], 14)
+    kv_map.config.rank_choice = RankRecord(rank=14, examples=10, continuation=8, kl={"0": 0.01, "14": 0.0101},
+                                           minus_full={"14": [0.0001, -0.0002, 0.0004]})
+    kv_map.save_pretrained(tmp_path / "map")
+    loaded = KVMap.from_pretrained(tmp_path / "map")
+    assert loaded.config.rank_choice == kv_map.config.rank_choice and loaded.residual_rank == 14
+    card = (tmp_path / "map" / "README.md").read_text()
+    assert "rank **14**" in card and "| 14 | 0.01010 | +0.00010 [-0.00020, +0.00040] |" in card

@@ -71,19 +71,45 @@ def blend_toward_source(kv_map: KVMap, keys: float, values: float) -> KVMap:
     return KVMap(copy.deepcopy(config), tensors)
 
 
+HeldOutExample = tuple[torch.Tensor, CapturedKV, torch.Tensor]  # token ids, source cache of the context, full logits
+
+
+def held_out_examples(target_model: torch.nn.Module, sequences: Sequence[torch.Tensor],
+                      source_cache: Callable[[torch.Tensor], CapturedKV], continuation: int, sink_tokens: int,
+                      progress: bool = True, what: str = "a blend") -> list[HeldOutExample]:
+    """Per held-out sequence long enough to score (more than ``continuation + sink + 1`` tokens): its ids, the source
+    cache of its context and the target's own prefill logits over its last ``continuation`` tokens."""
+    usable = [torch.as_tensor(s, dtype=torch.long) for s in sequences]
+    usable = [s for s in usable if s.numel() > continuation + sink_tokens + 1]
+    if not usable or continuation < 1:
+        raise CalibrationError(f"choosing {what} needs held-out sequences longer than continuation + sink + 1 "
+                               f"({continuation} + {sink_tokens} + 1) tokens and continuation >= 1")
+    examples = []
+    for ids in tqdm(usable, desc=f"{what}: reference passes", disable=not progress):
+        context = ids.numel() - continuation
+        examples.append((ids, source_cache(ids[None, : context - 1]), full_logits(target_model, ids, context)))
+    return examples
+
+
 @torch.no_grad()
-def _scores(kv_map: KVMap, target_model, examples: Sequence[tuple[torch.Tensor, CapturedKV, torch.Tensor]],
-            continuation: int) -> dict[str, float]:
-    """Mean next-token KL(target prefill || mapped) and mean NLL of the real next tokens with the mapped cache."""
-    kl = nll = 0.0
+def example_scores(kv_map: KVMap, target_model, examples: Sequence[HeldOutExample],
+                   continuation: int) -> dict[str, list[float]]:
+    """Per example: mean next-token KL(target prefill || mapped) and mean NLL of the real next tokens with the mapped
+    cache (no refresh: the map alone)."""
+    scores = {"kl": [], "nll": []}
     for ids, source, full in examples:
         context = ids.numel() - continuation
         cache = MappedCache.from_source(list(zip(source.keys, source.values)), kv_map, target_model,
                                         input_ids=ids[None, : context - 1], refresh_tokens=0, verify_models=False)
         logits = cached_logits(target_model, cache, ids, context, 1)
-        kl += float(token_kl(full, logits).mean())
-        nll += float(F.cross_entropy(logits, ids[context:]))
-    return {"kl": kl / len(examples), "nll": nll / len(examples)}
+        scores["kl"].append(float(token_kl(full, logits).mean()))
+        scores["nll"].append(float(F.cross_entropy(logits, ids[context:])))
+    return scores
+
+
+def _scores(kv_map: KVMap, target_model, examples: Sequence[HeldOutExample], continuation: int) -> dict[str, float]:
+    return {name: sum(values) / len(values)
+            for name, values in example_scores(kv_map, target_model, examples, continuation).items()}
 
 
 def choose_blend(
@@ -119,16 +145,8 @@ def choose_blend(
     if criterion not in ("nll", "kl"):
         raise CalibrationError(f"criterion must be 'nll' or 'kl', got {criterion!r}")
     grid = sorted(set(float(a) for a in grid) | {1.0})
-    sink = kv_map.config.sink_tokens
-    usable = [torch.as_tensor(s, dtype=torch.long) for s in sequences]
-    usable = [s for s in usable if s.numel() > continuation + sink + 1]
-    if not usable or continuation < 1:
-        raise CalibrationError(f"choosing a blend needs held-out sequences longer than continuation + sink + 1 "
-                               f"({continuation} + {sink} + 1) tokens and continuation >= 1")
-    examples = []
-    for ids in tqdm(usable, desc="blend: reference passes", disable=not progress):
-        context = ids.numel() - continuation
-        examples.append((ids, source_cache(ids[None, : context - 1]), full_logits(target_model, ids, context)))
+    examples = held_out_examples(target_model, sequences, source_cache, continuation, kv_map.config.sink_tokens,
+                                 progress, "blend")
 
     scores: dict[tuple[float, float], dict[str, float]] = {}
 
@@ -161,6 +179,20 @@ def source_cache_of(model: torch.nn.Module) -> Callable[[torch.Tensor], Captured
     return lambda ids: run_with_cache(model, ids)
 
 
+def adapter_source_caches(model: torch.nn.Module, adapter: str, reverse: bool, kv_map: KVMap,
+                          sequences: Sequence[torch.Tensor], continuation: int) -> Callable[[torch.Tensor], CapturedKV]:
+    """The ``source_cache`` of an adapter map (base -> ``adapter``, or back with ``reverse``) for `choose_blend` and
+    `peft_kvcache.calibration.rank.choose_rank`: the source side's caches of every scorable sequence's context,
+    computed now under the source's own adapter state (the target side then scores under its own)."""
+    caches = {}
+    with adapter_active(model, adapter if reverse else None), torch.no_grad():
+        for ids in sequences:  # only the sequences held_out_examples keeps
+            if ids.numel() > continuation + kv_map.config.sink_tokens + 1:
+                prefix = ids[None, : ids.numel() - continuation - 1]
+                caches[prefix.numpy().tobytes()] = run_with_cache(model, prefix)
+    return lambda prefix: caches[prefix.numpy().tobytes()]
+
+
 def choose_adapter_blends(maps: AdapterMaps, model: torch.nn.Module, sequences: Sequence[torch.Tensor], *,
                           continuation: int = 64, criterion: str = "kl", progress: bool = True) -> AdapterMaps:
     """Every map of ``maps`` blended toward its source cache (`choose_blend`) on held-out ``sequences`` (not the
@@ -173,18 +205,13 @@ def choose_adapter_blends(maps: AdapterMaps, model: torch.nn.Module, sequences: 
     sequences = [torch.as_tensor(s, dtype=torch.long) for s in sequences]
     chosen = AdapterMaps()
     for adapter, reverse, kv_map in maps.all():
-        source, target = (adapter, None) if reverse else (None, adapter)
-        with adapter_active(model, source), torch.no_grad():
-            caches = {}
-            # only the sequences choose_blend keeps (it refuses the call if none is long enough)
-            for ids in (s for s in sequences if s.numel() > continuation + kv_map.config.sink_tokens + 1):
-                prefix = ids[None, : ids.numel() - continuation - 1]
-                caches[prefix.numpy().tobytes()] = run_with_cache(model, prefix)
-        with adapter_active(model, target):
+        source_cache = adapter_source_caches(model, adapter, reverse, kv_map, sequences, continuation)
+        with adapter_active(model, None if reverse else adapter):
             store = chosen.to_base if reverse else chosen.to_adapter
-            store[adapter] = choose_blend(kv_map, model, sequences, lambda prefix: caches[prefix.numpy().tobytes()],
-                                          continuation=continuation, criterion=criterion, progress=progress)
+            store[adapter] = choose_blend(kv_map, model, sequences, source_cache, continuation=continuation,
+                                          criterion=criterion, progress=progress)
     return chosen
 
 
-__all__ = ["DEFAULT_BLEND_GRID", "blend_toward_source", "choose_adapter_blends", "choose_blend", "source_cache_of"]
+__all__ = ["DEFAULT_BLEND_GRID", "adapter_source_caches", "blend_toward_source", "choose_adapter_blends",
+           "choose_blend", "example_scores", "held_out_examples", "source_cache_of"]

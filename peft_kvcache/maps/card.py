@@ -298,6 +298,23 @@ def _blend_text(config: KVMapConfig) -> str:
             + "\n".join(rows) + "\n")
 
 
+def _rank_text(config: KVMapConfig) -> str:
+    record = config.rank_choice
+    if record is None:
+        return ""
+    rows = ["| residual rank | held-out KL | minus the full correction [95% interval] |", "|---|---|---|"]
+    for rank, kl in sorted(record.kl.items(), key=lambda item: int(item[0])):
+        if rank == "0":
+            rows.append(f"| full | {kl:.5f} | - |")
+        else:
+            mean, low, high = record.minus_full[rank]
+            rows.append(f"| {rank} | {kl:.5f} | {mean:+.5f} [{low:+.5f}, {high:+.5f}] |")
+    kept = "the full correction" if record.rank == 0 else f"rank **{record.rank}** (the identity plus two thin factors)"
+    return (f"\nResidual rank (`peft_kvcache.calibration.rank`): the map runs at {kept}, the smallest rank whose held-out "
+            f"KL the {record.examples} held-out sequences ({record.continuation} scored tokens each) cannot tell from "
+            "the full correction's (paired interval reaching zero):\n\n" + "\n".join(rows) + "\n")
+
+
 def _distillation_text(config: KVMapConfig) -> str:
     record = config.distillation
     if record is None:
@@ -364,7 +381,7 @@ def render_card(config: KVMapConfig, repo_hint: str, chart: bool = False, weight
         weights_dtype=weights_dtype, calibration_text=calibration_text(c),
         key_r2=f"{key_r2:.3f}" if math.isfinite(key_r2) else "not recorded",
         value_r2=f"{value_r2:.3f}" if math.isfinite(value_r2) else "not recorded",
-        layers_text=_layers_text(c), blend_text=_blend_text(c) + _distillation_text(c),
+        layers_text=_layers_text(c), blend_text=_rank_text(c) + _blend_text(c) + _distillation_text(c),
         chart=f"![held-out R² per target layer and of each candidate source layer]({CHART_NAME})" if chart else "",
         evaluation_text=evaluation_text(c), quality_text=quality_text(c), recipe_text=recipe_text(c),
         weights_text=weights_text(c),

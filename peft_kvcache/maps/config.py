@@ -210,6 +210,19 @@ class BlendRecord:
 
 
 @dataclass
+class RankRecord:
+    """The residual rank a same-shape map runs at, chosen on held-out text among maps fitted at several ranks
+    (`peft_kvcache.calibration.rank`): each candidate's mean next-token KL and its paired difference from the full
+    correction."""
+
+    rank: int
+    examples: int
+    continuation: int
+    kl: dict[str, float] = field(default_factory=dict)  # rank ("0": the full correction) -> mean KL
+    minus_full: dict[str, list[float]] = field(default_factory=dict)  # rank -> [mean, 95% low, 95% high] of rank - full
+
+
+@dataclass
 class NonlinearCandidate:
     """One layer and kind tried for an MLP head: held-out R² linear vs with the head, and whether it was kept."""
 
@@ -299,6 +312,8 @@ class KVMapConfig:
     nonlinear: NonlinearRecord | None = _help("residual MLP heads (None: a purely linear map)", default=None)
     blend: BlendRecord | None = _help("same-shape maps: the blend toward the source cache folded into the weights",
                                       default=None)
+    rank_choice: RankRecord | None = _help("same-shape maps: the residual rank chosen on held-out text among fits at "
+                                           "several ranks (None: fitted at one rank)", default=None)
     distillation: DistillationRecord | None = _help("a low-rank correction trained by the target's next-token KL, "
                                                     "folded into the weights (None: the ridge fit as is)",
                                                     default=None)
