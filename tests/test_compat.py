@@ -113,4 +113,12 @@ def test_the_weights_version_changes_when_weights_are_replaced_or_written():
     assert after_load != before
     with torch.no_grad():
         next(model.parameters()).mul_(1.0)
-    assert _compat.weights_version(model) != after_load
+    written = _compat.weights_version(model)
+    assert written != after_load
+    with torch.no_grad():
+        list(model.parameters())[-1].mul_(1.0)  # the walk reaches the deepest parameter too
+    deep = _compat.weights_version(model)
+    assert deep != written
+    last = model.model.layers[-1].mlp.down_proj
+    last.weight = torch.nn.Parameter(last.weight.detach().clone())  # replaced, equal values
+    assert _compat.weights_version(model) != deep
