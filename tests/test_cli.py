@@ -361,6 +361,24 @@ def test_calibrate_adapters_names_a_bad_adapter_argument(workspace, adapter_fold
     assert status == 2 and "--blend-files 3" in err
 
 
+def test_calibrate_adapters_chooses_each_maps_rank_on_the_held_out_texts(workspace, adapter_folders, tmp_path):
+    from peft_kvcache import KVMap
+
+    args = ["calibrate-adapters", "--base", str(workspace["target"]), "--adapter", f"terse={adapter_folders['terse']}",
+            "--data", str(workspace["data"]), "--output", str(tmp_path), "--prefix", "tiny", "--max-length", "64",
+            "--no-progress", "--no-reverse"]
+    status, _, err = cli(args + ["--choose-rank", "2"])  # no texts to choose on: refused before any model loads
+    assert status == 2 and "--choose-rank needs --blend-files" in err and not list(tmp_path.iterdir())
+    status, _, err = cli(args + ["--blend-files", "1", "--choose-rank", "2", "500"])
+    assert status == 2 and "--choose-rank 500" in err and "below half the layer width" in err
+    status, out, err = cli(args + ["--blend-files", "1", "--choose-rank", "2", "3"])
+    assert status == 0, err
+    kv_map = KVMap.from_pretrained(tmp_path / "tiny-base-to-terse")
+    record = kv_map.config.rank_choice
+    assert set(record.kl) == {"0", "2", "3"} and kv_map.residual_rank == record.rank and kv_map.config.blend
+    assert "Residual rank" in (tmp_path / "tiny-base-to-terse" / "README.md").read_text()
+
+
 def test_the_cli_on_a_missing_folder_fails_at_once(capsys):
     assert main(["inspect", "./no/such/map"]) == 2
     err = capsys.readouterr().err

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import fields
+import tempfile
+from dataclasses import fields, replace
 from pathlib import Path
 
 from ..errors import CalibrationError, ModelLoadError
 from ..maps.config import CalibrationConfig, ModelSpec
+from ..modeling.layout import KVLayout
 from .options import ADAPTER_DEFAULTS, CLIUsageError, parse_adapter_specs
 
 BLEND_CONTINUATION = 64  # tokens scored per held-out text when choosing an adapter map's blend
@@ -73,29 +75,47 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_calibrate_adapters(args: argparse.Namespace) -> int:
     from ..calibration.blend import choose_adapter_blends
     from ..calibration.loop import calibrate_adapters
+    from ..calibration.rank import choose_adapter_ranks
     from ..lab.corpus import token_sequences
     from ..maps.adapter_maps import default_prefix
     from ..modeling.adapters import load_adapters
 
     config = _config(args, **ADAPTER_DEFAULTS)
     adapters = parse_adapter_specs(args.adapter)
+    ranks = sorted(set(args.choose_rank or ()))
+    if ranks and (not args.blend_files or config.residual_rank or ranks[0] < 1):
+        raise CLIUsageError("--choose-rank needs --blend-files (the texts that choose), positive ranks and no "
+                            "--residual-rank (every candidate is fitted from the same statistics)")
     texts, description = _texts(args, "calibration")
     if args.blend_files and args.blend_files >= len(texts):
         raise CLIUsageError(f"--blend-files {args.blend_files} leaves no calibration text of the {len(texts)} read")
     base, tokenizer = _load_model("--base", args.base, args.dtype)
+    width = KVLayout.of(base).layer_width
+    if ranks and 2 * ranks[-1] >= width:  # a factored layer costs 2r multiply-adds per feature, a dense one the width
+        raise CLIUsageError(f"--choose-rank {ranks[-1]}: a rank saves compute only below half the layer width "
+                            f"({width}); pass ranks below {(width + 1) // 2}")
     model = load_adapters(base, adapters)
     names = list(texts)
     fit = {n: texts[n] for n in names[: len(names) - args.blend_files]}
-    maps = calibrate_adapters(model, fit, tokenizer, config=config, reverse=not args.no_reverse,
-                              description=description, base_spec=args.base,
-                              adapter_paths=adapters, progress=not args.no_progress,
-                              checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
-    if args.blend_files:  # each map's blend toward its source cache, chosen on text the fit did not see
+    with tempfile.TemporaryDirectory(prefix="peft-kvcache-statistics-") as scratch:
+        # every candidate rank is fitted from one capture: its statistics, checkpointed (a scratch folder if none)
+        checkpoint_dir = args.checkpoint_dir or (scratch if ranks else None)
+        candidates = {rank: calibrate_adapters(model, fit, tokenizer, config=replace(config, residual_rank=rank),
+                                               reverse=not args.no_reverse, description=description,
+                                               base_spec=args.base, adapter_paths=adapters,
+                                               progress=not args.no_progress, checkpoint_dir=checkpoint_dir,
+                                               checkpoint_every=args.checkpoint_every)
+                      for rank in [0, *ranks]}
+    maps = candidates[0]
+    if args.blend_files:  # each map's rank and blend toward its source cache, chosen on text the fit did not see
         held = [texts[n] for n in names[len(fit):]]
         sequences = token_sequences(held, tokenizer, 2 * BLEND_CONTINUATION, config.max_length + BLEND_CONTINUATION)
         if len(sequences) < len(held):
             raise CLIUsageError(f"--blend-files: {len(held) - len(sequences)} held-out text(s) are shorter than "
                                 f"{2 * BLEND_CONTINUATION} tokens")
+        if ranks:
+            maps = choose_adapter_ranks(candidates, model, sequences, continuation=BLEND_CONTINUATION,
+                                        progress=not args.no_progress)
         maps = choose_adapter_blends(maps, model, sequences, continuation=BLEND_CONTINUATION,
                                      progress=not args.no_progress)
     prefix = args.prefix or default_prefix(args.base)

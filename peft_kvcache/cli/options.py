@@ -113,6 +113,9 @@ def calibrate_adapters_arguments(p: argparse.ArgumentParser) -> None:
     add("--no-reverse", action="store_true", help="only the base -> adapter maps")
     add("--blend-files", type=int, default=0, metavar="N", help="hold out the last N texts of --data to choose "
         "each map's blend toward its source cache (default: 0, no blend)")
+    add("--choose-rank", type=int, nargs="+", default=None, metavar="R", help="also fit each map at these residual "
+        "ranks (from the same statistics) and keep, per map, the smallest whose KL on the --blend-files texts cannot "
+        "be told from the full correction's (peft_kvcache.calibration.rank); needs --blend-files")
     add("--repo-namespace", default=None, metavar="NS", help="Hub namespace the cards' snippets load from")
     data_options(p, "calibration")
     calibration_options(p, **ADAPTER_DEFAULTS)
