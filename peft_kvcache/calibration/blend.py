@@ -76,13 +76,13 @@ HeldOutExample = tuple[torch.Tensor, CapturedKV, torch.Tensor]  # token ids, sou
 
 def held_out_examples(target_model: torch.nn.Module, sequences: Sequence[torch.Tensor],
                       source_cache: Callable[[torch.Tensor], CapturedKV], continuation: int, sink_tokens: int,
-                      progress: bool = True, what: str = "a blend") -> list[HeldOutExample]:
+                      progress: bool = True, what: str = "blend") -> list[HeldOutExample]:
     """Per held-out sequence long enough to score (more than ``continuation + sink + 1`` tokens): its ids, the source
     cache of its context and the target's own prefill logits over its last ``continuation`` tokens."""
     usable = [torch.as_tensor(s, dtype=torch.long) for s in sequences]
     usable = [s for s in usable if s.numel() > continuation + sink_tokens + 1]
     if not usable or continuation < 1:
-        raise CalibrationError(f"choosing {what} needs held-out sequences longer than continuation + sink + 1 "
+        raise CalibrationError(f"choosing a {what} needs held-out sequences longer than continuation + sink + 1 "
                                f"({continuation} + {sink_tokens} + 1) tokens and continuation >= 1")
     examples = []
     for ids in tqdm(usable, desc=f"{what}: reference passes", disable=not progress):
