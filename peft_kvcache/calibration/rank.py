@@ -2,7 +2,8 @@
 
 A same-shape map (base -> LoRA adapter) fitted with ``residual_rank`` r runs as the identity plus two thin factors of
 rank r per layer (`peft_kvcache.maps.kvmap.KVMap.residual_rank`): ``2 r`` multiply-adds per feature instead of the
-layer width, so a switch maps its cache several times faster. What a smaller rank costs is the target's: its
+layer width, so a switch's mapping multiplies less (the rotary, the casts and the memory it reads stay). What a smaller
+rank costs is the target's: its
 next-token KL against its own prefill. `choose_rank` scores maps fitted at several ranks from the same statistics on
 held-out text (never the evaluation texts) and keeps the smallest rank whose KL the held-out texts cannot tell from
 the full correction's: the paired 95% bootstrap interval of (rank - full), over sequences, reaches zero or below.
