@@ -47,6 +47,12 @@ def paired_interval(differences: torch.Tensor, seed: int = 0, resamples: int = B
     return float(means.quantile(0.025)), float(means.quantile(0.975))
 
 
+def _require_full_correction(candidates: Mapping[int, object]) -> None:
+    if 0 not in candidates:
+        raise CalibrationError("choosing a rank compares each candidate with the full correction: pass the map(s) "
+                               "fitted with residual_rank=0 as candidates[0]")
+
+
 def choose_rank(candidates: Mapping[int, KVMap], target_model: torch.nn.Module, sequences: Sequence[torch.Tensor],
                 source_cache: Callable[[torch.Tensor], CapturedKV], *, continuation: int = 64,
                 progress: bool = True) -> KVMap:
@@ -63,9 +69,7 @@ def choose_rank(candidates: Mapping[int, KVMap], target_model: torch.nn.Module, 
 
     Cost: one target prefill and one source pass per sequence, then one mapped pass per sequence and candidate.
     """
-    if 0 not in candidates:
-        raise CalibrationError("choosing a rank compares each candidate with the full correction: pass the map "
-                               "fitted with residual_rank=0 as candidates[0]")
+    _require_full_correction(candidates)
     for rank, kv_map in candidates.items():
         if rank and kv_map.residual_rank != rank:
             raise CalibrationError(f"candidates[{rank}] runs with residual rank {kv_map.residual_rank}: pass maps "
@@ -96,9 +100,7 @@ def choose_adapter_ranks(candidates: Mapping[int, AdapterMaps], model: torch.nn.
         >>> candidates = {r: calibrate_adapters(model, data, residual_rank=r, checkpoint_dir=work) for r in (0, 32)}  # doctest: +SKIP
         >>> maps = choose_adapter_ranks(candidates, model, heldout_ids)  # doctest: +SKIP
     """
-    if 0 not in candidates:
-        raise CalibrationError("choosing a rank compares each candidate with the full correction: pass the maps "
-                               "fitted with residual_rank=0 as candidates[0]")
+    _require_full_correction(candidates)  # before any source cache is computed
     sequences = [torch.as_tensor(s, dtype=torch.long) for s in sequences]
     chosen = AdapterMaps()
     for adapter, reverse, full in candidates[0].all():

@@ -90,7 +90,7 @@ def cmd_calibrate_adapters(args: argparse.Namespace) -> int:
     if args.blend_files and args.blend_files >= len(texts):
         raise CLIUsageError(f"--blend-files {args.blend_files} leaves no calibration text of the {len(texts)} read")
     base, tokenizer = _load_model("--base", args.base, args.dtype)
-    width = KVLayout.of(base).layer_width
+    width = KVLayout.of(base).layer_width if ranks else 0
     if ranks and 2 * ranks[-1] >= width:  # a factored layer costs 2r multiply-adds per feature, a dense one the width
         raise CLIUsageError(f"--choose-rank {ranks[-1]}: a rank saves compute only below half the layer width "
                             f"({width}); pass ranks below {(width + 1) // 2}")
