@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from peft_kvcache.calibration.bootstrap import bootstrap_interval
 from peft_kvcache.lab.provenance import code_state, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -83,7 +84,5 @@ def mean_interval(values: list[float]) -> dict:
 def bootstrap_mean(values: list[float], resamples: int = 2000, seed: int = 0) -> dict:
     """Mean of per-sample values (or of paired differences) with its 95% percentile-bootstrap interval."""
     data = torch.tensor(values, dtype=torch.float64)
-    index = torch.randint(0, len(values), (resamples, len(values)), generator=torch.Generator().manual_seed(seed))
-    means = data[index].mean(1)
-    return {"mean": float(data.mean()), "low": float(means.quantile(0.025)), "high": float(means.quantile(0.975)),
-            "samples": len(values)}
+    low, high = bootstrap_interval(data, resamples, seed)
+    return {"mean": float(data.mean()), "low": low, "high": high, "samples": len(values)}

@@ -28,23 +28,9 @@ from ..maps.kvmap import KVMap
 from ..modeling.adapters import adapter_active
 from ..modeling.capture import CapturedKV
 from .blend import adapter_source_caches, example_scores, held_out_examples
+from .bootstrap import bootstrap_interval
 
 DEFAULT_RANK_GRID = (16, 32, 48)
-BOOTSTRAP = 2000
-
-
-def paired_interval(differences: torch.Tensor, seed: int = 0, resamples: int = BOOTSTRAP) -> tuple[float, float]:
-    """95% bootstrap interval of the mean of per-example ``differences`` (examples resampled with replacement).
-
-    Example:
-        >>> low, high = paired_interval(torch.tensor([0.1, 0.2, 0.3, 0.2]))
-        >>> 0.1 <= low <= 0.2 <= high <= 0.3
-        True
-    """
-    generator = torch.Generator().manual_seed(seed)
-    index = torch.randint(0, differences.numel(), (resamples, differences.numel()), generator=generator)
-    means = differences.double()[index].mean(-1)
-    return float(means.quantile(0.025)), float(means.quantile(0.975))
 
 
 def _require_full_correction(candidates: Mapping[int, object]) -> None:
@@ -79,7 +65,7 @@ def choose_rank(candidates: Mapping[int, KVMap], target_model: torch.nn.Module, 
                                  progress, "rank")
     kl = {rank: torch.tensor(example_scores(kv_map, target_model, examples, continuation)["kl"])
           for rank, kv_map in tqdm(sorted(candidates.items()), desc="rank: candidates", disable=not progress)}
-    intervals = {rank: paired_interval(kl[rank] - kl[0]) for rank in kl if rank}
+    intervals = {rank: bootstrap_interval(kl[rank] - kl[0]) for rank in kl if rank}
     kept = min((rank for rank, (low, _) in intervals.items() if low <= 0), default=0)
     chosen = KVMap(copy.deepcopy(candidates[kept].config), dict(candidates[kept].tensors))  # the candidates stay as given
     chosen.config.rank_choice = RankRecord(
@@ -118,4 +104,4 @@ def choose_adapter_ranks(candidates: Mapping[int, AdapterMaps], model: torch.nn.
     return chosen
 
 
-__all__ = ["DEFAULT_RANK_GRID", "choose_adapter_ranks", "choose_rank", "paired_interval"]
+__all__ = ["DEFAULT_RANK_GRID", "choose_adapter_ranks", "choose_rank"]

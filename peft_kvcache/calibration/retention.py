@@ -33,6 +33,7 @@ from ..maps.config import Figure, Refresh
 from ..modeling.capture import forward, run_with_cache
 from ..runtime.cache import MappedCache
 from ..runtime.check import ContextCheck, check_context
+from .bootstrap import resample_indices
 
 
 @torch.no_grad()
@@ -115,8 +116,7 @@ class RetentionReport:
 
     def _resamples(self) -> torch.Tensor:
         count = len(self.scores["full"].correct)
-        generator = torch.Generator().manual_seed(self.seed)
-        return torch.randint(0, count, (self.bootstrap, count), generator=generator)
+        return resample_indices(count, self.bootstrap, self.seed)
 
     def normalized(self, name: str, index: torch.Tensor | None = None) -> torch.Tensor:
         """Normalized retention of ``name``: a point estimate, or one per bootstrap resample in ``index``."""
