@@ -15,6 +15,7 @@ how the maps are fitted from the statistics (``--top-k``) share one capture:
 
     python -m benchmarks.lever_maps --label top4 --top-k 4
     python -m benchmarks.lever_maps --label top8 --top-k 8     # no forward pass: top4's statistics
+    python -m benchmarks.lever_maps --label all --top-k 28     # every source layer (24 going up, 28 down)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from peft_kvcache.calibration.distill import distill_map
 from peft_kvcache.calibration.loop import statistics_options
 from peft_kvcache.calibration.nonlinear import fit_nonlinear_heads
 from peft_kvcache.errors import RecordError
+from peft_kvcache.maps.config import CalibrationConfig
 from peft_kvcache.lab.corpus import stdlib_texts
 
 from . import siblings
@@ -49,18 +51,23 @@ def fit(label: str, changes: dict, files: int, progress: bool = True) -> Path:
     config.validate()
     if all(f.is_dir() for f in folders.values()):
         for f in folders.values():
-            fitted = KVMap.from_pretrained(f).config.calibration
-            if fitted.options != config or len(fitted.data.names()) != files:
-                raise RecordError(f"{f} holds a map fitted on {len(fitted.data.names())} files with other options "
-                                  f"({fitted.options}); remove it or choose another label")
+            fitted = KVMap.from_pretrained(f).config
+            layers = fitted.source_layout.num_layers
+            if (fitted.calibration.options != for_source(config, layers)
+                    or len(fitted.calibration.data.names()) != files):
+                raise RecordError(f"{f} holds a map fitted on {len(fitted.calibration.data.names())} files with other "
+                                  f"options ({fitted.calibration.options}); remove it or choose another label")
         return folder
     models, tokenizer = siblings.load_pair()
     texts = siblings.calibration_texts(tokenizer, files, config)
     vocab = models["small"].get_input_embeddings().weight.shape[0]
+    configs = {d: for_source(config, models[siblings.DIRECTIONS[d][0]].config.num_hidden_layers)
+               for d in siblings.DIRECTIONS}
 
     def on_scale(scale, run):
         for direction, out in folders.items():
-            siblings.fit_direction(run, direction, texts, scale, config, vocab).save_pretrained(out, chart=False)
+            siblings.fit_direction(run, direction, texts, scale, configs[direction], vocab).save_pretrained(
+                out, chart=False)
 
     siblings.capture(models, texts, [files], config, on_scale, checkpoint_root=statistics_folder(config),
                      progress=progress)
@@ -99,6 +106,12 @@ def add_to_published(label: str, addition: str, options: dict, files: int, progr
         kv_map.save_pretrained(out, chart=False)  # lever.json last: a folder without it is not done
         atomic_write(out / "lever.json", lambda tmp: Path(tmp).write_text(json.dumps(what, indent=1)))
     return folder
+
+
+def for_source(config: CalibrationConfig, layers: int) -> CalibrationConfig:
+    """``config`` for a source of ``layers`` layers: a ``top_k`` above them means all of them (`--top-k 28`: the
+    0.5B's 24 going up, the 1.5B's 28 going down)."""
+    return replace(config, top_k=min(config.top_k, layers))
 
 
 def statistics_folder(config) -> Path:
