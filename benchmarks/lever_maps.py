@@ -16,6 +16,7 @@ how the maps are fitted from the statistics (``--top-k``) share one capture:
     python -m benchmarks.lever_maps --label top4 --top-k 4
     python -m benchmarks.lever_maps --label top8 --top-k 8     # no forward pass: top4's statistics
     python -m benchmarks.lever_maps --label all --top-k 28     # every source layer (24 going up, 28 down)
+    python -m benchmarks.lever_maps --label basis256 --top-k 28 --basis-rank 256   # all through one shared basis
 """
 
 from __future__ import annotations
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention-weighting", type=float, help="CalibrationConfig.attention_weighting")
     parser.add_argument("--max-length", type=int, help="CalibrationConfig.max_length (tokens per calibration chunk)")
     parser.add_argument("--top-k", type=int, help="CalibrationConfig.top_k (source layers per target layer)")
+    parser.add_argument("--basis-rank", type=int, help="CalibrationConfig.basis_rank (with --top-k 28: all source "
+                        "layers through one shared basis of this rank)")
     parser.add_argument("--joint-kinds", action="store_true", default=None,
                         help="CalibrationConfig.joint_kinds (each kind from the source's keys and values together)")
     parser.add_argument("--distill", action="store_true",
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_grad_enabled(False)
     changes = {name: value for name, value in (("attention_weighting", args.attention_weighting),
                                                ("max_length", args.max_length), ("top_k", args.top_k),
-                                               ("joint_kinds", args.joint_kinds))
+                                               ("basis_rank", args.basis_rank), ("joint_kinds", args.joint_kinds))
                if value is not None}
     scales = {row["chosen_files"] for row in read_results("sibling-scaling")["curve"].values()}
     if args.files is None and len(scales) != 1:  # both directions come from one capture, at one scale

@@ -194,9 +194,10 @@ def distill_map(
     if recent_tokens < 0 or scored_tokens < 1:
         raise CalibrationError(f"recent_tokens must be >= 0 and scored_tokens >= 1, got {recent_tokens}, "
                                f"{scored_tokens}")
-    if kv_map.config.mlp_layers("keys") or kv_map.config.mlp_layers("values") or kv_map.residual_rank:
-        raise CalibrationError("distillation corrects a map's dense weights; this map has nonlinear heads or runs as "
-                               "the identity plus factors (distill the dense map first)")
+    if (kv_map.config.mlp_layers("keys") or kv_map.config.mlp_layers("values") or kv_map.residual_rank
+            or kv_map.config.basis_rank):
+        raise CalibrationError("distillation corrects a map's dense weights; this map has nonlinear heads, runs as "
+                               "the identity plus factors or reads a shared basis (distill a dense map)")
     kv_map.check_models(source_model, target_model)
     texts = CalibrationTexts.build(calibration_data, tokenizer, options, vocab_size_of(source_model))
     least = options.sink_tokens + recent_tokens + scored_tokens + 1

@@ -144,8 +144,9 @@ class LayerFit:
     """The fitted map of one target layer for keys or for values."""
 
     source_layers: list[int]
-    fit: HeadFit
+    fit: HeadFit  # with a shared basis, ``weight`` is the layer's readout ``[rank, width]`` of the basis
     candidate_r2: list[float]  # held-out mean R^2 of each single source layer (layer-selection evidence)
+    basis: torch.Tensor | None = None  # [D, rank]: the projection every target layer shares (`share_basis`)
 
 
 class _Centered:
@@ -243,6 +244,33 @@ def reduce_rank(stats: _Centered, fit: HeadFit, prior: torch.Tensor, rank: int, 
     return HeadFit(weight=weight, bias=stats.my - stats.mx @ weight, lambdas=fit.lambdas, r2=r2)
 
 
+def share_basis(stats: _Centered, fits: list[LayerFit], rank: int, head_size: int) -> list[LayerFit]:
+    """Every target layer's fit, all from the same source rows, kept to one shared ``rank``-dimensional basis of those
+    rows: the weights of all target layers side by side (``[D, layers * width]``) projected on the ``rank`` directions
+    of largest variance of their predictions over the train features (reduced-rank regression across the target
+    layers, closed form from the centred Gram), each layer's bias refitted to the train means and its held-out R^2
+    measured again. The fits come back factored: one ``basis`` ``[D, rank]`` shared by every layer (the source
+    features' projection, computed once per mapping) and per layer a readout ``[rank, width]`` as its weight."""
+    if any(f.source_layers != fits[0].source_layers for f in fits):
+        raise CalibrationError("a shared basis needs every target layer fitted from the same source layers: pass "
+                               "top_k equal to the source's layers")
+    weight = torch.cat([f.fit.weight for f in fits], dim=1)  # [D, layers * width]
+    if rank >= min(weight.shape):
+        raise CalibrationError(f"basis_rank {rank} saves nothing: the source features are {weight.shape[0]} wide and "
+                               f"the target layers {weight.shape[1]}; pass a rank below both")
+    _, directions = torch.linalg.eigh(weight.T @ stats.sxx @ weight)  # ascending
+    readout = directions[:, -rank:].T  # [rank, layers * width]
+    basis = weight @ readout.T  # [D, rank]
+    weight = basis @ readout
+    sse = stats.yy_ho - 2 * (weight * stats.xy_ho).sum(0) + (weight * (stats.xx_ho @ weight)).sum(0)
+    r2 = 1 - sse.view(-1, head_size).sum(-1) / stats.sst_ho.view(-1, head_size).sum(-1)  # [layers * heads]
+    bias = stats.my - stats.mx @ weight
+    width, heads = weight.shape[1] // len(fits), weight.shape[1] // len(fits) // head_size
+    return [LayerFit(source_layers=f.source_layers, candidate_r2=f.candidate_r2, basis=basis, fit=HeadFit(
+        weight=readout[:, t * width:(t + 1) * width], bias=bias[t * width:(t + 1) * width], lambdas=f.fit.lambdas,
+        r2=r2[t * heads:(t + 1) * heads])) for t, f in enumerate(fits)]
+
+
 def _block(layer: int, width: int) -> torch.Tensor:
     return torch.arange(layer * width, (layer + 1) * width)
 
@@ -313,6 +341,7 @@ def fit_layers(
     progress=None,
     head_shards: int = 1,
     identity_offset: int = 0,
+    basis_rank: int = 0,
 ) -> list[LayerFit]:
     """Per target layer: score every source layer by held-out R^2, keep the best ``top_k`` and refit on
     their concatenation, with a ridge per target KV head.
@@ -321,9 +350,15 @@ def fit_layers(
     heads instead of toward zero: target layer t copies source layer ``t + identity_offset`` (a value map
     whose candidates list the source's keys first). ``progress`` is an optional callable advanced once per source layer.
     ``head_shards`` > 1 predicts each target head from its own shard's source heads only (`ShardedRidge`).
+    ``basis_rank`` > 0 (with ``top_k`` all the source layers) keeps all target layers to one shared basis of that
+    rank (`share_basis`).
     """
     if top_k < 1 or top_k > source_layout.num_layers:
         raise CalibrationError(f"top_k must be in 1..{source_layout.num_layers}, got {top_k}")
+    if basis_rank and (top_k != source_layout.num_layers or identity_prior or head_shards != 1):
+        raise CalibrationError(f"basis_rank shares one basis of every source layer between the target layers: it "
+                               f"needs top_k={source_layout.num_layers} (all of them), a cross-shape pair and "
+                               "head_shards=1")
     stats = _Centered(train, heldout, target)
     ridge = ShardedRidge(stats, source_layout, target_layout, head_shards)
     d_src, d_tgt = source_layout.layer_width, target_layout.layer_width
@@ -357,7 +392,7 @@ def fit_layers(
         fit = ridge.solve(torch.cat([_block(s, d_src) for s in chosen]), _block(t, d_tgt), prior_for(chosen, t),
                           lambda_grid, key=tuple(chosen))
         fits.append(LayerFit(source_layers=chosen, fit=fit, candidate_r2=scores[:, t].tolist()))
-    return fits
+    return share_basis(stats, fits, basis_rank, target_layout.head_dim) if basis_rank else fits
 
 
 def fit_same_layers(

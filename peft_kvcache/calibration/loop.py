@@ -124,7 +124,9 @@ def build_map(run: StatisticsRun, source: str, target: str, config: CalibrationC
                 fits[kind] = fit_layers(*run.pair(source, target, None, kind), candidates, tgt.layout,
                                         top_k=config.top_k, lambda_grid=config.lambda_grid,
                                         identity_prior=same_shape, progress=bar.update, head_shards=config.head_shards,
-                                        identity_offset=identity_offset)
+                                        identity_offset=identity_offset, basis_rank=config.basis_rank)
+            if fits[kind][0].basis is not None:  # one projection of the source shared by every layer
+                tensors[f"{kind}.basis"] = fits[kind][0].basis.float()
             for t, layer in enumerate(fits[kind]):
                 tensors[f"{kind}.{t}.weight"] = layer.fit.weight.float()
                 tensors[f"{kind}.{t}.bias"] = layer.fit.bias.float()
@@ -148,7 +150,7 @@ def build_map(run: StatisticsRun, source: str, target: str, config: CalibrationC
 
 def statistics_options(config: CalibrationConfig) -> dict:
     """The options a checkpoint of statistics is keyed on: those that shape the statistics (not the ridge grid, the
-    layer choice or the rank, which only shape the fit from them, so fits with other such options resume from the same
+    layer choice or the ranks, which only shape the fit from them, so fits with other such options resume from the same
     statistics), where they differ from their defaults (an option added later with a default keeps the checkpoints
     made before it).
 
@@ -156,7 +158,8 @@ def statistics_options(config: CalibrationConfig) -> dict:
         >>> statistics_options(CalibrationConfig(top_k=4, max_length=1024))
         {'max_length': 1024}
     """
-    shaped, default = replace(config, lambda_grid=DEFAULT_LAMBDA_GRID, top_k=1, residual_rank=0), CalibrationConfig()
+    shaped, default = replace(config, lambda_grid=DEFAULT_LAMBDA_GRID, top_k=1, residual_rank=0,
+                                  basis_rank=0), CalibrationConfig()
     return {f.name: getattr(shaped, f.name) for f in fields(CalibrationConfig)
             if getattr(shaped, f.name) != getattr(default, f.name)}
 

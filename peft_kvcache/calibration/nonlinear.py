@@ -247,6 +247,9 @@ def fit_nonlinear_heads(
         >>> kv_map2.config.nonlinear.values                                                         # doctest: +SKIP
         [20, 23, 27]
     """
+    if kv_map.config.basis_rank:  # the heads read each layer's dense linear output from its source layers
+        raise CalibrationError("nonlinear heads extend a map with each layer's own weights; this map reads a shared "
+                               f"basis (basis_rank {kv_map.config.basis_rank}): fit them on a map without one")
     kv_map.check_models(source_model, target_model)
     options = kv_map.config.calibration.options
     texts = CalibrationTexts.build(calibration_data, tokenizer, options, vocab_size_of(source_model))

@@ -3,7 +3,8 @@ both call it, so what was measured is what runs.
 
 Per target layer: the position-free states of its chosen source layers, one matmul per (source head, target head)
 block of its weight (plus bias) in the cache's own layout, keys re-rotated at the target positions in place, cast
-and placed on the target layer's device.
+and placed on the target layer's device. A map with a shared basis projects the source layers once per kind and
+device and each target layer reads that projection instead.
 """
 
 from __future__ import annotations
@@ -127,6 +128,13 @@ def map_layer_factored(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, bi
     return out
 
 
+def project_basis(inputs: Sequence[torch.Tensor], basis: torch.Tensor) -> torch.Tensor:
+    """The source layers' features ``inputs`` (per layer ``[batch, kv_heads, seq, head_dim]``) through a map's shared
+    basis ``[D, rank]`` -> ``[batch, 1, seq, rank]``: what every target layer's readout of the kind reads (the
+    readout is then `map_layer_heads` with this as its one input)."""
+    return map_layer_heads(inputs, basis, basis.new_zeros(basis.shape[1]), 1, basis.shape[1])
+
+
 def default_compute_dtype(kv_map, device: torch.device) -> torch.dtype:
     """The dtype `map_cache` multiplies in by default: float32 for a map with a `KVMap.residual_rank` (the identity
     carries the source exactly; its thin factors cost little), else `peft_kvcache.maps.compute.matmul_dtype`."""
@@ -142,6 +150,8 @@ def place_map(kv_map, device: torch.device) -> None:
             if kv_map.residual_rank:
                 kv_map.layer_factors(kind, t, device, dtype)
             else:
+                if kv_map.config.basis_rank:
+                    kv_map.layer_basis(kind, device, dtype)
                 kv_map.layer_weights(kind, t, device, dtype)
                 kv_map.layer_mlp(kind, t, device, dtype)
 
@@ -203,6 +213,7 @@ def _mapped_layers(kv_map, features: SourceFeatures, target_spec: RotarySpec, ta
                    factored: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     heads, head_dim = kv_map.config.target_layout.kv_heads, kv_map.config.target_layout.head_dim
     rotations = {}
+    projected = {}  # (kind, device) -> the source through the shared basis, once for every layer placed there
     for t, (device, dtype) in enumerate(placements):
         if device not in rotations:  # one cos/sin per device, shared by the layers placed there
             rotations[device] = rotary_cos_sin(target_spec, target_positions, device=device)
@@ -211,13 +222,18 @@ def _mapped_layers(kv_map, features: SourceFeatures, target_spec: RotarySpec, ta
         for kind in ("keys", "values"):
             sources = kv_map.source_inputs(kind, t)
             inputs = [features.heads(*source, device) for source in sources]
+            read = inputs  # what the layer's weight multiplies: the source layers, or their shared projection
+            if kv_map.config.basis_rank:
+                if (kind, device) not in projected:
+                    projected[kind, device] = project_basis(inputs, kv_map.layer_basis(kind, device, compute_dtype))
+                read = [projected[kind, device]]
             if factored:  # the one input is source layer t
                 states = map_layer_factored(inputs[0], *kv_map.layer_factors(kind, t, device, compute_dtype))
             else:
                 weight, bias = kv_map.layer_weights(kind, t, device, compute_dtype)
                 mlp = kv_map.layer_mlp(kind, t, device, compute_dtype)
                 if mlp is None:
-                    states = map_layer_heads(inputs, weight, bias, heads, head_dim)
+                    states = map_layer_heads(read, weight, bias, heads, head_dim)
                 else:  # the residual MLP reads every head at once
                     states = map_layer([layer_features(x) for x in inputs], weight, bias, head_dim, mlp)
             if kind == "keys":

@@ -208,6 +208,10 @@ def calibration_text(config: KVMapConfig) -> str:
         lines.append(f"- each layer's correction of the source cache kept to rank {options.residual_rank} (the "
                      "directions that carry most of its predictions on the fitting texts): the map runs as the "
                      "identity plus two thin factors")
+    if options.basis_rank:
+        lines.append(f"- every target layer's weights of a kind kept to one shared rank-{options.basis_rank} basis of "
+                     "the source layers' features (the directions that carry most of all layers' predictions on the "
+                     "fitting texts)")
     if options.attention_weighting:
         lines.append(f"- tokens weighted by the attention the target gives them ({options.attention_weighting:g} of each "
                      "token's weight follows its received attention, relative to its batch's mean), in the fit and in "

@@ -66,6 +66,11 @@ class CalibrationConfig:
                                "on the calibration texts (reduced-rank regression, closed form from the statistics); "
                                "the map then runs as the identity plus two thin factors, 2r instead of the layer width "
                                "multiply-adds per feature; 0: the full correction", default=0)
+    basis_rank: int = _help("cross-shape pairs with top_k all the source layers: keep every target layer's weights "
+                            "of a kind to one shared basis of the source features of this rank (reduced-rank "
+                            "regression across the target layers, closed form from the statistics), so that the "
+                            "source's layers pass through a rank-r projection before each layer's readout; 0: each "
+                            "layer's own weights", default=0)
     attention_weighting: float = _help("weight each token in the fit (and in the held-out choice of ridge strengths "
                                        "and layers) by the attention the target gives it: a token counts 1 - a + a * "
                                        "(its received attention / the mean over its batch), so the map is fitted "
@@ -101,6 +106,9 @@ class CalibrationConfig:
              "corrected from its own source layer)"),
             ("residual_rank", self.residual_rank == 0 or self.head_shards == 1, "needs head_shards=1 (a reduced-rank "
              "correction mixes the heads of every shard)"),
+            ("basis_rank", self.basis_rank >= 0, "must be a non-negative integer"),
+            ("basis_rank", self.basis_rank == 0 or not self.same_layer, "needs same_layer=False (one basis of "
+             "every source layer)"),
             ("attention_weighting", 0 <= self.attention_weighting <= 1, "must be between 0 and 1"),
             ("joint_kinds", not (self.joint_kinds and self.same_layer), "needs same_layer=False (each target "
              "layer chooses among the source's keys and values of every layer)"),
@@ -333,6 +341,13 @@ class KVMapConfig:
         """How many source inputs a target layer chooses among (`CalibrationConfig.candidate_inputs`)."""
         return self.calibration.options.candidate_inputs(self.source_layout.num_layers)
 
+    @property
+    def basis_rank(self) -> int:
+        """The rank of the basis every target layer's weights share where the map was fitted with one
+        (``calibration.options.basis_rank``): its layers then read one projection of the source layers' features
+        (``<kind>.basis``) through a ``[rank, width]`` readout each; 0 where each layer has its own weights."""
+        return self.calibration.options.basis_rank
+
     def source_input(self, kind: str, index: int) -> tuple[str, int]:
         """``(kind, source layer)`` of input ``index`` of a ``kind`` map: the same kind of that layer, or with
         ``joint_kinds`` the source's keys of layer ``index`` or its values of layer ``index - num_layers``.
@@ -410,6 +425,10 @@ class KVMapConfig:
             if not 0 < self.nonlinear.hidden <= 65536:
                 raise RecordError(f"{where}.nonlinear.hidden must be in 1..65536, got {self.nonlinear.hidden}")
         self.calibration.options.validate(f"{where}.calibration.options")
+        if self.basis_rank and (any(g != self.key_layers[0] for g in self.key_layers + self.value_layers)
+                                or self.nonlinear is not None):
+            raise RecordError(f"{where}: a map with a shared basis (basis_rank {self.basis_rank}) reads the same source "
+                              "layers in every target layer, keys and values alike, and has no nonlinear heads")
         if any(len(start) != self.sink_tokens or min(start, default=0) < 0 or max(start, default=0) >= self.vocab_size
                for start in self.sinks) or len(set(map(tuple, self.sinks))) != len(self.sinks):
             raise RecordError(f"{where}.sinks must list distinct starts of {self.sink_tokens} token ids in "
@@ -426,9 +445,12 @@ def expected_shapes(config: KVMapConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"source.inv_freq": (config.source_rotary.rotary_dim // 2,),
               "target.inv_freq": (config.target_rotary.rotary_dim // 2,)}
     hidden = config.nonlinear.hidden if config.nonlinear is not None else 0
+    rank = config.basis_rank
     for kind, layers in (("keys", config.key_layers), ("values", config.value_layers)):
+        if rank:  # one projection of the source layers' features, then a readout per target layer
+            shapes[f"{kind}.basis"] = (len(layers[0]) * src.layer_width, rank)
         for t, sources in enumerate(layers):
-            shapes[f"{kind}.{t}.weight"] = (len(sources) * src.layer_width, tgt.layer_width)
+            shapes[f"{kind}.{t}.weight"] = (rank or len(sources) * src.layer_width, tgt.layer_width)
             shapes[f"{kind}.{t}.bias"] = (tgt.layer_width,)
         for t in config.mlp_layers(kind):  # residual MLP heads (peft_kvcache.calibration.nonlinear)
             shapes.update({f"{kind}.{t}.mlp.w1": (tgt.layer_width, hidden), f"{kind}.{t}.mlp.b1": (hidden,),

@@ -98,6 +98,14 @@ class KVMap:
         """(weight, bias) of one target layer, cast and placed once per (device, dtype) and reused."""
         return self._placed_tensors((kind, target_layer), ("weight", "bias"), device, dtype)
 
+    def layer_basis(self, kind: str, device, dtype) -> torch.Tensor:
+        """The ``[D, rank]`` projection of the source layers' features that every target layer's readout of ``kind``
+        reads, in a map with a shared basis (`KVMapConfig.basis_rank`), placed once per (device, dtype)."""
+        key = (kind, "basis", str(device), dtype)
+        if key not in self._placed:
+            self._placed[key] = (self.tensors[f"{kind}.basis"].to(device=device, dtype=dtype),)
+        return self._placed[key][0]
+
     @property
     def residual_rank(self) -> int:
         """The rank of each layer's correction of the identity where the map was fitted with one (``residual_rank``)
@@ -112,12 +120,13 @@ class KVMap:
 
     @property
     def multiply_adds_per_token(self) -> int:
-        """Multiply-adds of the map's matmuls per mapped token: its weights (and MLP heads), or with a
-        `residual_rank` r the two factors of each layer (``2 r width``)."""
+        """Multiply-adds of the map's matmuls per mapped token: its weights (and MLP heads, and a shared basis once per
+        kind), or with a `residual_rank` r the two factors of each layer (``2 r width``)."""
         if self.residual_rank:
             layout = self.config.target_layout
             return 2 * layout.num_layers * 2 * self.residual_rank * layout.layer_width  # keys and values
-        return sum(t.numel() for n, t in self.tensors.items() if n.endswith((".weight", ".mlp.w1", ".mlp.w2")))
+        return sum(t.numel() for n, t in self.tensors.items()
+                   if n.endswith((".weight", ".basis", ".mlp.w1", ".mlp.w2")))
 
     def layer_factors(self, kind: str, target_layer: int, device, dtype) -> tuple[torch.Tensor, ...]:
         """(down ``[width, r]``, up ``[r, width]``, bias) of a map with a `residual_rank` r: the layer's weight is the
