@@ -110,9 +110,9 @@ def add_to_published(label: str, addition: str, options: dict, files: int, progr
 
 
 def for_source(config: CalibrationConfig, layers: int) -> CalibrationConfig:
-    """``config`` for a source of ``layers`` layers: a ``top_k`` above them means all of them (`--top-k 28`: the
-    0.5B's 24 going up, the 1.5B's 28 going down)."""
-    return replace(config, top_k=min(config.top_k, layers))
+    """``config`` for a source of ``layers`` layers: a ``top_k`` above its candidate inputs means all of them
+    (`--top-k 28`: the 0.5B's 24 layers going up, the 1.5B's 28 going down; with ``joint_kinds`` twice as many)."""
+    return replace(config, top_k=min(config.top_k, config.candidate_inputs(layers)))
 
 
 def statistics_folder(config) -> Path:

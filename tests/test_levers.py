@@ -7,8 +7,9 @@ import pytest
 import torch
 from conftest import random_ids
 
+from benchmarks.lever_maps import for_source
 from benchmarks.levers import Lever, _positions, score_variants
-from peft_kvcache.maps.config import Refresh
+from peft_kvcache.maps.config import CalibrationConfig, Refresh
 from peft_kvcache.runtime.refresh import select_spans
 
 CONTEXT, CONTINUATION = 40, 8
@@ -66,3 +67,10 @@ def test_every_hybrid_variant_computes_at_most_the_recipes_budget(sibling_map):
     assert budget == 64 and all(lever.compute() <= budget for lever in levers.values())
     assert [lever.compute() for name, lever in levers.items() if name.startswith(WINDOW)] == [budget]
     assert sorted(lever.recent for lever in levers.values() if lever.refresh is not None) == [0, 8, 16, 32]
+
+
+def test_a_lever_asking_more_source_layers_than_a_direction_has_fits_all_of_them():
+    assert for_source(CalibrationConfig(top_k=28), 24).top_k == 24  # going up: the 0.5B's 24 layers
+    assert for_source(CalibrationConfig(top_k=28), 28).top_k == 28
+    assert for_source(CalibrationConfig(top_k=4), 24).top_k == 4
+    assert for_source(CalibrationConfig(top_k=56, joint_kinds=True), 24).top_k == 48  # keys and values of each
