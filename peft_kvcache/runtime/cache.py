@@ -189,16 +189,17 @@ class ContextCache(DynamicCache):
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return 0 if self._refeed else super().get_query_offset(layer_idx)
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
         """Assisted decoding (a draft model, or prompt lookup) calls this first, then runs the whole prompt from
         position 0 through the model once, whatever the cache holds (transformers 5.24 gives wrong output on a
         pre-filled `DynamicCache` there). This cache takes that pass as a re-feed: the tokens it already holds keep
-        their cached keys and values at every layer (a mapped context stays mapped), the rest are appended."""
+        their cached keys and values at every layer (a mapped context stays mapped), the rest are appended. Keyword
+        arguments go on to `Cache.activate_past_recording` (5.25 passes ``recurrent_states_to_keep``)."""
         if self._dropped:
             raise CacheMismatchError("assisted decoding runs the prompt from position 0 on the cache: a cache holding "
                                      "only some context positions (an index recipe) cannot take it; map with a "
                                      "recipe that keeps the mapped middle")
-        super().activate_past_recording()
+        super().activate_past_recording(**kwargs)
         if self.get_seq_length() and not self._continuation_checked:
             if self._shift is not None and bool((self._shift != 0).any()):
                 raise CacheMismatchError("assisted decoding runs the prompt from position 0: it cannot continue a cache "
