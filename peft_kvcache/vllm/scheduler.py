@@ -84,11 +84,13 @@ class RequestRecord:
 
     def label(self, base: str) -> dict:
         """The response's ``kv_transfer_params.peft_kvcache``: where the context came from (`reuse.label`, ``base``:
-        the served base model's name) and how much of it."""
+        the served base model's name), how much of it, and for derived KV how many maps it passed through (``hops``)."""
         cached = self.local_tokens + self.loaded_tokens
+        derived = {"hops": self.made.hops} if cached and self.made.approximate else {}
         return {"context_source": label(self.made, cached, base), "cached_tokens": cached,
                 "engine_cached_tokens": self.local_tokens, "loaded_tokens": self.loaded_tokens,
-                "prefilled_tokens": self.prompt_tokens - cached, **({"fallback": self.fallback} if self.fallback else {})}
+                "prefilled_tokens": self.prompt_tokens - cached, **derived,
+                **({"fallback": self.fallback} if self.fallback else {})}
 
 
 @dataclass
@@ -178,6 +180,11 @@ class SchedulerSide:
         if not self.worker_ready or reuse == "none" or limit <= local_blocks:
             return plan
         matches = self.index.matches(request.cache_salt, prompt, limit)
+        # another variant's entry holds KV of the files it had then: mapped with the map its files match now, it
+        # would be foreign KV (an adapter replaced at the same path); its entries are dropped instead
+        changed = {other for other in {match.entry.variant for match in matches.values()} - {variant}
+                   if self._changed(other)}
+        matches = {key: match for key, match in matches.items() if match.entry.variant not in changed}
         exact = matches.pop((variant, True), None)
         if exact is not None and exact.blocks > local_blocks:
             plan = Plan(local_blocks, "reused", exact.entry, exact.blocks, fallback=plan.fallback)

@@ -64,6 +64,28 @@ def test_the_store_is_bounded_and_evicts_the_least_recently_used(model_folder, p
     assert evictions >= 1
 
 
+def test_a_source_adapter_replaced_at_the_same_path_is_never_mapped_from_its_old_kv(model_folder, prompt, tmp_path):
+    """The store keeps the KV of an adapter (the docstring adapter's weights); its files are then replaced by another
+    adapter's (shout's) at the same path. A switch to the base model must not map the old weights' KV with the map the
+    new files match (shout -> base): the stale entries are dropped and the switch is prefilled."""
+    import shutil
+
+    from conftest import ROOT
+
+    for name in ("smollm2-135m-instruct-docstring-to-base", "smollm2-135m-instruct-shout-to-base"):
+        shutil.copytree(ROOT / "hub_cards" / name, tmp_path / "maps" / name)
+    folder = tmp_path / "hot"
+    shutil.copytree(ADAPTERS["docstring"], folder)
+    adapters = {"hot": folder}
+    ids = prompt(1)
+    with engine(model_folder, maps=tmp_path / "maps", adapters=adapters, min_mapped_tokens=MIN_MAPPED) as llm:
+        assert source_of(run(llm, ids, "hot")) == "prefilled"  # kept: a map takes the docstring adapter's KV to base
+        for name in ("adapter_model.safetensors", "adapter_config.json"):
+            shutil.copy(ADAPTERS["shout"] / name, folder / name)
+        switched = run(llm, ids, None).kv_transfer_params["peft_kvcache"]
+    assert switched["context_source"] == "prefilled" and switched["loaded_tokens"] == 0, switched
+
+
 def test_an_engine_restart_loses_only_the_store(model_folder, maps_folder, prompt):
     """The store lives in the engine's processes: a new engine starts with nothing to load, and maps again once it
     holds a base prefix (the adapter's sink ships in its map)."""
