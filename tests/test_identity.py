@@ -85,3 +85,24 @@ def test_files_are_fingerprinted_from_their_samples_and_again_when_replaced_at_t
     _peft(tiny_model("llama"), seed=4).save_pretrained(tmp_path / "adapter")  # new weights, same path
     after = fingerprint_files(tmp_path / "model", tmp_path / "adapter" / "loud")
     assert after != before and after == fingerprint(_peft(tiny_model("llama"), seed=4))
+
+
+def test_a_fingerprint_asked_again_is_not_computed_again_unless_a_file_changed(tmp_path, monkeypatch):
+    """An engine asks for a variant's fingerprint with every request: the same files give the memoized digest; any of
+    the files read changing (the adapter's config included) computes it again."""
+    from peft_kvcache.modeling import identity
+
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "model")
+    _peft(model, seed=3).save_pretrained(tmp_path / "adapter")
+    adapter = tmp_path / "adapter" / "loud"
+    first = fingerprint_files(tmp_path / "model", adapter)
+    computed = []
+    original = identity._fingerprint_read
+    monkeypatch.setattr(identity, "_fingerprint_read", lambda *args: computed.append(args) or original(*args))
+    assert fingerprint_files(tmp_path / "model", adapter) == first and not computed
+    config = adapter / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "modules_to_save": ["lm_head"]}))
+    with pytest.raises(IncompatibleModelsError, match="modules_to_save"):
+        fingerprint_files(tmp_path / "model", adapter)
+    assert len(computed) == 1

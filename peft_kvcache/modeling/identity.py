@@ -79,8 +79,10 @@ def fingerprint_files(model_dir: str | os.PathLike, adapter_dir: str | os.PathLi
     them), with the PEFT adapter of ``adapter_dir`` active on top, read from the files without building the model:
     what a serving engine that loads those files (vLLM, say) serves. Tied weights count once, as in the model.
 
-    Only the sampled values are read (a few bytes per tensor, whatever the model's size), and each file's samples are memoized by its identity (path, size, modification time, inode): a base model
-    read once serves every adapter's fingerprint, and files replaced at the same path are read again.
+    Only the sampled values are read (a few bytes per tensor, whatever the model's size). Each file's samples, and
+    the fingerprint of each set of files, are memoized by the files' identity (path, size, modification time, inode): a
+    base model read once serves every adapter's fingerprint, a fingerprint asked again costs a few ``stat`` calls, and
+    files replaced at the same path are read again.
 
     Example:
         >>> fingerprint_files("models/smollm2", "adapters/shout") == fingerprint(peft_model)   # doctest: +SKIP
@@ -90,6 +92,16 @@ def fingerprint_files(model_dir: str | os.PathLike, adapter_dir: str | os.PathLi
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise IncompatibleModelsError(f"{model_dir} holds no *.safetensors weights to fingerprint")
+    read = files + [model_dir / "config.json"]
+    if adapter_dir is not None:
+        read += [Path(adapter_dir) / "adapter_config.json", Path(adapter_dir) / "adapter_model.safetensors"]
+    key = tuple(_file_identity(path) for path in read)  # an engine asks per request: the digest too is memoized
+    if key not in _DIGESTS:
+        _remember(_DIGESTS, key, _fingerprint_read(model_dir, files, adapter_dir))
+    return _DIGESTS[key]
+
+
+def _fingerprint_read(model_dir: Path, files: list[Path], adapter_dir: str | os.PathLike | None) -> str:
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     named = {}
     for path in files:
@@ -110,17 +122,28 @@ def fingerprint_files(model_dir: str | os.PathLike, adapter_dir: str | os.PathLi
 
 
 _FILE_SAMPLES: dict[tuple, dict] = {}
+_DIGESTS: dict[tuple, str] = {}
+_MEMO_SIZE = 256
+
+
+def _file_identity(path: Path) -> tuple:
+    """What changes when a file is replaced or rewritten at the same path."""
+    stat = path.stat()
+    return str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino
+
+
+def _remember(memo: dict, key: tuple, value) -> None:
+    if len(memo) >= _MEMO_SIZE:
+        memo.pop(next(iter(memo)))
+    memo[key] = value
 
 
 def _file_samples(path: Path) -> dict:
     """``{tensor name: (shape, sampled values) or None}`` of one safetensors file, memoized by the file's identity.
     Only the sampled values' bytes are read: the header gives each tensor's offset, and the file is mapped, not read."""
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    key = _file_identity(path)
     if key not in _FILE_SAMPLES:
-        if len(_FILE_SAMPLES) >= 256:
-            _FILE_SAMPLES.pop(next(iter(_FILE_SAMPLES)))
-        _FILE_SAMPLES[key] = _read_samples(path)
+        _remember(_FILE_SAMPLES, key, _read_samples(path))
     return _FILE_SAMPLES[key]
 
 
