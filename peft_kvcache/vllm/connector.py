@@ -8,9 +8,10 @@
 
 vLLM builds one instance in its scheduler process and one in its worker process; each delegates to its half
 (`scheduler.SchedulerSide`, `worker.WorkerSide`), and they talk only through the connector metadata
-(`jobs`). Options: `options.ConnectorOptions`. Every response carries ``kv_transfer_params.peft_kvcache``: where its
-context came from (`peft_kvcache.runtime.reuse.label`: ``reused``, ``mapped:<variant>``, ``naive:<variant>`` or
-``prefilled``) and how many tokens.
+(`jobs`). Options: `options.ConnectorOptions`. Every whole (non-streamed) response carries
+``kv_transfer_params.peft_kvcache``: where its context came from (`peft_kvcache.runtime.reuse.label`: ``reused``,
+``mapped:<variant>``, ``naive:<variant>`` or ``prefilled``) and how many tokens; vLLM sends no ``kv_transfer_params``
+with a stream's chunks, so streamed requests are counted only in the metrics.
 Metrics: vLLM's connector stats and Prometheus (``vllm:peft_kvcache_*`` on ``/metrics``).
 """
 

@@ -32,17 +32,21 @@ def test_a_conversation_switching_at_every_turn_prefills_only_its_new_tokens(ser
     stored KV mapped, which pays only when it saves ``min_mapped_tokens``: either way the tokens computed per turn
     stay those of the turn, never the growing history."""
     messages = [{"role": "system", "content": f"Conversation of turns. {SYSTEM}"}]
-    prefilled, sources = [], []
+    prefilled, sources, labels = [], [], []
     for turn in range(8):
         messages.append({"role": "user", "content": f"Question {turn}: what does function number {turn} return?"})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         out = run(served, ids, None if turn % 2 == 0 else "shout", max_tokens=12)
         label = _label(out)
+        labels.append(label)
         prefilled.append(label["prefilled_tokens"])
         sources.append(label["context_source"])
         messages.append({"role": "assistant", "content": out.outputs[0].text})
     assert sources[0] == "prefilled" and sources[1] == "mapped:smollm2", sources
     assert all(source in ("reused", "mapped:smollm2") for source in sources[2:]), sources
+    # derived KV says how many maps it passed through (a turn extending a mapped one keeps its count), exact KV nothing
+    assert all(("hops" in label) == label["context_source"].startswith("mapped") for label in labels), labels
+    assert all(1 <= label.get("hops", 1) <= 2 for label in labels), labels
     # the variant's own KV and a turn's new tokens, until mapping the other's saves min_mapped_tokens: a switch maps
     # again then, and the tokens computed fall back (a saw-tooth bounded by the policy, whatever the history)
     assert "mapped:smollm2" in sources[3:] and max(prefilled[1:]) < MIN_MAPPED + 128, (sources, prefilled)
