@@ -300,6 +300,8 @@ class SchedulerSide:
         if record.loaded_tokens:
             self.counts.tokens[record.made.context_source] += record.loaded_tokens
         self.counts.tokens["prefilled"] += record.prompt_tokens - record.local_tokens - record.loaded_tokens
+        # every variant's fingerprint, kept or not: vLLM's prefix cache keeps its blocks whatever the store keeps
+        self._remember(record.variant)
         self._track(record.variant, getattr(request, "block_hashes", ()))
         return self._keep(request, record, block_ids), record.label(self.base_name)
 
@@ -317,7 +319,6 @@ class SchedulerSide:
         blocks = computed // self.block_size if keep_entry else 0
         entry = None
         if blocks:
-            self._remember(record.variant)
             entry, dropped = self.index.add(record.variant, record.salt, tokens[: blocks * self.block_size],
                                             record.made.cut(blocks * self.block_size))
             self._drop(dropped)

@@ -82,6 +82,27 @@ def test_an_adapter_replaced_at_the_same_path_is_served_nothing_of_its_old_weigh
     assert replaced.outputs[0].token_ids == reference.outputs[0].token_ids
 
 
+def test_an_adapter_no_map_reads_replaced_at_the_same_path_is_served_nothing_of_its_old_weights(served, prompt,
+                                                                                                  tmp_path):
+    """The same for an adapter whose KV no map reads (the store keeps nothing of it, vLLM's prefix cache does)."""
+    folder = tmp_path / "unmapped"
+    shutil.copytree(ADAPTERS["shout"], folder)  # no map of this engine reads it, and this conversation is new
+    served.peft_kvcache_adapters["unmapped"] = folder
+    try:
+        run(served, prompt(2), "unmapped", lora_id=40)
+        again = _label(run(served, prompt(2), "unmapped", lora_id=40))
+        assert again["engine_cached_tokens"] > 0  # vLLM's own prefix cache: the same weights
+        for name in ("adapter_model.safetensors", "adapter_config.json"):
+            shutil.copy(ADAPTERS["docstring"] / name, folder / name)
+        replaced = run(served, prompt(2), "unmapped", lora_id=41)
+        reference = run(served, prompt(2), "unmapped", lora_id=41, salt="reference", reuse="none")
+    finally:
+        del served.peft_kvcache_adapters["unmapped"]
+    label = _label(replaced)
+    assert label["engine_cached_tokens"] == 0 and label["context_source"] != "reused", label
+    assert replaced.outputs[0].token_ids == reference.outputs[0].token_ids
+
+
 def test_requests_that_are_not_plain_token_ids_are_never_served_from_the_store(served, model_folder, prompt):
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
