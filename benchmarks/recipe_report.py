@@ -18,12 +18,14 @@ import torch
 
 from . import siblings
 from .common import RESULTS, save, table
+from .ttft import prefill_multiply_adds_per_token
 from peft_kvcache.errors import RecordError
 
 from .recipes import chosen_defaults, read_records, records_path
 
 BOOTSTRAP, SEED = 2000, 0
 RECALL_FLOOR = 0.95  # a default keeps at least this normalized far-fact recall
+TTFT_GOAL, TTFT_LENGTH = 30, 8192  # the sibling defaults' TTFT goal at its longest context bounds their maps' cost
 RECALL = "recall (pooled)"
 
 
@@ -118,24 +120,40 @@ def control_of(variant: str, compute: int) -> str | None:
     return f"window@{compute}"
 
 
-def choose_default(rows: dict[str, dict], budget: int) -> dict:
-    """Among the recipes at the direction's budget that use no oracle: those whose continuation interval against the
-    window-only control is not below zero and whose pooled recall keeps `RECALL_FLOOR`; the best continuation
-    wins. Returns the choice (None if no recipe qualifies) and why each candidate passed or failed."""
+def choose_default(rows: dict[str, dict], budget: int, costs: dict[str, int] | None = None,
+                   cost_limit: int | None = None) -> dict:
+    """Among the recipes at the direction's budget that use no oracle, on the published maps or a lever's (a variant
+    ``label:recipe``): those whose continuation interval against the window-only control is not below zero, whose
+    pooled recall keeps `RECALL_FLOOR`, and whose maps' multiply-adds per token (``costs[label]``) stay within
+    ``cost_limit`` (a lever's maps need both; without a limit only the published maps compete); the best
+    continuation wins. Returns the choice (None if no recipe qualifies) and why each candidate passed or failed."""
     verdicts = {}
     for name, row in rows.items():
+        label = row.get("maps", "published")
         if "true-" in name or row["compute"] != budget or row.get("kind") not in ("hybrid", "refresh", "index") \
-                or row.get("maps", "published") != "published":  # a lever's maps are not what users load
+                or (label != "published" and cost_limit is None):
             continue
         cont, recall = row.get("continuation", {}), row.get(RECALL, {})
         if not cont.get("examples") or not recall.get("examples"):
             continue
-        verdicts[name] = {"continuation": cont["normalized"], "minus_control": cont["minus_control"],
+        cost = (costs or {}).get(label)
+        affordable = cost_limit is None or (cost is not None and cost <= cost_limit)
+        verdicts[name] = {"maps": label, "continuation": cont["normalized"], "minus_control": cont["minus_control"],
                           "interval": cont["minus_control_interval"], "recall": recall["normalized"],
-                          "qualifies": cont["minus_control_interval"][1] >= 0 and recall["normalized"] >= RECALL_FLOOR}
+                          "multiply_adds_per_token": cost, "within_cost": affordable,
+                          "qualifies": cont["minus_control_interval"][1] >= 0 and recall["normalized"] >= RECALL_FLOOR
+                          and affordable}
     passing = {n: v for n, v in verdicts.items() if v["qualifies"]}
     best = max(passing, key=lambda n: passing[n]["continuation"]) if passing else None
-    return {"default": best, "candidates": verdicts}
+    return {"default": best, "maps": None if best is None else passing[best]["maps"], "cost_limit": cost_limit,
+            "candidates": verdicts}
+
+
+def map_cost_limit(direction: str) -> int:
+    """The most multiply-adds per token a default's maps may cost in ``direction``: the target's prefill per token at
+    `TTFT_LENGTH` over `TTFT_GOAL` (a map that costs more cannot reach the goal, whatever else a switch costs)."""
+    target = siblings.model_config(siblings.DIRECTIONS[direction][1])
+    return prefill_multiply_adds_per_token(target, TTFT_LENGTH) // TTFT_GOAL
 
 
 def lever_gains(scores: Scores, budget: int) -> list[dict]:
@@ -218,6 +236,17 @@ def plot_trade_off(payload: dict, path) -> None:
     plt.close(fig)
 
 
+def map_facts(runs: list[dict], direction: str) -> dict[str, dict]:
+    """Each map set's facts in ``direction`` (`recipes.map_facts`) as the latest run that used it recorded them (older
+    runs recorded none)."""
+    out = {}
+    for run in runs:
+        for label, by_direction in run.get("map_sets", {}).items():
+            if direction in by_direction:
+                out[label] = by_direction[direction]
+    return out
+
+
 def report(role: str, context: int) -> dict:
     """Write the tables of the role's records at ``context``; returns the payload."""
     path = records_path(role, context)
@@ -241,17 +270,21 @@ def report(role: str, context: int) -> dict:
                 info = meta[variant]
                 rows.setdefault(variant, dict(info))[task] = summary(scores, variant,
                                                                      control_of(variant, info["compute"]))
-        choice = choose_default(rows, budget) if role == "selection" else None
+        facts = map_facts(runs, direction)
+        choice = None
+        if role == "selection":
+            levers_compete = any(row.get("maps", "published") != "published" for row in rows.values())
+            choice = choose_default(rows, budget, {label: f["multiply_adds_per_token"] for label, f in facts.items()},
+                                    map_cost_limit(direction) if levers_compete else None)
         # the default these texts choose (selection) or report (final: the one the selection texts chose)
         default = choice["default"] if choice else chosen_defaults().get(direction)
         if default is not None and default not in rows:
             raise RecordError(f"the final records of {direction} hold no {default!r}, the default the selection texts "
                               "chose: run `python -m benchmarks.recipes run --role final` again")
         levers = lever_gains(tasks["continuation"], budget)
-        for entry in levers:  # the lever's map as the latest run that used it recorded it (older runs did not)
-            facts = next((run["map_sets"][entry["lever"]][direction] for run in reversed(runs)
-                          if direction in run.get("map_sets", {}).get(entry["lever"], {})), None)
-            entry["map"] = None if facts is None else {k: facts[k] for k in
+        for entry in levers:
+            known = facts.get(entry["lever"])
+            entry["map"] = None if known is None else {k: known[k] for k in
                                                        ("parameters", "multiply_adds_per_token", "options", "distilled")}
         payload["directions"][direction] = {"budget": budget, "rows": rows, "choice": choice, "default": default,
                                             "pair": siblings.pair_name(direction), "trade_off": trade_off(rows),
@@ -287,9 +320,20 @@ def report(role: str, context: int) -> dict:
                                  "oracle gap closed: keys / values", "map parameters / multiply-adds per token"],
                                 cells), ""]
         if choice:
-            lines += [f"Default earned: **{choice['default']}**" if choice["default"] else
-                      "No recipe qualifies (continuation interval not below the control, recall >= "
-                      f"{RECALL_FLOOR}).", ""]
+            limit = choice["cost_limit"]
+            cells = [[name, f"{v['continuation']:.3f}", f"{v['minus_control']:+.3f} [{v['interval'][0]:+.3f}, "
+                      f"{v['interval'][1]:+.3f}]", f"{v['recall']:.3f}",
+                      "-" if v["multiply_adds_per_token"] is None else f"{v['multiply_adds_per_token']:,}",
+                      "yes" if v["qualifies"] else "no"]
+                     for name, v in sorted(choice["candidates"].items(), key=lambda kv: -kv[1]["continuation"])]
+            lines += [f"## {siblings.pair_name(direction)}, the default", "",
+                      f"Candidates at the budget: continuation interval against the window-only control not below "
+                      f"zero, pooled recall >= {RECALL_FLOOR}"
+                      + ("" if limit is None else f", maps within {limit:,} multiply-adds per token (the target's "
+                         f"prefill per token at {TTFT_LENGTH} tokens over the {TTFT_GOAL}x TTFT goal)") + ".", "",
+                      table(["recipe", "continuation", "minus window-only", "recall", "map multiply-adds per token",
+                             "qualifies"], cells), "",
+                      f"Default earned: **{choice['default']}**" if choice["default"] else "No recipe qualifies.", ""]
         elif default:
             lines += [f"Default reported (chosen on the selection texts): **{default}**", ""]
     commits = sorted({r["commit"] for r in records if r.get("commit")})

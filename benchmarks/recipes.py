@@ -88,10 +88,12 @@ class Variant:
 
     @classmethod
     def recipe(cls, name: str) -> "Variant":
-        """The variant of a library recipe name (``hybrid@B``, ``refresh@B/pP``, ``index@B/pP``: `Refresh.named`)."""
-        policy = Refresh.named(name, PROBE, SPAN)
+        """The variant of a library recipe name (``hybrid@B``, ``refresh@B/pP``, ``index@B/pP``: `Refresh.named`),
+        on a lever's maps if the name says so (``label:recipe``)."""
+        label, _, recipe = name.rpartition(":")
+        policy = Refresh.named(recipe, PROBE, SPAN)
         kind = "hybrid" if not policy.tokens else "refresh" if policy.mapped_middle else "index"
-        return cls(kind, policy.compute, policy.tokens)
+        return cls(kind, policy.compute, policy.tokens, maps=label or "published")
 
     @property
     def compute(self) -> int:
@@ -342,6 +344,11 @@ def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str
         progress: bool = True, records: Path | None = None) -> Path:
     """Compute every missing (example, direction, variant) of the role at ``context`` and append it.
     ``map_sets[label][direction]``: the map folder (``published`` required). ``only``: a variant name substring."""
+    chosen = chosen_defaults() if role == "final" else {}
+    missing = {Variant.recipe(name).maps for d, name in chosen.items() if d in directions} - set(map_sets)
+    if missing:
+        raise RecordError(f"the selection texts chose defaults on the {sorted(missing)} maps: pass each as "
+                          "--lever LABEL=FOLDER (benchmarks.lever_maps fits them)")
     path = records or records_path(role, context)
     drop_partial_line(path)
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
@@ -353,7 +360,6 @@ def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str
                                                                for d in directions}
                                                        for label, folders in map_sets.items()}})
     levers = tuple(label for label in map_sets if label != "published")
-    chosen = chosen_defaults() if role == "final" else {}
     plan = {}
     for d in directions:
         plan[d] = [v for v in variants_for(maps[d]["published"].config.refresh.compute, levers, role == "final",

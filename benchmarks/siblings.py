@@ -82,6 +82,15 @@ def fit_direction(run: StatisticsRun, direction: str, texts: CalibrationTexts, s
     return build_map(run, source, target, config, record, vocab_size, progress=False)
 
 
+def model_config(size: str):
+    """The transformers config of ``size`` (``small`` or ``large``), its weights left unread."""
+    from transformers import AutoConfig
+
+    from peft_kvcache.modeling.fixtures import converted_path
+
+    return AutoConfig.from_pretrained(converted_path(SPECS[size]))
+
+
 def load_pair() -> tuple[dict, object]:
     """``({"small": 0.5B, "large": 1.5B}, tokenizer)``."""
     small, tokenizer = load_model(SMALL)

@@ -43,6 +43,19 @@ RANDOM_CONFIGS = {
 }
 
 
+def prefill_multiply_adds_per_token(config, length: int) -> int:
+    """Multiply-adds per token of a decoder's prefill of ``length`` tokens (a transformers config): its attention
+    projections and MLP, and causal attention (scores and weighted values over ``length / 2`` positions on average);
+    the embeddings and the LM head aside (a prefill computes one row of logits). What a map's own multiply-adds per
+    token are measured against: a switch cannot be more than their ratio faster than the prefill it replaces."""
+    heads, hidden = config.num_attention_heads, config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    queries, keys = heads * head_dim, config.num_key_value_heads * head_dim
+    projections = hidden * (2 * queries + 2 * keys)  # q and o, k and v
+    mlp = 3 * hidden * config.intermediate_size  # gate, up, down
+    return config.num_hidden_layers * (projections + mlp + queries * length)
+
+
 def random_model(name: str, device: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, Qwen2Config
 

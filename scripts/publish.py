@@ -31,8 +31,10 @@ from benchmarks import (
     budget,
     gate_correlation,
     gates,
+    lever_maps,
     levers,
     nonlinear,
+    recipes,
     scaling,
     serve_load,
     siblings,
@@ -50,6 +52,7 @@ from peft_kvcache.calibration.blend import choose_adapter_blends
 from peft_kvcache.calibration.rank import DEFAULT_RANK_GRID, choose_adapter_ranks
 from peft_kvcache.calibration.loop import calibrate_adapters
 from peft_kvcache.calibration.sinks import conversation_starts, ship_target_sinks
+from peft_kvcache.errors import RecordError
 from peft_kvcache.lab.corpus import stdlib_texts, token_ids
 from peft_kvcache.modeling.fixtures import fixture_available, load_model
 from peft_kvcache.maps.adapter_maps import folder_name
@@ -145,6 +148,14 @@ class Publisher:
         """The map fitted on the scale the curve chose, or on a machine that fitted none the published one (its weights
         as stored: what users load)."""
         published = HUB_CARDS / siblings.pair_name(direction)
+        label = default_maps(direction)
+        if label != "published":  # a lever's maps earned the default
+            folder = lever_maps.LEVERS / label / siblings.pair_name(direction)
+            if not folder.is_dir():
+                raise RecordError(f"the final texts report the {direction} default on the {label!r} maps and "
+                                  f"{folder} holds none: fit them with `python -m benchmarks.lever_maps --label "
+                                  f"{label}` and the options the selection report records for them")
+            return folder
         if not (RESULTS / "sibling-scaling.json").is_file():  # nothing chosen yet (a stage needing it says so)
             return published
         folder = self.scale_folder(read_results("sibling-scaling")["curve"][direction]["chosen_files"], direction)
@@ -402,12 +413,20 @@ class Publisher:
         atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
+def default_maps(direction: str) -> str:
+    """The maps the final texts report the default on: ``published`` (the capture's fit) or a calibration lever's
+    label (`benchmarks.lever_maps`), as the selection texts chose them."""
+    reported = figures.final_recipe_reports(direction)
+    return recipes.Variant.recipe(reported[min(reported)]["default"]).maps if reported else "published"
+
+
 def default_recipe(direction: str) -> Refresh | None:
     """A sibling map's default recipe: the one the final texts report (chosen on the selection texts,
-    `benchmarks.recipes`) once a final report exists, else the budget curve's (`benchmarks.budget`)."""
+    `benchmarks.recipes`, on the maps `default_maps` names) once a final report exists, else the budget curve's
+    (`benchmarks.budget`)."""
     reported = figures.final_recipe_reports(direction)
     if reported:
-        return Refresh.named(reported[min(reported)]["default"], budget.PROBE, budget.SPAN)
+        return Refresh.named(reported[min(reported)]["default"].rpartition(":")[2], budget.PROBE, budget.SPAN)
     if not (RESULTS / "sibling-budget.json").is_file():
         return None
     k = read_results("sibling-budget")["recommended"][direction]

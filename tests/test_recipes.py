@@ -79,8 +79,9 @@ def test_compute_counts_the_probe_once_and_every_recipe_at_a_budget_spends_it():
 
 
 def test_final_texts_measure_the_chosen_default_beside_its_controls(tmp_path, monkeypatch):
-    for name in ("hybrid@160", "refresh@160/p20", "index@160/p40"):
+    for name in ("hybrid@160", "refresh@160/p20", "index@160/p40", "basis:refresh@160/p20"):
         assert Variant.recipe(name).name == name and Variant.recipe(name).compute == 160
+    assert Variant.recipe("basis:index@160/p40").maps == "basis" and Variant.recipe("hybrid@160").maps == "published"
     names = [v.name for v in recipes.variants_for(160, final=True, chosen="index@160/p40")]
     assert names == ["full", "no_context", "plain", "window@160", "hybrid@160", "refresh@160/p128", "index@160/p40",
                      "hybrid@160+true-keys", "hybrid@160+true-values"]
@@ -94,6 +95,12 @@ def test_final_texts_measure_the_chosen_default_beside_its_controls(tmp_path, mo
     (tmp_path / "sibling-recipes-selection-2048.json").write_text(
         '{"directions": {"up": {"choice": {"default": "index@160/p40"}}, "down": {"choice": {"default": null}}}}')
     assert recipes.chosen_defaults() == {"up": "index@160/p40"}  # none qualified going down: nothing to report
+    (tmp_path / "sibling-recipes-selection-2048.json").write_text(
+        '{"directions": {"up": {"choice": {"default": "basis:index@160/p40"}}}}')
+    with pytest.raises(RecordError, match="--lever"):  # the default's maps were not given: refused before any model
+        recipes.run({}, None, {"published": {}}, "final", 2048, 1, 1, 0, directions=("up",), progress=False,
+                    records=tmp_path / "final.jsonl")
+    assert not (tmp_path / "final.jsonl").exists()
 
 
 def test_records_resume_where_a_run_stopped(tmp_path, sibling_pair, sibling_map, monkeypatch):
@@ -146,11 +153,34 @@ def test_the_default_is_the_best_recipe_not_below_the_control_that_keeps_recall(
             "hybrid@160+true-keys": _row("hybrid", 160, 0.95, (0.1, 0.3), 1.0),  # an oracle is no recipe
             "hybrid@320": _row("hybrid", 320, 0.90, (0.1, 0.2), 1.0),  # another budget
             "attn:refresh@160/p64": {**_row("refresh", 160, 0.9, (0.1, 0.2), 1.0), "maps": "attn"}}  # a lever's maps
-    choice = recipe_report.choose_default(rows, 160)
-    assert choice["default"] == "refresh@160/p64"
+    choice = recipe_report.choose_default(rows, 160)  # no cost limit: a lever's maps do not compete
+    assert choice["default"] == "refresh@160/p64" and choice["maps"] == "published"
     assert set(choice["candidates"]) == {"hybrid@160", "refresh@160/p64", "refresh@160/p128", "index@160/p32"}
+    # with a limit, a lever's maps compete where their multiply-adds per token stay within it
+    costs = {"published": 100, "attn": 400}
+    choice = recipe_report.choose_default(rows, 160, costs, cost_limit=400)
+    assert choice["default"] == "attn:refresh@160/p64" and choice["maps"] == "attn"
+    assert choice["candidates"]["attn:refresh@160/p64"]["multiply_adds_per_token"] == 400
+    choice = recipe_report.choose_default(rows, 160, costs, cost_limit=399)
+    assert choice["default"] == "refresh@160/p64" and not choice["candidates"]["attn:refresh@160/p64"]["within_cost"]
+    assert recipe_report.choose_default(rows, 160, {"published": 100}, cost_limit=400)["default"] == \
+        "refresh@160/p64"  # maps whose cost nobody recorded never win
     rows["refresh@160/p64"]["continuation"]["minus_control_interval"] = [-0.2, -0.01]
     assert recipe_report.choose_default(rows, 160)["default"] == "refresh@160/p128"
+
+
+def test_a_prefill_costs_its_layers_linear_weights_and_its_attention_per_token():
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from benchmarks.ttft import prefill_multiply_adds_per_token
+
+    config = Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=100)
+    model = AutoModelForCausalLM.from_config(config)
+    linear = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    assert prefill_multiply_adds_per_token(config, 0) == linear  # one multiply-add per weight and token
+    # each token's query scores and weighs length / 2 positions on average: length * query width per layer
+    assert prefill_multiply_adds_per_token(config, 100) - linear == 3 * 64 * 100
 
 
 def test_the_trade_off_runs_from_the_window_to_more_picked_positions_per_budget(tmp_path):

@@ -86,7 +86,8 @@ def test_the_final_texts_report_the_default_the_selection_texts_chose(results):
     assert "`index@160/p40`" in readme and "vs the control" in readme and "sibling-recipes-final" in readme
 
 
-def test_the_lever_table_states_each_lever_maps_size_as_its_run_recorded_it(results):
+def test_the_lever_table_states_each_lever_maps_size_as_its_run_recorded_it(results, monkeypatch):
+    monkeypatch.setattr(recipe_report, "map_cost_limit", lambda direction: 1000)  # no Qwen config read in CI
     records = _records("selection", ACCURACY)
     for r in [r for r in records if r["variant"] == "hybrid@160"]:
         records.append({**r, "variant": "attn:hybrid@160", "maps": "attn", "map": "a1", "correct": r["correct"] + 1})
@@ -100,3 +101,30 @@ def test_the_lever_table_states_each_lever_maps_size_as_its_run_recorded_it(resu
     assert lever["lever"] == "attn" and lever["map"]["parameters"] == 1234567
     assert lever["map"]["options"] == {"attention_weighting": 0.5}
     assert "| 1,234,567 / 890 |" in (results / "sibling-recipes-selection-2048.md").read_text()
+    candidate = payload["directions"]["up"]["choice"]["candidates"]["attn:hybrid@160"]  # levers compete for the default
+    assert candidate["multiply_adds_per_token"] == 890 and candidate["within_cost"]
+    assert payload["directions"]["up"]["choice"]["cost_limit"] == 1000
+
+
+def test_a_default_on_a_levers_maps_publishes_those_maps(results, monkeypatch, tmp_path):
+    monkeypatch.setattr(recipe_report, "map_cost_limit", lambda direction: 1000)
+    selection = {"directions": {"up": {"choice": {"default": "attn:index@160/p40", "maps": "attn"}}}}
+    (results / "sibling-recipes-selection-2048.json").write_text(json.dumps(selection))
+    final_accuracy = {**ACCURACY, "attn:index@160/p40": 0.72}
+    VARIANTS["attn:index@160/p40"] = ("index", 160, 160)
+    try:
+        records = _records("final", final_accuracy)
+    finally:
+        del VARIANTS["attn:index@160/p40"]
+    for r in records:
+        r["maps"] = "attn" if r["variant"].startswith("attn:") else "published"
+    (results / "sibling-recipes" / "final-2048.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (results / "sibling-recipes" / "runs.jsonl").write_text(json.dumps({"role": "final", "context": 2048}) + "\n")
+    assert recipe_report.report("final", 2048)["directions"]["up"]["default"] == "attn:index@160/p40"
+    assert publish.default_maps("up") == "attn" and publish.default_maps("down") == "published"
+    assert publish.default_recipe("up") == Refresh.named("index@160/p40")
+    monkeypatch.setattr(publish.lever_maps, "LEVERS", tmp_path / "levers")
+    with pytest.raises(RecordError, match="lever_maps --label attn"):  # never the capture's maps in their place
+        publish.Publisher(tmp_path / "work").chosen_folder("up")
+    (tmp_path / "levers" / "attn" / UP).mkdir(parents=True)
+    assert publish.Publisher(tmp_path / "work").chosen_folder("up") == tmp_path / "levers" / "attn" / UP
