@@ -73,16 +73,18 @@ def maps_folder(tmp_path_factory) -> Path:
 
 @contextmanager
 def engine(model_folder: Path, *, dtype: str = "float32", llm_args: dict | None = None, adapters: dict | None = None,
-           served_name: str = BASE_NAME, **options):
+           served_name: str = BASE_NAME, transfer_args: dict | None = None, **options):
     """A vLLM engine serving a model (SmolLM2) and its adapters (``adapters``, default the committed `ADAPTERS`)
-    through the connector with ``options`` (``llm_args``: more of vLLM's own engine arguments)."""
+    through the connector with ``options`` (``llm_args``: more of vLLM's own engine arguments; ``transfer_args``: of
+    its ``KVTransferConfig``)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    transfer = KVTransferConfig(kv_connector="PeftKVCacheConnector", kv_role="kv_both",
-                                kv_connector_module_path="peft_kvcache.vllm.connector",
-                                kv_connector_extra_config={key: str(v) if isinstance(v, Path) else v
-                                                           for key, v in options.items()})
+    transfer = KVTransferConfig(**{"kv_connector": "PeftKVCacheConnector", "kv_role": "kv_both",
+                                   "kv_connector_module_path": "peft_kvcache.vllm.connector",
+                                   "kv_connector_extra_config": {key: str(v) if isinstance(v, Path) else v
+                                                                 for key, v in options.items()},
+                                   **(transfer_args or {})})
     arguments = dict(model=str(model_folder), served_model_name=served_name, dtype=dtype, enforce_eager=True,
                      enable_lora=True, max_lora_rank=8, max_loras=4, max_model_len=2048, max_num_seqs=4, seed=0,
                      kv_transfer_config=transfer, disable_log_stats=False)

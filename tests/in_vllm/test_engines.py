@@ -37,6 +37,32 @@ def test_a_load_that_fails_in_the_worker_is_recomputed_by_the_engine(model_folde
     assert unloadable.kv_transfer_params["peft_kvcache"]["fallback"] == "unusable_map"
 
 
+def test_without_vllms_block_pool_nothing_is_mapped_and_each_problem_is_said_once(model_folder, maps_folder, prompt,
+                                                                                  capfd):
+    """A vLLM that never hands the connector its block pool (tests/in_vllm/no_pool_connector.py): mapped blocks could
+    not be kept out of vLLM's prefix cache, where a later request of the adapter would take them as its own, so
+    switches are prefilled, labelled ``no_block_pool``. The start says which load-failure policy the connector
+    overrides (vLLM's default fails a request whose load fails); each problem is logged once, briefly, however many
+    requests meet it."""
+    with engine(model_folder, maps=maps_folder, min_mapped_tokens=MIN_MAPPED,
+                transfer_args={"kv_connector_module_path": "no_pool_connector"}) as llm:
+        switches, careless = [], []
+        for i in (1, 2):  # contexts of their own: the second switch finds no exact blocks of the first
+            run(llm, prompt(i, system=f"Pool {i}. {SYSTEM}"), None)
+            switches.append(run(llm, prompt(i, system=f"Pool {i}. {SYSTEM}"), "shout"))
+            careless.append(run(llm, prompt(i, system=f"Careless {i}. {SYSTEM}"), "shout",
+                                params={"reuse": "y" * 100_000}))
+    labels = [out.kv_transfer_params["peft_kvcache"] for out in switches]
+    assert all(label["context_source"] == "prefilled" and label["fallback"] == "no_block_pool" for label in labels), \
+        labels
+    assert all(out.kv_transfer_params["peft_kvcache"]["fallback"] == "invalid_options" for out in careless)
+    log = "".join(capfd.readouterr())
+    assert "kv_load_failure_policy 'fail' -> 'recompute'" in log
+    assert log.count("(no_block_pool; logged once per reason)") == 1, log[-2000:]
+    assert log.count("(invalid_options; logged once per reason)") == 1, log[-2000:]
+    assert max(len(line) for line in log.splitlines() if "peft-kvcache:" in line) < 500
+
+
 def test_naive_mode_injects_the_base_prefix_unmapped_and_says_so(model_folder, prompt):
     with engine(model_folder, mode="naive", min_mapped_tokens=MIN_MAPPED) as llm:
         run(llm, prompt(1), None)
