@@ -73,13 +73,13 @@ def measure_phase(name: str, key: str, url: str, args, raw: dict, tokenizer) -> 
     if name.startswith("closed"):
         script = traffic.scripts(texts[: args.conversations], args.turns, args.history_chars)
         records, wall = traffic.conversations(url, script, args.max_tokens, deadline)
-        return {"records": records, "wall": wall}
+        return {"records": records, "wall": wall, "fallbacks": traffic.fallback_counts(url)}
     if name.startswith("open"):
         chosen = texts[args.conversations: args.conversations + args.open_conversations]
         starts = traffic.poisson_starts(len(chosen), args.rate, seed=int(name.split("-")[1]))  # seeded by the run
         records, wall = traffic.conversations(url, traffic.scripts(chosen, args.turns, args.history_chars),
                                               args.max_tokens, deadline, starts)
-        return {"records": records, "wall": wall, "starts": starts}
+        return {"records": records, "wall": wall, "starts": starts, "fallbacks": traffic.fallback_counts(url)}
     module = next(t for t in traffic.modules(0) if len(t) > 40000)
     if name == "threshold":
         return {"rows": traffic.threshold(url, tokenizer, module, args.repeats)}

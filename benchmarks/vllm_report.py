@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import statistics
 
@@ -70,6 +71,9 @@ def load_summary(phases: dict, loop: str) -> dict:
     for key, figures in per_run.items():
         servers[key]["min_switch_history_tokens"] = min(run["min_switch_history_tokens"] for run in figures)
         servers[key]["cold_switches"] = sum(run["cold_switches"] for run in figures)
+        counted = [phases[f"{loop}-{r}/{key}"].get("fallbacks") for r in runs]  # older raw files kept no count
+        servers[key]["fallbacks"] = None if None in counted else dict(sorted(sum(
+            (collections.Counter(c) for c in counted), collections.Counter()).items()))
     ratios = {f"{key}/c": {f: _over_runs([None if None in (mine[f], theirs[f]) else mine[f] / theirs[f]
                                           for mine, theirs in zip(per_run[key], per_run["c"])])
                            for f in RATIO_FIGURES} for key in "ab"}
@@ -164,13 +168,22 @@ def ci(figure: dict, digits: int = 2) -> str:
     return f"{figure['mean']:.{digits}f} [{figure['low']:.{digits}f}, {figure['high']:.{digits}f}]"
 
 
+def fallback_cell(key: str, fallbacks: dict | None) -> str:
+    """The connector's fallbacks of a server's runs by reason; "-" for vLLM alone or runs that did not count them."""
+    if key == "c" or fallbacks is None:
+        return "-"
+    return ", ".join(f"{reason} {count}" for reason, count in fallbacks.items()) or "none"
+
+
 def load_tables(summary: dict) -> str:
     rows = [[ROWS[key], ci(s["switch_ttft_p50"]), ci(s["cold_switch_ttft_median"]), ci(s["warm_switch_ttft_p50"]),
-             ci(s["warm_switch_ttft_p95"]), ci(s["tokens_per_second"], 1), ci(s["prompt_tokens_computed"], 0)]
+             ci(s["warm_switch_ttft_p95"]), ci(s["tokens_per_second"], 1), ci(s["prompt_tokens_computed"], 0),
+             fallback_cell(key, s.get("fallbacks"))]
             for key, s in summary["servers"].items()]
     ratios = [[name, *(ci(r[f]) for f in RATIO_FIGURES)] for name, r in summary["ratios"].items()]
     return (table(["server", "switch TTFT p50 (s)", "cold switch TTFT (s)", "warm switch TTFT p50 (s)",
-                   "warm switch TTFT p95 (s)", "tokens/s", "prompt tokens computed"], rows) + "\n\n"
+                   "warm switch TTFT p95 (s)", "tokens/s", "prompt tokens computed", "fallbacks (all runs)"], rows)
+            + "\n\n"
             + table(["ratio (run by run)", "switch TTFT p50", "cold switch TTFT", "warm switch TTFT p95", "throughput",
                      "prompt tokens computed"], ratios))
 

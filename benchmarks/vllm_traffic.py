@@ -50,6 +50,28 @@ def warm_up(url: str) -> None:
     ask(client(url), NAME, [{"role": "user", "content": "Hello"}], 2, logprobs=False)
 
 
+def fallback_counts(url: str) -> dict[str, int]:
+    """The connector's fallbacks since the server started, by reason (`parse_fallbacks` of its ``/metrics``)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as reply:
+        return parse_fallbacks(reply.read().decode())
+
+
+def parse_fallbacks(exposition: str) -> dict[str, int]:
+    """The ``vllm:peft_kvcache_fallbacks`` counter of a Prometheus text exposition, summed by reason over its other
+    labels (engines, models); empty without the connector."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts: dict[str, int] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name == "vllm:peft_kvcache_fallbacks_total":
+                reason = sample.labels["reason"]
+                counts[reason] = counts.get(reason, 0) + int(sample.value)
+    return counts
+
+
 def mark_cold(records: list[dict]) -> list[dict]:
     """``cold``: the first request to its adapter since the server started (by the time it was sent)."""
     seen = set()

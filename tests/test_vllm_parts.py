@@ -114,6 +114,25 @@ def test_the_default_min_mapped_tokens_is_the_one_the_load_benchmark_measured():
     assert ConnectorOptions.parse({"mode": "exact"}).min_mapped_tokens == DEFAULT_MIN_MAPPED_TOKENS
 
 
+def test_the_load_benchmark_counts_the_connectors_fallbacks_by_reason_from_its_metrics():
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    from benchmarks.vllm_report import fallback_cell
+    from benchmarks.vllm_traffic import parse_fallbacks
+
+    registry = CollectorRegistry()  # what vLLM's /metrics writes for the connector's counter (two engines)
+    fallbacks = Counter("vllm:peft_kvcache_fallbacks", "", ["model_name", "engine", "reason"], registry=registry)
+    fallbacks.labels("m", "0", "no_target_sink").inc(2)
+    fallbacks.labels("m", "1", "no_target_sink").inc(1)
+    fallbacks.labels("m", "0", "multimodal").inc(4)
+    Counter("vllm:peft_kvcache_prompt_tokens", "", ["source"], registry=registry).labels("mapped").inc(500)
+    counts = parse_fallbacks(generate_latest(registry).decode())
+    assert counts == {"no_target_sink": 3, "multimodal": 4}
+    assert parse_fallbacks("") == {}
+    assert fallback_cell("a", counts) == "no_target_sink 3, multimodal 4" and fallback_cell("a", {}) == "none"
+    assert fallback_cell("a", None) == fallback_cell("c", {}) == "-"  # not counted; vLLM alone
+
+
 def test_the_benchmarks_first_token_kl_is_a_lower_bound_from_two_top_lists():
     from benchmarks.vllm_report import first_token_kl
 
