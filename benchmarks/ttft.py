@@ -26,6 +26,7 @@ import torch
 from peft_kvcache import KVMap, MappedCache
 from peft_kvcache.calibration.statistics import ModelSide
 from peft_kvcache.maps.config import KVMapConfig
+from peft_kvcache.maps.recipe import Refresh
 from peft_kvcache.modeling.capture import forward, run_with_cache
 from peft_kvcache.runtime.cache import ContextCache
 from peft_kvcache.runtime.target_sink import clear_target_sinks
@@ -196,6 +197,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", choices=["up", "down"], default="up", help="the Qwen2.5-Coder sibling direction")
     parser.add_argument("--map", default=None, help="map folder (default: hub_cards/<the pair's map>)")
+    parser.add_argument("--label", help="another map than the published one (--map): results ttft-<pair>-<label>")
+    parser.add_argument("--recipe", help="the recipe timed, by name (`Refresh.named`; default the map's own)")
     parser.add_argument("--random-models", nargs=2, metavar=("SOURCE", "TARGET"), choices=sorted(RANDOM_CONFIGS),
                         help="time randomly initialised models of real shapes instead of the fixtures")
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
@@ -216,7 +219,12 @@ def main() -> None:
         small_to_large = args.pair == "up"
         source, target = (models["small"], models["large"]) if small_to_large else (models["large"], models["small"])
         name = siblings.pair_name(args.pair)
+        if bool(args.map) != bool(args.label):  # the published map's results are never overwritten by another's
+            parser.error("--map and --label go together")
         kv_map = KVMap.from_pretrained(args.map or Path(RESULTS.parents[1] / "hub_cards" / name))
+        name += f"-{args.label}" if args.label else ""
+    if args.recipe:
+        kv_map.config.refresh = Refresh.named(args.recipe)
     run(name, lambda ids: run_with_cache(source, ids), target, kv_map, args.lengths, args.repeats, device, dtype)
 
 
