@@ -236,7 +236,7 @@ def plot_trade_off(payload: dict, path) -> None:
     plt.close(fig)
 
 
-def map_facts(runs: list[dict], direction: str) -> dict[str, dict]:
+def latest_map_facts(runs: list[dict], direction: str) -> dict[str, dict]:
     """Each map set's facts in ``direction`` (`recipes.map_facts`) as the latest run that used it recorded them (older
     runs recorded none)."""
     out = {}
@@ -270,7 +270,7 @@ def report(role: str, context: int) -> dict:
                 info = meta[variant]
                 rows.setdefault(variant, dict(info))[task] = summary(scores, variant,
                                                                      control_of(variant, info["compute"]))
-        facts = map_facts(runs, direction)
+        facts = latest_map_facts(runs, direction)
         choice = None
         if role == "selection":
             levers_compete = any(row.get("maps", "published") != "published" for row in rows.values())
