@@ -7,6 +7,8 @@ side in one run, each the median of ``--repeats`` runs with min and max.
 - ``warm``: the sink memo already holds this conversation's first tokens (a chat template starts every
   conversation the same way);
 - ``recipe``: cold, with the map's recommended refresh (its ``config.refresh``), as ``from_source`` does by default;
+- ``recipe's passes``: where the recipe's time goes (medians over its runs): the refresh's probe pass, its recompute
+  pass, the first token's pass, and the rest (mapping, the sink, the cache's bookkeeping);
 - ``map only``: the mapping alone, its tokens/s, and its floors: cache bytes written over the measured memory
   bandwidth, and the map's multiply-adds over the measured matmul throughput.
 
@@ -19,6 +21,8 @@ Writes benchmarks/results/ttft-<name>.json/.md and a plot.
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -108,10 +112,16 @@ def measure(source_run, target, kv_map, ids: torch.Tensor, repeats: int = 5, rec
     source_kv = source_run(context)
     step = torch.tensor([[length - 1]])
 
+    stages = []  # per recipe run: its refresh's probe and recompute passes and the first token's pass, in seconds
+
     def switch(refresh):
         def run():
             cache = MappedCache.from_source(source_kv, kv_map, target, input_ids=context, refresh_tokens=refresh)
+            started = time.perf_counter()
             forward(target, last, cache, position_ids=step, logits_to_keep=1)
+            if cache.refresh is not None:
+                stages.append({"probe": cache.refresh.probe_seconds, "recompute": cache.refresh.recompute_seconds,
+                               "first_token": time.perf_counter() - started})
         return run
 
     own_kv = run_with_cache(target, context)  # untimed: what the target holds when it continues its own context
@@ -126,6 +136,8 @@ def measure(source_run, target, kv_map, ids: torch.Tensor, repeats: int = 5, rec
     if recipe and kv_map.config.refresh is not None:
         row["recipe"] = timed(switch(None), repeats, before=clear)
         row["recipe_name"] = kv_map.config.refresh.name  # what "recipe" timed
+        timed_runs = stages[-repeats:]  # the warm-up run's stages are not timed
+        row["recipe_stages"] = {name: statistics.median(run[name] for run in timed_runs) for name in timed_runs[0]}
     for name in ("cold", "warm", "recipe"):
         if name in row:
             row[f"speedup_{name}"] = row["full"]["median"] / row[name]["median"]
@@ -143,15 +155,22 @@ def markdown(name: str, rows: list[dict], machine: dict) -> str:
         return interval(timing["median"], timing["min"], timing["max"], 2) + " s"
 
     header = ["context", "full prefill", "own cache", "switch, cold", "switch, warm", "with the recipe",
-              "speedup cold / warm / recipe", "warm switch / own cache", "map only (tok/s)",
-              "map vs bandwidth / matmul floor"]
+              "speedup cold / warm / recipe", "recipe's passes: probe / recompute / first token / rest",
+              "warm switch / own cache", "map only (tok/s)", "map vs bandwidth / matmul floor"]
+    def passes(row: dict) -> str:
+        if "recipe_stages" not in row:
+            return "-"
+        stages = row["recipe_stages"]
+        rest = row["recipe"]["median"] - sum(stages.values())
+        return " / ".join(f"{seconds:.2f}" for seconds in [*stages.values(), rest]) + " s"
+
     body = []
     for r in rows:
         speedups = " / ".join(f"{r[f'speedup_{k}']:.1f}x" if f"speedup_{k}" in r else "-" for k in ("cold", "warm", "recipe"))
         bandwidth = r["cache_bytes_written"] / machine["bandwidth_bytes_per_s"] / r["map_only"]["median"]
         compute = r["map_flops"] / machine["matmul_flops_per_s"] / r["map_only"]["median"]
         body.append([r["context"], cell(r["full"]), cell(r["own"]) if "own" in r else "-", cell(r["cold"]),
-                     cell(r["warm"]), cell(r["recipe"]) if "recipe" in r else "-", speedups,
+                     cell(r["warm"]), cell(r["recipe"]) if "recipe" in r else "-", speedups, passes(r),
                      f"{r['warm_to_own']:.2f}x" if "warm_to_own" in r else "-",
                      f"{r['map_only']['median']:.3f} s ({r['map_tokens_per_s']:,.0f})", f"{bandwidth:.0%} / {compute:.0%}"])
     return (f"## TTFT after a switch: {name}\n\nMedian [min, max] of the runs; {torch.get_num_threads()} threads.\n\n"

@@ -279,3 +279,26 @@ def test_a_map_s_recorded_recipe_is_the_default_and_zero_opts_out(sibling_pair, 
     assert default.refresh is not None and torch.equal(default.refresh.positions, explicit.refresh.positions)
     assert same(default, explicit) and same(opted_out, plain) and opted_out.refresh is None
     assert not same(default, plain)  # the recipe changed the cache
+
+
+def test_the_refresh_accounts_each_pass_it_runs(sibling_pair, sibling_map, monkeypatch):
+    """`RefreshResult` times the probe pass and the recompute pass apart (the TTFT benchmark's breakdown reads them):
+    a pass slowed down shows in its own figure only, and a recipe without a probe reports no probe time."""
+    import time
+
+    from peft_kvcache.runtime import refresh
+
+    def slowed(function):
+        def run(*args, **kwargs):
+            time.sleep(0.2)
+            return function(*args, **kwargs)
+        return run
+
+    source, target = sibling_pair
+    context = random_ids(1, 33, seed=10)[0][None, :-1]
+    monkeypatch.setattr(refresh, "attention_scores", slowed(refresh.attention_scores))
+    probed = MappedCache.from_source(source, sibling_map, target, input_ids=context, refresh_tokens=Refresh(6, 4))
+    assert probed.refresh.probe_seconds >= 0.2 > probed.refresh.recompute_seconds > 0
+    monkeypatch.setattr(refresh, "refresh_positions", slowed(refresh.refresh_positions))
+    hybrid = MappedCache.from_source(source, sibling_map, target, input_ids=context, refresh_tokens="hybrid@24")
+    assert hybrid.refresh.probe_seconds == 0 and hybrid.refresh.recompute_seconds >= 0.2

@@ -24,6 +24,7 @@ with ``restored_on_error`` when a pass fails midway.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,11 +43,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RefreshResult:
-    """What a refresh did: the context positions the target recomputed and the probe it used."""
+    """What a refresh did: the context positions the target recomputed, the probe it used, and the wall seconds of
+    its two passes over the target (the probe's, 0 where none ran; the recompute's) for anyone accounting its cost
+    (host time: work a GPU still has queued when a pass returns is not waited for)."""
 
     positions: torch.Tensor
     probe_tokens: int
     budget: int
+    probe_seconds: float = 0.0
+    recompute_seconds: float = 0.0
 
 
 @torch.no_grad()
@@ -164,11 +169,12 @@ def refresh_cache(target_model, cache: "MappedCache", input_ids: torch.Tensor, p
     window_start = start - min(policy.recent_tokens, start - sink_tokens)
     no_positions = torch.empty(0, dtype=torch.long)
     if policy.tokens == 0:  # nothing to pick: the recent window and the probe over the mapped prefix
+        started = time.perf_counter()
         with cache.restored_on_error():
             cache.truncate(window_start)
             refresh_positions(target_model, cache, input_ids[:, :window_start], no_positions, position_offset,
                               append_ids=input_ids[:, window_start:])
-        return RefreshResult(no_positions, probe, 0)
+        return RefreshResult(no_positions, probe, 0, recompute_seconds=time.perf_counter() - started)
     available = window_start - sink_tokens
     budget = policy.tokens
     if budget > available:
@@ -177,9 +183,11 @@ def refresh_cache(target_model, cache: "MappedCache", input_ids: torch.Tensor, p
                        "prefill would)", budget, available, probe, available)
         budget = available
     with cache.restored_on_error():
+        started = time.perf_counter()
         cache.truncate(start)
         scores = attention_scores(target_model, cache, input_ids[:, start:], position_offset)
         positions = select_spans(scores[:window_start], budget, policy.span, first=sink_tokens)
+        probed = time.perf_counter()
         if policy.mapped_middle:
             recomputed = torch.cat([positions, torch.arange(window_start, start)])
             refresh_positions(target_model, cache, input_ids[:, :start], recomputed, position_offset,
@@ -188,7 +196,7 @@ def refresh_cache(target_model, cache: "MappedCache", input_ids: torch.Tensor, p
             _keep_only(target_model, cache, input_ids, torch.cat([torch.arange(sink_tokens), positions,
                                                                   torch.arange(window_start, length)]),
                        position_offset)
-    return RefreshResult(positions, probe, budget)
+    return RefreshResult(positions, probe, budget, probed - started, time.perf_counter() - probed)
 
 
 def _keep_only(target_model, cache: "MappedCache", input_ids: torch.Tensor, kept: torch.Tensor,

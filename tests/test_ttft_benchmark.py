@@ -1,0 +1,27 @@
+"""The TTFT benchmark's table on tiny random models: the recipe's time is split into its passes."""
+
+from __future__ import annotations
+
+from conftest import random_ids
+
+from benchmarks import ttft
+from peft_kvcache.maps.config import Refresh
+from peft_kvcache.modeling.capture import run_with_cache
+
+
+def test_the_recipe_row_splits_its_time_into_the_passes_it_ran(sibling_pair, sibling_map):
+    source, target = sibling_pair
+    recorded = sibling_map.config.refresh
+    try:
+        sibling_map.config.refresh = Refresh(6, 4)
+        row = ttft.measure(lambda ids: run_with_cache(source, ids), target, sibling_map, random_ids(1, 40)[0][None],
+                           repeats=2)
+    finally:
+        sibling_map.config.refresh = recorded
+    stages = row["recipe_stages"]
+    assert list(stages) == ["probe", "recompute", "first_token"] and all(s > 0 for s in stages.values())
+    assert sum(stages.values()) < row["recipe"]["max"]  # parts of the timed runs, not extra time
+    line = ttft.markdown("tiny", [row], {"bandwidth_bytes_per_s": 1e10, "matmul_flops_per_s": 1e11}).splitlines()[-1]
+    parts = line.split(" | ")[7].removesuffix(" s").split(" / ")
+    assert parts[:3] == [f"{s:.2f}" for s in stages.values()]
+    assert parts[3] == f"{row['recipe']['median'] - sum(stages.values()):.2f}"
