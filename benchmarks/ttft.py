@@ -13,6 +13,7 @@ side in one run, each the median of ``--repeats`` runs with min and max.
   bandwidth, and the map's multiply-adds over the measured matmul throughput.
 
     python -m benchmarks.ttft --pair up --lengths 512 2048 8192
+    python -m benchmarks.ttft --pair up --lengths 2048 --sweep refresh@64/p32 refresh@96/p64 refresh@160/p128
     python -m benchmarks.ttft --random-models qwen2.5-1.5b qwen2.5-7b --device cuda --dtype bfloat16
 
 Writes benchmarks/results/ttft-<name>.json/.md and a plot.
@@ -24,6 +25,7 @@ import argparse
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -101,6 +103,36 @@ def floors(device: torch.device, dtype: torch.dtype) -> dict:
     return {"bandwidth_bytes_per_s": 2 * data.numel() * 4 / copy, "matmul_flops_per_s": 2 * 2048**3 / matmul}
 
 
+class RecipeTimer:
+    """Times switches at one length: map ``source_kv`` (the source's cache of ``context``, untimed: the source holds
+    it at a switch) into ``target`` with a refresh, and run the next token (``last``) on the result; each recipe's
+    runs also record their passes (the refresh's probe and recompute passes, the first token's pass) in seconds."""
+
+    def __init__(self, source_kv, target, kv_map, context: torch.Tensor, last: torch.Tensor) -> None:
+        self.source_kv, self.target, self.kv_map, self.context, self.last = source_kv, target, kv_map, context, last
+        self.step = torch.tensor([[context.shape[1]]])
+        self.passes: list[dict] = []
+
+    def switch(self, refresh) -> Callable[[], None]:
+        def run():
+            cache = MappedCache.from_source(self.source_kv, self.kv_map, self.target, input_ids=self.context,
+                                            refresh_tokens=refresh)
+            started = time.perf_counter()
+            forward(self.target, self.last, cache, position_ids=self.step, logits_to_keep=1)
+            if cache.refresh is not None:
+                self.passes.append({"probe": cache.refresh.probe_seconds,
+                                    "recompute": cache.refresh.recompute_seconds,
+                                    "first_token": time.perf_counter() - started})
+        return run
+
+    def recipe(self, refresh, repeats: int) -> tuple[dict, dict]:
+        """Cold-sink timing of the switch with ``refresh`` (None: the map's own recipe) and the medians of its passes
+        over the timed runs (the warm-up run's are dropped)."""
+        timing = timed(self.switch(refresh), repeats, before=clear_target_sinks)
+        runs = self.passes[-repeats:]
+        return timing, {name: statistics.median(run[name] for run in runs) for name in runs[0]}
+
+
 @torch.no_grad()
 def measure(source_run, target, kv_map, ids: torch.Tensor, repeats: int = 5, recipe: bool = True,
             full: dict | None = None) -> dict:
@@ -109,35 +141,18 @@ def measure(source_run, target, kv_map, ids: torch.Tensor, repeats: int = 5, rec
     recipe; medians with min and max."""
     length = ids.shape[1]
     context, last = ids[:, :-1], ids[:, -1:]
-    source_kv = source_run(context)
-    step = torch.tensor([[length - 1]])
-
-    stages = []  # per recipe run: its refresh's probe and recompute passes and the first token's pass, in seconds
-
-    def switch(refresh):
-        def run():
-            cache = MappedCache.from_source(source_kv, kv_map, target, input_ids=context, refresh_tokens=refresh)
-            started = time.perf_counter()
-            forward(target, last, cache, position_ids=step, logits_to_keep=1)
-            if cache.refresh is not None:
-                stages.append({"probe": cache.refresh.probe_seconds, "recompute": cache.refresh.recompute_seconds,
-                               "first_token": time.perf_counter() - started})
-        return run
-
+    timer = RecipeTimer(source_run(context), target, kv_map, context, last)
     own_kv = run_with_cache(target, context)  # untimed: what the target holds when it continues its own context
 
-    clear = clear_target_sinks
     row = {"context": length, "full": full or timed(lambda: forward(target, ids, None, logits_to_keep=1), repeats),
-           "own": timed(lambda: forward(target, last, ContextCache(own_kv), position_ids=step, logits_to_keep=1),
-                        repeats),
-           "cold": timed(switch(0), repeats, before=clear), "warm": timed(switch(0), repeats),
-           "map_only": timed(lambda: MappedCache.from_source(source_kv, kv_map, target, input_ids=context,
+           "own": timed(lambda: forward(target, last, ContextCache(own_kv), position_ids=timer.step,
+                                        logits_to_keep=1), repeats),
+           "cold": timed(timer.switch(0), repeats, before=clear_target_sinks), "warm": timed(timer.switch(0), repeats),
+           "map_only": timed(lambda: MappedCache.from_source(timer.source_kv, kv_map, target, input_ids=context,
                                                              refresh_tokens=0), repeats)}
     if recipe and kv_map.config.refresh is not None:
-        row["recipe"] = timed(switch(None), repeats, before=clear)
+        row["recipe"], row["recipe_stages"] = timer.recipe(None, repeats)
         row["recipe_name"] = kv_map.config.refresh.name  # what "recipe" timed
-        timed_runs = stages[-repeats:]  # the warm-up run's stages are not timed
-        row["recipe_stages"] = {name: statistics.median(run[name] for run in timed_runs) for name in timed_runs[0]}
     for name in ("cold", "warm", "recipe"):
         if name in row:
             row[f"speedup_{name}"] = row["full"]["median"] / row[name]["median"]
@@ -147,6 +162,22 @@ def measure(source_run, target, kv_map, ids: torch.Tensor, repeats: int = 5, rec
     row["cache_bytes_written"] = 2 * layout.num_layers * layout.layer_width * (length - 1) * element
     row["map_flops"] = 2 * (length - 1) * kv_map.multiply_adds_per_token
     row["map_tokens_per_s"] = (length - 1) / row["map_only"]["median"]
+    return row
+
+
+@torch.no_grad()
+def sweep(source_run, target, kv_map, ids: torch.Tensor, recipes: list[str], repeats: int = 3) -> dict:
+    """TTFT at ``ids``' length of each recipe in ``recipes`` (names, `Refresh.named`), cold sink, beside the
+    target's full prefill in the same run: what budget a TTFT goal leaves a recipe."""
+    length = ids.shape[1]
+    context, last = ids[:, :-1], ids[:, -1:]
+    timer = RecipeTimer(source_run(context), target, kv_map, context, last)
+    row = {"context": length, "full": timed(lambda: forward(target, ids, None, logits_to_keep=1), repeats),
+           "recipes": {}}
+    for name in recipes:
+        timing, passes = timer.recipe(Refresh.named(name), repeats)
+        row["recipes"][name] = {"timing": timing, "passes": passes, "budget": Refresh.named(name).compute,
+                                "speedup": row["full"]["median"] / timing["median"]}
     return row
 
 
@@ -175,6 +206,21 @@ def markdown(name: str, rows: list[dict], machine: dict) -> str:
                      f"{r['map_only']['median']:.3f} s ({r['map_tokens_per_s']:,.0f})", f"{bandwidth:.0%} / {compute:.0%}"])
     return (f"## TTFT after a switch: {name}\n\nMedian [min, max] of the runs; {torch.get_num_threads()} threads.\n\n"
             + table(header, body) + "\n")
+
+
+def sweep_markdown(name: str, rows: list[dict]) -> str:
+    header = ["context", "full prefill", "recipe", "target compute", "TTFT", "speedup",
+              "passes: probe / recompute / first token / rest"]
+    body = []
+    for row in rows:
+        for recipe, r in row["recipes"].items():
+            rest = r["timing"]["median"] - sum(r["passes"].values())
+            body.append([row["context"], interval(row["full"]["median"], row["full"]["min"], row["full"]["max"], 2) + " s",
+                         recipe, r["budget"], interval(r["timing"]["median"], r["timing"]["min"], r["timing"]["max"], 2)
+                         + " s", f"{r['speedup']:.1f}x",
+                         " / ".join(f"{t:.2f}" for t in [*r["passes"].values(), rest]) + " s"])
+    return (f"## TTFT by recipe: {name}\n\nCold sink; median [min, max] of the runs; {torch.get_num_threads()} threads. "
+            "Target compute: context tokens the target computes (the probe counted once).\n\n" + table(header, body) + "\n")
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -218,6 +264,8 @@ def main() -> None:
     parser.add_argument("--map", default=None, help="map folder (default: hub_cards/<the pair's map>)")
     parser.add_argument("--label", help="another map than the published one (--map): results ttft-<pair>-<label>")
     parser.add_argument("--recipe", help="the recipe timed, by name (`Refresh.named`; default the map's own)")
+    parser.add_argument("--sweep", nargs="+", metavar="RECIPE",
+                        help="time these recipes instead (results ttft-<name>-sweep): what budget a TTFT goal leaves")
     parser.add_argument("--random-models", nargs=2, metavar=("SOURCE", "TARGET"), choices=sorted(RANDOM_CONFIGS),
                         help="time randomly initialised models of real shapes instead of the fixtures")
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
@@ -244,6 +292,13 @@ def main() -> None:
         name += f"-{args.label}" if args.label else ""
     if args.recipe:
         kv_map.config.refresh = Refresh.named(args.recipe)
+    if args.sweep:
+        generator, source_run = torch.Generator().manual_seed(0), lambda ids: run_with_cache(source, ids)
+        rows = [sweep(source_run, target, kv_map, torch.randint(100, 20000, (1, n), generator=generator), args.sweep,
+                      args.repeats) for n in args.lengths]
+        save(f"ttft-{name}-sweep", {"name": name, "repeats": args.repeats, "rows": rows}, sweep_markdown(name, rows),
+             seeds={"ids": 0})
+        return
     run(name, lambda ids: run_with_cache(source, ids), target, kv_map, args.lengths, args.repeats, device, dtype)
 
 

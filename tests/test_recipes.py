@@ -329,3 +329,19 @@ def test_records_of_maps_since_replaced_are_dropped_not_mixed_with_the_new_ones(
     scores = recipe_report.group(records, "up")["continuation"]
     assert scores.accuracy["attn:hybrid@160"] == {"e0": 1.0}  # e1 was measured with the old maps only
     assert scores.accuracy["hybrid@160"] == {"e0": 0.75} and scores.accuracy["window@160"] == {"e0": 0.25}
+
+
+def test_the_ttft_budget_is_the_largest_refresh_budget_meeting_every_goal():
+    def row(context, full, times):
+        return {"context": context, "full": {"median": full},
+                "recipes": {name: {"budget": budget, "speedup": full / t} for name, (budget, t) in times.items()}}
+
+    sweep = {"rows": [row(2048, 50.0, {"refresh@64/p32": (64, 4.0), "refresh@96/p64": (96, 4.9),
+                                       "refresh@128/p96": (128, 5.5), "hybrid@160": (160, 4.0)}),
+                      row(8192, 240.0, {"refresh@64/p32": (64, 6.0), "refresh@96/p64": (96, 7.9),
+                                        "refresh@128/p96": (128, 7.0)}),
+                      row(4096, 90.0, {"refresh@96/p64": (96, 90.0)})]}  # no goal at 4k: not a constraint
+    choice = recipe_report.ttft_budget(sweep, {2048: 10, 8192: 30})
+    assert choice["budget"] == 96  # 128 misses 10x at 2k; the hybrid (no probe pass) is no refresh
+    assert choice["budgets"][128] == {"speedups": {2048: 50.0 / 5.5, 8192: 240.0 / 7.0}, "meets": False}
+    assert recipe_report.ttft_budget(sweep, {2048: 13})["budget"] is None

@@ -25,3 +25,16 @@ def test_the_recipe_row_splits_its_time_into_the_passes_it_ran(sibling_pair, sib
     parts = line.split(" | ")[7].removesuffix(" s").split(" / ")
     assert parts[:3] == [f"{s:.2f}" for s in stages.values()]
     assert parts[3] == f"{row['recipe']['median'] - sum(stages.values()):.2f}"
+
+
+def test_a_sweep_times_each_recipe_against_one_full_prefill(sibling_pair, sibling_map):
+    source, target = sibling_pair
+    row = ttft.sweep(lambda ids: run_with_cache(source, ids), target, sibling_map, random_ids(1, 48)[0][None],
+                     ["hybrid@24", "refresh@36/p4"], repeats=2)
+    hybrid, refresh = row["recipes"]["hybrid@24"], row["recipes"]["refresh@36/p4"]
+    assert (hybrid["budget"], refresh["budget"]) == (24, 36)
+    assert hybrid["passes"]["probe"] == 0 < refresh["passes"]["probe"]  # only the refresh runs a probe pass
+    for r in (hybrid, refresh):
+        assert r["speedup"] == row["full"]["median"] / r["timing"]["median"]
+    lines = ttft.sweep_markdown("tiny", [row]).splitlines()
+    assert [line.split(" | ")[2] for line in lines[-2:]] == ["hybrid@24", "refresh@36/p4"]
