@@ -1,4 +1,4 @@
-"""The map artifact on disk (maps/kvmap.py save and load). Loading validation: a truncated, tampered or mismatched
+"""The map artifact on disk (maps/storage.py: save and load). Loading validation: a truncated, tampered or mismatched
 artifact gives an `ArtifactError` that names the file and the problem, before anything is allocated or executed;
 nothing is ever unpickled or run as remote code. Saving: atomic (a save killed or raising midway leaves the old map
 or the new one), with ordinary permissions, through symlinks, and never over a folder that is not a map."""
@@ -257,7 +257,7 @@ def test_a_folder_without_the_map_files(tmp_path, saved):
 
 
 def test_a_huge_config_file_is_refused_unread(saved, monkeypatch):
-    monkeypatch.setattr("peft_kvcache.maps.kvmap._MAX_CONFIG_BYTES", 100)
+    monkeypatch.setattr("peft_kvcache.maps.storage._MAX_CONFIG_BYTES", 100)
     assert "too large" in _load_error(saved)
 
 
@@ -288,7 +288,7 @@ def test_a_failed_save_leaves_no_folder(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("peft_kvcache.maps.kvmap.save_file", fail)
+    monkeypatch.setattr("peft_kvcache.maps.storage.save_file", fail)
     with pytest.raises(OSError, match="disk full"):
         make_map().save_pretrained(tmp_path / "map", chart=False)
     assert os.listdir(tmp_path) == []
@@ -332,7 +332,7 @@ def test_saved_maps_have_ordinary_permissions(tmp_path, sibling_map):
 
 
 def test_a_missing_local_path_is_an_artifact_error_without_a_hub_lookup(monkeypatch, tmp_path):
-    monkeypatch.setattr("peft_kvcache.maps.kvmap.snapshot_download",
+    monkeypatch.setattr("peft_kvcache.maps.storage.snapshot_download",
                         lambda *a, **k: pytest.fail("looked up the Hub for a local path"))
     for spec in ("./missing", str(tmp_path / "missing"), "a/b/c", "~/nowhere", "not a repo id!"):
         with pytest.raises(ArtifactError, match="no map folder"):
@@ -375,11 +375,11 @@ def test_a_save_killed_at_any_step_leaves_the_old_map_or_the_new_one(tmp_path, c
     if pid == 0:  # child: save the new map, dying at `crash_at`
         try:
             from peft_kvcache import _files
-            from peft_kvcache.maps import kvmap
+            from peft_kvcache.maps import storage
 
             die = lambda *args, **kwargs: os._exit(9)  # noqa: E731
             if crash_at == "weights":
-                kvmap.save_file = die
+                storage.save_file = die
             elif crash_at == "swap":
                 _files.exchange = die
             elif crash_at == "between_renames":
@@ -415,7 +415,7 @@ def test_a_save_that_raises_midway_keeps_the_old_map(tmp_path, monkeypatch, fail
         raise OSError("disk full")
 
     if fail_at == "weights":
-        monkeypatch.setattr("peft_kvcache.maps.kvmap.save_file", fail)
+        monkeypatch.setattr("peft_kvcache.maps.storage.save_file", fail)
     elif fail_at == "config":
         monkeypatch.setattr(Path, "write_text", fail)
     else:
@@ -441,7 +441,7 @@ def test_saving_through_a_symlink_replaces_the_folder_it_points_to(tmp_path):
 
 def _spy_on_tensor_reads(monkeypatch) -> list[str]:
     reads: list[str] = []
-    real_open = peft_kvcache.maps.kvmap.safe_open
+    real_open = peft_kvcache.maps.storage.safe_open
 
     class Spy:
         def __init__(self, *args, **kwargs):
@@ -461,7 +461,7 @@ def _spy_on_tensor_reads(monkeypatch) -> list[str]:
         def __getattr__(self, name):
             return getattr(self.inner, name)
 
-    monkeypatch.setattr(peft_kvcache.maps.kvmap, "safe_open", Spy)
+    monkeypatch.setattr(peft_kvcache.maps.storage, "safe_open", Spy)
     return reads
 
 

@@ -229,7 +229,7 @@ def test_evaluate_needs_enough_tokens(calibrated, workspace):
 
 def test_evaluate_write_refuses_a_repo_before_any_work(monkeypatch):
     pytest.importorskip("peft_kvcache.calibration.retention")
-    monkeypatch.setattr("peft_kvcache.maps.kvmap.resolve_map_folder",
+    monkeypatch.setattr("peft_kvcache.maps.storage.resolve_map_folder",
                         lambda *a, **k: pytest.fail("resolved the map before checking --write"))
     status, _, err = cli(["evaluate", "org/some-map", "--write"])
     assert status == 2 and "--write" in err

@@ -117,8 +117,8 @@ def test_what_the_artifact_and_the_runtime_load(package, forbidden):
 
 
 # Where a map's fingerprints may be read: the registry matches maps to models; the config and the artifact declare
-# and check them; the card shows them; calibration writes them.
-FINGERPRINT_READERS = {"maps.registry", "maps.config", "maps.kvmap", "maps.card", "calibration.loop"}
+# and check them; storage tells a map's folder by them; the card shows them; calibration writes them.
+FINGERPRINT_READERS = {"maps.registry", "maps.config", "maps.kvmap", "maps.storage", "maps.card", "calibration.loop"}
 
 
 def test_the_registry_is_the_only_place_that_matches_maps_to_models():

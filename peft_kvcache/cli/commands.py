@@ -127,7 +127,8 @@ def cmd_calibrate_adapters(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from ..calibration.retention import evaluate_retention, record_figures
     from ..lab.corpus import token_sequences
-    from ..maps.kvmap import KVMap, resolve_map_folder
+    from ..maps.kvmap import KVMap
+    from ..maps.storage import resolve_map_folder
 
     if args.write and not Path(args.map).expanduser().is_dir():
         raise CLIUsageError("evaluate --write needs a local MAP folder")
@@ -175,7 +176,8 @@ def cmd_card(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ..maps.card import summary_text
-    from ..maps.kvmap import KVMap, resolve_map_folder
+    from ..maps.kvmap import KVMap
+    from ..maps.storage import resolve_map_folder
 
     folder = resolve_map_folder(args.map, revision=args.revision)
     kv_map = KVMap.from_pretrained(folder)

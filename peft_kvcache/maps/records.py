@@ -8,10 +8,15 @@ from __future__ import annotations
 import math
 import types
 import typing
-from dataclasses import MISSING, asdict, fields, is_dataclass
+from dataclasses import MISSING, asdict, field, fields, is_dataclass
 from typing import Any, Union
 
 from ..errors import RecordError
+
+
+def help_field(text: str, **kwargs) -> Any:
+    """A dataclass field that carries its description in ``metadata["help"]`` (where the CLI reads its flags' help)."""
+    return field(metadata={"help": text}, **kwargs)
 
 
 def to_json(record) -> dict:

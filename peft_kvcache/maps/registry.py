@@ -29,7 +29,8 @@ from ..modeling.identity import cached_fingerprint, fingerprint_files
 from ..modeling.layout import KVLayout
 from ..modeling.positions import RotarySpec, rotary_spec_of, rotary_spec_of_config, same_rotary
 from .config import KVMapConfig
-from .kvmap import CONFIG_NAME, WEIGHTS_NAME, KVMap, is_map_folder, resolve_map_folder, rotary_of_record
+from .kvmap import KVMap, rotary_of_record
+from .storage import CONFIG_NAME, WEIGHTS_NAME, is_map_folder, resolve_map_folder
 
 logger = logging.getLogger(__name__)
 
