@@ -302,3 +302,33 @@ def test_the_refresh_accounts_each_pass_it_runs(sibling_pair, sibling_map, monke
     monkeypatch.setattr(refresh, "refresh_positions", slowed(refresh.refresh_positions))
     hybrid = MappedCache.from_source(source, sibling_map, target, input_ids=context, refresh_tokens="hybrid@24")
     assert hybrid.refresh.probe_seconds == 0 and hybrid.refresh.recompute_seconds >= 0.2
+
+
+def test_a_cold_sink_is_computed_inside_the_probe_pass_with_the_same_result(sibling_pair, sibling_map):
+    """Where the target's sink is not memoized, the refresh's probe pass computes it (one pass over the target's
+    weights fewer): the cache, the picked positions and the memoized sink match a switch whose sink was computed
+    alone beforehand."""
+    from peft_kvcache.runtime.target_sink import clear_target_sinks, sink_is_memoized, target_sink
+
+    source, target = sibling_pair
+    context = random_ids(1, 40, seed=11)[0][None, :-1]
+    recipe, ones = Refresh(6, 4), torch.ones(1, 1, dtype=torch.long)
+    calls = []
+    hook = target.register_forward_hook(lambda module, args, out: calls.append(1))
+    try:
+        clear_target_sinks()
+        cold = MappedCache.from_source(source, sibling_map, target, input_ids=context, refresh_tokens=recipe)
+        cold_passes = len(calls)
+        assert sink_is_memoized(target, context[:, :1], ones, 0)
+        memo = target_sink(target, context[:, :1], ones, 0)
+        clear_target_sinks()
+        alone = target_sink(target, context[:, :1], ones, 0)  # the sink computed alone, then a warm switch
+        calls.clear()
+        warm = MappedCache.from_source(source, sibling_map, target, input_ids=context, refresh_tokens=recipe)
+    finally:
+        hook.remove()
+    assert cold_passes == len(calls) == 2  # cold: probe (with the sink) + recompute; warm: the same two
+    assert torch.equal(cold.refresh.positions, warm.refresh.positions)
+    assert _max_error(cold, warm.captured()) < 1e-5
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(memo.keys + memo.values, alone.keys + alone.values))
+    assert float((cold.layers[0].keys[:, :, 0] - warm.layers[0].keys[:, :, 0]).abs().max()) < 1e-5

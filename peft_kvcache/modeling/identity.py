@@ -228,6 +228,10 @@ class ModelMemo:
             memo[key] = compute()
         return memo[key]
 
+    def holds(self, model: torch.nn.Module, key) -> bool:
+        """Whether a value is memoized for ``(model, key)``."""
+        return key in self._memos.get(unwrap_peft(model), {})
+
     def clear(self) -> None:
         """Forget every value (e.g. to time or count a cold pass)."""
         self._memos.clear()

@@ -33,7 +33,7 @@ import torch
 from ..errors import CacheMismatchError
 from ..maps.config import Refresh
 from ..modeling._compat import eager_attention, masked_attention
-from ..modeling.capture import forward, run_with_cache
+from ..modeling.capture import CapturedKV, forward, run_with_cache
 
 if TYPE_CHECKING:  # for annotations only: the cache module runs the refresh
     from .cache import MappedCache
@@ -52,24 +52,36 @@ class RefreshResult:
     budget: int
     probe_seconds: float = 0.0
     recompute_seconds: float = 0.0
+    sink: CapturedKV | None = None  # the target's own sink KV, where the probe pass computed it (``compute_sink``)
 
 
 @torch.no_grad()
 def attention_scores(target_model, cache: "MappedCache", probe_ids: torch.Tensor, position_offset: int = 0,
-                     every_probe_token: bool = False) -> torch.Tensor:
+                     every_probe_token: bool = False, sink_ids: torch.Tensor | None = None) -> torch.Tensor:
     """``[context]``: how strongly the last of the ``probe_ids`` ``[1, W]`` tokens, run on top of ``cache``
     (batch 1, left as it was), attends to each cached position: per layer the maximum attention weight
     over heads, averaged over layers (a position one head retrieves sharply counts, not only positions
     every head skims). The last token is the one whose prediction starts the answer. ``every_probe_token``
-    returns ``[W, context]``, one row per probe token."""
-    length = cache.get_seq_length()
-    positions = torch.arange(length, length + probe_ids.shape[1]) + position_offset
+    returns ``[W, context]``, one row per probe token.
+
+    ``sink_ids`` ``[1, S]``: the cache's first S positions are still mapped; the same pass computes the target's own
+    KV for them (they attend only to themselves) and writes it in place, the probe attending to it, which saves a
+    pass over the target's weights where the sink is not memoized yet."""
+    length, width = cache.get_seq_length(), probe_ids.shape[1]
+    sink = torch.arange(0 if sink_ids is None else sink_ids.shape[1])
+    tokens = probe_ids if sink_ids is None else torch.cat([sink_ids.cpu(), probe_ids.cpu()], dim=1)
+    mask, queries = None, torch.arange(length, length + width)
+    if sink.numel():
+        mask, queries = _pass_mask(length, sink, width, cache.layers[0].keys.dtype)
     try:
         with eager_attention(target_model):
-            out = forward(target_model, probe_ids, cache, position_ids=positions[None], output_attentions=True)
+            out = forward(target_model, tokens, cache, position_ids=(queries + position_offset)[None],
+                          attention_mask=mask, output_attentions=True)
+        if sink.numel():
+            _move_into_place(cache, length, sink, width)
     finally:
         cache.truncate(length)
-    rows = slice(None) if every_probe_token else -1
+    rows = slice(sink.numel(), None) if every_probe_token else -1
     per_layer = [a[0, :, rows, :length].float().amax(dim=0).cpu() for a in out.attentions]
     return torch.stack(per_layer).mean(0)
 
@@ -113,24 +125,36 @@ def refresh_positions(target_model, cache: "MappedCache", context_ids: torch.Ten
     appended = 0 if append_ids is None else append_ids.shape[1]
     if positions.numel() + appended == 0:
         return
-    dtype = cache.layers[0].keys.dtype
-    queries = torch.cat([positions, torch.arange(length, length + appended)])
+    mask, queries = _pass_mask(length, positions, appended, cache.layers[0].keys.dtype)
     tokens = context_ids[:, positions]
     if append_ids is not None:
         tokens = torch.cat([tokens, append_ids.cpu()], dim=1)
+    with cache.restored_on_error(), masked_attention(target_model):
+        forward(target_model, tokens, cache, position_ids=(queries + position_offset)[None], attention_mask=mask)
+    _move_into_place(cache, length, positions, appended)
+
+
+def _pass_mask(length: int, positions: torch.Tensor, appended: int, dtype: torch.dtype) -> tuple[torch.Tensor,
+                                                                                                  torch.Tensor]:
+    """The ``[1, 1, queries, length + queries]`` additive mask of a pass that recomputes the cache ``positions``
+    (sorted) of a ``length``-token cache and appends ``appended`` tokens, and the queries' positions: each query
+    attends to the cached entries before it that are not recomputed, and to the recomputed/appended ones up to
+    itself."""
+    queries = torch.cat([positions, torch.arange(length, length + appended)])
     refreshed = torch.zeros(length, dtype=torch.bool)
     refreshed[positions] = True
     old = (torch.arange(length)[None] < queries[:, None]) & ~refreshed[None]  # mapped entries before each query
     new = queries[None] <= queries[:, None]  # refreshed/appended entries up to each query (causal)
     allowed = torch.cat([old, new], dim=1)
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-    with cache.restored_on_error(), masked_attention(target_model):
-        forward(target_model, tokens, cache, position_ids=(queries + position_offset)[None],
-                attention_mask=mask[None, None])
-    # The pass appended the refreshed tokens, then the appended ones, to every layer: move them into place. The
-    # layers' tensors are the pass's own (`ContextCache.update` concatenates into new ones; a tensor the cache held
-    # before, which a copy of the cache may share, is never written), so the moves run in place and only the appended
-    # tail (a few tokens) is copied; the context is left in a view of the longer tensor, not copied again.
+    return mask[None, None], queries
+
+
+def _move_into_place(cache: "MappedCache", length: int, positions: torch.Tensor, appended: int) -> None:
+    """After a `_pass_mask` pass appended the recomputed tokens, then the appended ones, to every layer: move them
+    into place. The layers' tensors are the pass's own (`ContextCache.update` concatenates into new ones; a tensor the
+    cache held before, which a copy of the cache may share, is never written), so the moves run in place and only the
+    appended tail (a few tokens) is copied; the context is left in a view of the longer tensor, not copied again."""
     split = length + positions.numel()
     for layer in cache.layers:
         index = positions.to(layer.keys.device)
@@ -141,15 +165,25 @@ def refresh_positions(target_model, cache: "MappedCache", context_ids: torch.Ten
             setattr(layer, name, states[:, :, :length + appended])
 
 
+def runs_probe_pass(policy: Refresh, length: int, sink_tokens: int) -> bool:
+    """Whether `refresh_cache` runs a probe pass with ``policy`` on a ``length``-token context: a recipe that picks
+    positions, with a context longer than the sink and one token."""
+    return policy.tokens > 0 and min(policy.probe_tokens, length - sink_tokens - 1) >= 1
+
+
 @torch.no_grad()
 def refresh_cache(target_model, cache: "MappedCache", input_ids: torch.Tensor, policy: Refresh, sink_tokens: int = 1,
-                  position_offset: int = 0) -> RefreshResult:
+                  position_offset: int = 0, compute_sink: bool = False) -> RefreshResult:
     """The whole refresh on a cache holding ``input_ids`` ``[1, n]`` (batch 1, unpadded): the last
     ``policy.probe_tokens`` are the probe; the ``policy.tokens`` context positions (spans, past the sink, before the
     recent window) its last token attends to most are recomputed by the target, with the ``policy.recent_tokens``
     before the probe and the probe tokens on top, in the same pass, so the cache ends holding all ``n`` tokens; with
     ``policy.mapped_middle`` False the cache ends holding only the sink and what the target computed (at their true
     positions). With ``policy.tokens`` 0 no probe pass runs: the last tokens are computed over the mapped prefix.
+
+    ``compute_sink``: the cache's first ``sink_tokens`` are still mapped, and the probe pass computes the target's own
+    sink in the same pass (`attention_scores`; ``RefreshResult.sink`` holds it for the sink memo); only where
+    `runs_probe_pass`.
 
     A probe longer than the context allows is shortened; a recent window or a budget larger than the positions left
     is clamped to them, the budget with a warning (the target then computes the whole context: ordinary prefill).
@@ -162,6 +196,8 @@ def refresh_cache(target_model, cache: "MappedCache", input_ids: torch.Tensor, p
     length = input_ids.shape[1]
     if input_ids.shape[0] != 1:
         raise CacheMismatchError("the refresh works on one conversation at a time (batch 1)")
+    if compute_sink and not runs_probe_pass(policy, length, sink_tokens):
+        raise ValueError("compute_sink needs a refresh that runs a probe pass (runs_probe_pass)")
     probe = min(policy.probe_tokens, length - sink_tokens - 1)
     if probe < 1:  # no context beyond the sink to refresh
         return RefreshResult(torch.empty(0, dtype=torch.long), 0, 0)
@@ -185,7 +221,10 @@ def refresh_cache(target_model, cache: "MappedCache", input_ids: torch.Tensor, p
     with cache.restored_on_error():
         started = time.perf_counter()
         cache.truncate(start)
-        scores = attention_scores(target_model, cache, input_ids[:, start:], position_offset)
+        scores = attention_scores(target_model, cache, input_ids[:, start:], position_offset,
+                                  sink_ids=input_ids[:, :sink_tokens] if compute_sink else None)
+        sink = CapturedKV([layer.keys[:, :, :sink_tokens].clone() for layer in cache.layers],
+                          [layer.values[:, :, :sink_tokens].clone() for layer in cache.layers]) if compute_sink else None
         positions = select_spans(scores[:window_start], budget, policy.span, first=sink_tokens)
         probed = time.perf_counter()
         if policy.mapped_middle:
@@ -196,7 +235,7 @@ def refresh_cache(target_model, cache: "MappedCache", input_ids: torch.Tensor, p
             _keep_only(target_model, cache, input_ids, torch.cat([torch.arange(sink_tokens), positions,
                                                                   torch.arange(window_start, length)]),
                        position_offset)
-    return RefreshResult(positions, probe, budget, probed - started, time.perf_counter() - probed)
+    return RefreshResult(positions, probe, budget, probed - started, time.perf_counter() - probed, sink)
 
 
 def _keep_only(target_model, cache: "MappedCache", input_ids: torch.Tensor, kept: torch.Tensor,
@@ -207,4 +246,5 @@ def _keep_only(target_model, cache: "MappedCache", input_ids: torch.Tensor, kept
     cache.hold_only(kept, own.pairs())
 
 
-__all__ = ["RefreshResult", "attention_scores", "refresh_cache", "refresh_positions", "select_spans"]
+__all__ = ["RefreshResult", "attention_scores", "refresh_cache", "refresh_positions", "runs_probe_pass",
+           "select_spans"]

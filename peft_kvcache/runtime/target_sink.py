@@ -31,14 +31,32 @@ def with_target_sink(mapped, target_model, input_ids, attention_mask, sink_token
 _SINKS = ModelMemo(16)
 
 
+def _sink_key(target_model, ids: torch.Tensor, mask: torch.Tensor, position_offset: int,
+              target_key: tuple | None) -> tuple:
+    return (weights_key(target_model) if target_key is None else target_key, ids.numpy().tobytes(), tuple(ids.shape),
+            mask.numpy().tobytes(), position_offset)
+
+
 def target_sink(target_model, ids: torch.Tensor, mask: torch.Tensor, position_offset: int,
                 target_key: tuple | None = None) -> CapturedKV:
     """The target's own KV of the leading ``ids`` (memoized; ``target_key``: the model's `weights_key`, where the
     caller read it already)."""
-    key = (weights_key(target_model) if target_key is None else target_key, ids.numpy().tobytes(), tuple(ids.shape),
-           mask.numpy().tobytes(), position_offset)
     positions = positions_from_mask(mask) + position_offset
-    return _SINKS.get(target_model, key, lambda: run_with_cache(target_model, ids, mask, position_ids=positions))
+    return _SINKS.get(target_model, _sink_key(target_model, ids, mask, position_offset, target_key),
+                      lambda: run_with_cache(target_model, ids, mask, position_ids=positions))
+
+
+def sink_is_memoized(target_model, ids: torch.Tensor, mask: torch.Tensor, position_offset: int,
+                     target_key: tuple | None = None) -> bool:
+    """Whether `target_sink` holds these leading ``ids`` already (a switch that runs a probe pass otherwise computes
+    the sink inside it: `peft_kvcache.runtime.refresh.attention_scores`)."""
+    return _SINKS.holds(target_model, _sink_key(target_model, ids, mask, position_offset, target_key))
+
+
+def remember_sink(target_model, ids: torch.Tensor, mask: torch.Tensor, position_offset: int, sink: CapturedKV,
+                  target_key: tuple | None = None) -> None:
+    """Memoize ``sink``, the target's own KV of the leading ``ids`` computed elsewhere (a probe pass)."""
+    _SINKS.get(target_model, _sink_key(target_model, ids, mask, position_offset, target_key), lambda: sink)
 
 
 def clear_target_sinks() -> None:
@@ -46,4 +64,4 @@ def clear_target_sinks() -> None:
     _SINKS.clear()
 
 
-__all__ = ["clear_target_sinks", "target_sink", "with_target_sink"]
+__all__ = ["clear_target_sinks", "remember_sink", "sink_is_memoized", "target_sink", "with_target_sink"]
