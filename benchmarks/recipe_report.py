@@ -21,11 +21,11 @@ from .common import RESULTS, save, table
 from .ttft import prefill_multiply_adds_per_token
 from peft_kvcache.errors import RecordError
 
+from .recipe_budget import TTFT_GOALS
 from .recipes import chosen_defaults, read_records, records_path
 
 BOOTSTRAP, SEED = 2000, 0
 RECALL_FLOOR = 0.95  # a default keeps at least this normalized far-fact recall
-TTFT_GOALS = {2048: 10, 8192: 30}  # the sibling defaults' TTFT speedup goals by context length
 TTFT_LENGTH = max(TTFT_GOALS)  # the goal at the longest context bounds the maps' cost
 TTFT_GOAL = TTFT_GOALS[TTFT_LENGTH]
 RECALL = "recall (pooled)"
@@ -107,8 +107,12 @@ def summary(scores: Scores, variant: str, control: str | None) -> dict:
     return out
 
 
-def recipe_budget(records: list[dict], direction: str) -> int:
-    """The direction's recipe budget: the one most of its published-map refresh variants run at (0 without any)."""
+def recipe_budget(records: list[dict], runs: list[dict], direction: str) -> int:
+    """The direction's recipe budget: the latest run's (runs record the budget they compared recipes at); for records
+    of older runs, the one most of the published-map refresh variants run at (0 without any)."""
+    recorded = [run["budgets"][direction] for run in runs if direction in run.get("budgets", {})]
+    if recorded:
+        return recorded[-1]
     budgets = [r["budget"] for r in {(r["variant"], r["budget"]): r for r in records
                                      if r["direction"] == direction and r["variant"].startswith("refresh@")
                                      and r["maps"] == "published"}.values()]
@@ -156,23 +160,6 @@ def map_cost_limit(direction: str) -> int:
     `TTFT_LENGTH` over `TTFT_GOAL` (a map that costs more cannot reach the goal, whatever else a switch costs)."""
     target = siblings.model_config(siblings.DIRECTIONS[direction][1])
     return prefill_multiply_adds_per_token(target, TTFT_LENGTH) // TTFT_GOAL
-
-
-def ttft_budget(sweep: dict, goals: dict[int, int] = TTFT_GOALS) -> dict:
-    """The largest target budget whose refresh (probe pass included) meets the TTFT goal at every swept context length
-    that has one, from a `benchmarks.ttft` sweep's payload; None if no swept refresh does. Returns the budget and,
-    per swept budget, the speedup at each length and whether it passed."""
-    verdicts: dict[int, dict] = {}
-    for row in sweep["rows"]:
-        goal = goals.get(row["context"])
-        for name, r in row["recipes"].items():
-            if goal is None or not name.startswith("refresh@"):
-                continue
-            verdict = verdicts.setdefault(r["budget"], {"speedups": {}, "meets": True})
-            verdict["speedups"][row["context"]] = r["speedup"]
-            verdict["meets"] &= r["speedup"] >= goal
-    meeting = [budget for budget, verdict in verdicts.items() if verdict["meets"]]
-    return {"budget": max(meeting, default=None), "goals": goals, "budgets": dict(sorted(verdicts.items()))}
 
 
 def lever_gains(scores: Scores, budget: int) -> list[dict]:
@@ -282,7 +269,7 @@ def report(role: str, context: int) -> dict:
         tasks = group(records, direction)
         if "continuation" not in tasks:
             continue
-        budget = recipe_budget(records, direction)
+        budget = recipe_budget(records, runs, direction)
         rows: dict[str, dict] = {}
         for task, scores in tasks.items():
             for variant in scores.accuracy:

@@ -52,6 +52,7 @@ from peft_kvcache.runtime.refresh import attention_scores, refresh_positions, se
 
 from . import siblings
 from .common import RESULTS
+from .recipe_budget import direction_budget
 from .tasks import ANSWER_TOKENS, DEPTHS, recall_examples
 
 RECORDS = RESULTS / "sibling-recipes"
@@ -341,9 +342,11 @@ def map_facts(folder: Path, kv_map: KVMap, fingerprint: str) -> dict:
 
 def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str, context: int, windows: int,
         per_file: int, recall_cases: int, directions: tuple[str, ...] = ("up", "down"), only: str | None = None,
-        progress: bool = True, records: Path | None = None) -> Path:
+        progress: bool = True, records: Path | None = None, budgets: dict[str, int] | None = None) -> Path:
     """Compute every missing (example, direction, variant) of the role at ``context`` and append it.
-    ``map_sets[label][direction]``: the map folder (``published`` required). ``only``: a variant name substring."""
+    ``map_sets[label][direction]``: the map folder (``published`` required). ``only``: a variant name substring.
+    ``budgets[direction]``: the target budget its recipes are compared at (`recipe_budget`; default the published
+    map's recipe's)."""
     chosen = chosen_defaults() if role == "final" else {}
     missing = {Variant.recipe(name).maps for d, name in chosen.items() if d in directions} - set(map_sets)
     if missing:
@@ -355,15 +358,16 @@ def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str
     commit = code_state()["commit"]
     maps = {d: {label: KVMap.from_pretrained(folders[d]) for label, folders in map_sets.items()} for d in directions}
     prints = {d: {label: map_fingerprint(folders[d]) for label, folders in map_sets.items()} for d in directions}
-    append(path.with_name("runs.jsonl"), {"run": run_id, "role": role, "context": context, **provenance(),
+    budgets = {d: (budgets or {}).get(d) or maps[d]["published"].config.refresh.compute for d in directions}
+    append(path.with_name("runs.jsonl"), {"run": run_id, "role": role, "context": context, "budgets": budgets,
+                                          **provenance(),
                                           "map_sets": {label: {d: map_facts(folders[d], maps[d][label], prints[d][label])
                                                                for d in directions}
                                                        for label, folders in map_sets.items()}})
     levers = tuple(label for label in map_sets if label != "published")
     plan = {}
     for d in directions:
-        plan[d] = [v for v in variants_for(maps[d]["published"].config.refresh.compute, levers, role == "final",
-                                           chosen.get(d))
+        plan[d] = [v for v in variants_for(budgets[d], levers, role == "final", chosen.get(d))
                    if only is None or only in v.name or v.kind in ("full", "no_context")]
     done = {record_key(r["example"], r["direction"], r["variant"], r["map"]) for r in read_records(path)}
     dtype = str(next(models["large"].parameters()).dtype).removeprefix("torch.")
@@ -426,9 +430,10 @@ def main(argv: list[str] | None = None) -> None:
     for spec in args.lever:
         label, _, folder = spec.partition("=")
         map_sets[label] = {d: Path(folder) / siblings.pair_name(d) for d in siblings.DIRECTIONS}
+    budgets = {d: direction_budget(d) for d in args.directions}  # before any model loads: refuses without a sweep
     models, tokenizer = siblings.load_pair()
     run(models, tokenizer, map_sets, args.role, args.context, args.windows, args.per_file, args.recall_cases,
-        tuple(args.directions), args.only)
+        tuple(args.directions), args.only, budgets=budgets)
 
 
 if __name__ == "__main__":

@@ -265,7 +265,7 @@ def main() -> None:
     parser.add_argument("--label", help="another map than the published one (--map): results ttft-<pair>-<label>")
     parser.add_argument("--recipe", help="the recipe timed, by name (`Refresh.named`; default the map's own)")
     parser.add_argument("--sweep", nargs="+", metavar="RECIPE",
-                        help="time these recipes instead (results ttft-<name>-sweep): what budget a TTFT goal leaves")
+                        help="time these recipes instead (results ttft-<pair>-sweep, whichever --map): the budget a TTFT goal leaves")
     parser.add_argument("--random-models", nargs=2, metavar=("SOURCE", "TARGET"), choices=sorted(RANDOM_CONFIGS),
                         help="time randomly initialised models of real shapes instead of the fixtures")
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
@@ -289,16 +289,17 @@ def main() -> None:
         if bool(args.map) != bool(args.label):  # the published map's results are never overwritten by another's
             parser.error("--map and --label go together")
         kv_map = KVMap.from_pretrained(args.map or Path(RESULTS.parents[1] / "hub_cards" / name))
-        name += f"-{args.label}" if args.label else ""
     if args.recipe:
         kv_map.config.refresh = Refresh.named(args.recipe)
-    if args.sweep:
+    if args.sweep:  # one sweep per pair, whichever maps it ran (recorded): it sets the pair's budget
         generator, source_run = torch.Generator().manual_seed(0), lambda ids: run_with_cache(source, ids)
         rows = [sweep(source_run, target, kv_map, torch.randint(100, 20000, (1, n), generator=generator), args.sweep,
                       args.repeats) for n in args.lengths]
-        save(f"ttft-{name}-sweep", {"name": name, "repeats": args.repeats, "rows": rows}, sweep_markdown(name, rows),
-             seeds={"ids": 0})
+        payload = {"name": name, "maps": args.label or "published", "map_parameters": kv_map.num_parameters,
+                   "repeats": args.repeats, "rows": rows}
+        save(f"ttft-{name}-sweep", payload, sweep_markdown(f"{name} ({payload['maps']} maps)", rows), seeds={"ids": 0})
         return
+    name += f"-{args.label}" if args.label else ""
     run(name, lambda ids: run_with_cache(source, ids), target, kv_map, args.lengths, args.repeats, device, dtype)
 
 

@@ -350,3 +350,20 @@ def test_the_ttft_budget_is_the_largest_refresh_budget_meeting_every_goal():
     assert choice["budget"] == 96  # 128 misses 10x at 2k; the hybrid (no probe pass) is no refresh
     assert choice["budgets"][128] == {"speedups": {2048: 50.0 / 5.5, 8192: 240.0 / 7.0}, "meets": False}
     assert recipe_budget.ttft_budget(sweep, {2048: 13})["budget"] is None
+
+
+def test_a_direction_s_budget_comes_from_its_sweep_and_is_refused_without_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(recipe_budget, "RESULTS", tmp_path)
+    with pytest.raises(RecordError, match="--sweep"):
+        recipe_budget.direction_budget("up")
+    stem = recipe_budget.sweep_stem("up")
+    sweep = {"rows": [{"context": 2048, "full": {"median": 40.0},
+                       "recipes": {"refresh@64/p32": {"budget": 64, "speedup": 11.0},
+                                   "refresh@96/p64": {"budget": 96, "speedup": 9.0}}}]}
+    (tmp_path / f"{stem}.json").write_text(json.dumps(sweep))
+    monkeypatch.setattr(recipe_budget, "read_results", lambda name: json.loads((tmp_path / f"{name}.json").read_text()))
+    assert recipe_budget.direction_budget("up") == 64
+    sweep["rows"][0]["recipes"]["refresh@64/p32"]["speedup"] = 9.5
+    (tmp_path / f"{stem}.json").write_text(json.dumps(sweep))
+    with pytest.raises(RecordError, match="smaller budgets"):
+        recipe_budget.direction_budget("up")
