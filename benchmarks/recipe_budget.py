@@ -34,14 +34,12 @@ def sweep_stem(direction: str) -> str:
     return f"ttft-{siblings.pair_name(direction)}-sweep"
 
 
-def direction_budget(direction: str) -> int:
-    """The budget ``direction``'s recipes run at, from its sweep; refuses (`RecordError`) without a sweep, or where no
-    swept budget meets the goals."""
+def direction_budget(direction: str) -> int | None:
+    """The budget ``direction``'s recipes run at, from its sweep: None where no swept refresh meets the goals (the runs
+    then keep the published recipe's budget, and the defaults' TTFT run reports the miss); refuses (`RecordError`)
+    without a sweep."""
     stem = sweep_stem(direction)
     if not (RESULTS / f"{stem}.json").is_file():
         raise RecordError(f"no {stem}.json: the budget comes from a TTFT sweep; run `python -m benchmarks.ttft --pair "
                           f"{direction} --lengths 2048 --sweep refresh@64/p32 refresh@80/p48 ...` first")
-    choice = ttft_budget(read_results(stem))
-    if choice["budget"] is None:
-        raise RecordError(f"no refresh in {stem}.json meets the TTFT goals {TTFT_GOALS}: sweep smaller budgets")
-    return choice["budget"]
+    return ttft_budget(read_results(stem))["budget"]

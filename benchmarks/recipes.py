@@ -341,12 +341,12 @@ def map_facts(folder: Path, kv_map: KVMap, fingerprint: str) -> dict:
 
 
 def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str, context: int, windows: int,
-        per_file: int, recall_cases: int, directions: tuple[str, ...] = ("up", "down"), only: str | None = None,
+        per_file: int, recall_cases: int, directions: tuple[str, ...] = ("up", "down"), only: tuple[str, ...] = (),
         progress: bool = True, records: Path | None = None, budgets: dict[str, int] | None = None) -> Path:
     """Compute every missing (example, direction, variant) of the role at ``context`` and append it.
-    ``map_sets[label][direction]``: the map folder (``published`` required). ``only``: a variant name substring.
-    ``budgets[direction]``: the target budget its recipes are compared at (`recipe_budget`; default the published
-    map's recipe's)."""
+    ``map_sets[label][direction]``: the map folder (``published`` required). ``only``: variant name substrings (any).
+    ``budgets[direction]``: the target budget its recipes are compared at (`recipe_budget`; where absent or None, the
+    published map's recipe's)."""
     chosen = chosen_defaults() if role == "final" else {}
     missing = {Variant.recipe(name).maps for d, name in chosen.items() if d in directions} - set(map_sets)
     if missing:
@@ -368,7 +368,7 @@ def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str
     plan = {}
     for d in directions:
         plan[d] = [v for v in variants_for(budgets[d], levers, role == "final", chosen.get(d))
-                   if only is None or only in v.name or v.kind in ("full", "no_context")]
+                   if not only or any(text in v.name for text in only) or v.kind in ("full", "no_context")]
     done = {record_key(r["example"], r["direction"], r["variant"], r["map"]) for r in read_records(path)}
     dtype = str(next(models["large"].parameters()).dtype).removeprefix("torch.")
 
@@ -412,7 +412,8 @@ def main(argv: list[str] | None = None) -> None:
     go.add_argument("--per-file", type=int, default=2, help="continuation windows per file at most")
     go.add_argument("--recall-cases", type=int, default=8, help="recall examples per kind and depth")
     go.add_argument("--directions", nargs="+", default=["up", "down"], choices=list(siblings.DIRECTIONS))
-    go.add_argument("--only", help="only variants whose name holds this text (full and no_context always)")
+    go.add_argument("--only", action="append", default=[],
+                    help="only variants whose name holds this text; repeat for several (full and no_context always)")
     go.add_argument("--threads", type=int, default=2)
     for p in (go, sub.add_parser("report", help="tables from the records (benchmarks.recipe_report)")):
         p.add_argument("--role", choices=list(siblings.ROLES), required=True)
@@ -433,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
     budgets = {d: direction_budget(d) for d in args.directions}  # before any model loads: refuses without a sweep
     models, tokenizer = siblings.load_pair()
     run(models, tokenizer, map_sets, args.role, args.context, args.windows, args.per_file, args.recall_cases,
-        tuple(args.directions), args.only, budgets=budgets)
+        tuple(args.directions), tuple(args.only), budgets=budgets)
 
 
 if __name__ == "__main__":
