@@ -91,10 +91,9 @@ class Variant:
     def recipe(cls, name: str) -> "Variant":
         """The variant of a library recipe name (``hybrid@B``, ``refresh@B/pP``, ``index@B/pP``: `Refresh.named`),
         on a lever's maps if the name says so (``label:recipe``)."""
-        label, _, recipe = name.rpartition(":")
-        policy = Refresh.named(recipe, PROBE, SPAN)
+        label, policy = parse_recipe(name)
         kind = "hybrid" if not policy.tokens else "refresh" if policy.mapped_middle else "index"
-        return cls(kind, policy.compute, policy.tokens, maps=label or "published")
+        return cls(kind, policy.compute, policy.tokens, maps=label)
 
     @property
     def compute(self) -> int:
@@ -109,6 +108,13 @@ class Variant:
     def recent(self) -> int:
         """The last context tokens a refresh / index variant computes exactly (its probe among them)."""
         return self.budget - PROBE - self.picked
+
+
+def parse_recipe(name: str) -> tuple[str, Refresh]:
+    """A default's name, ``label:recipe`` (on a lever's maps) or ``recipe`` (on the published ones): the maps' label
+    and the library recipe (`Refresh.named`)."""
+    label, _, recipe = name.rpartition(":")
+    return label or "published", Refresh.named(recipe, PROBE, SPAN)
 
 
 def variants_for(budget: int, levers: tuple[str, ...] = (), final: bool = False,

@@ -417,7 +417,7 @@ def default_maps(direction: str) -> str:
     """The maps the final texts report the default on: ``published`` (the capture's fit) or a calibration lever's
     label (`benchmarks.lever_maps`), as the selection texts chose them."""
     reported = figures.final_recipe_reports(direction)
-    return recipes.Variant.recipe(reported[min(reported)]["default"]).maps if reported else "published"
+    return recipes.parse_recipe(reported[min(reported)]["default"])[0] if reported else "published"
 
 
 def default_recipe(direction: str) -> Refresh | None:
@@ -426,7 +426,7 @@ def default_recipe(direction: str) -> Refresh | None:
     (`benchmarks.budget`)."""
     reported = figures.final_recipe_reports(direction)
     if reported:
-        return Refresh.named(reported[min(reported)]["default"].rpartition(":")[2], budget.PROBE, budget.SPAN)
+        return recipes.parse_recipe(reported[min(reported)]["default"])[1]
     if not (RESULTS / "sibling-budget.json").is_file():
         return None
     k = read_results("sibling-budget")["recommended"][direction]
