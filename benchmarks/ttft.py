@@ -111,7 +111,7 @@ class RecipeTimer:
     def __init__(self, source_kv, target, kv_map, context: torch.Tensor, last: torch.Tensor) -> None:
         self.source_kv, self.target, self.kv_map, self.context, self.last = source_kv, target, kv_map, context, last
         self.step = torch.tensor([[context.shape[1]]])
-        self.passes: list[dict] = []
+        self.passes: dict[object, list[dict]] = {}  # per refresh as given (a name, a `Refresh`, None), run by run
 
     def switch(self, refresh) -> Callable[[], None]:
         def run():
@@ -120,17 +120,20 @@ class RecipeTimer:
             started = time.perf_counter()
             forward(self.target, self.last, cache, position_ids=self.step, logits_to_keep=1)
             if cache.refresh is not None:
-                self.passes.append({"probe": cache.refresh.probe_seconds,
-                                    "recompute": cache.refresh.recompute_seconds,
-                                    "first_token": time.perf_counter() - started})
+                self.passes.setdefault(refresh, []).append({"probe": cache.refresh.probe_seconds,
+                                                            "recompute": cache.refresh.recompute_seconds,
+                                                            "first_token": time.perf_counter() - started})
         return run
+
+    def median_passes(self, refresh, runs: int) -> dict:
+        """The medians of the last ``runs`` runs' passes with ``refresh``."""
+        last = self.passes[refresh][-runs:]
+        return {name: statistics.median(run[name] for run in last) for name in last[0]}
 
     def recipe(self, refresh, repeats: int) -> tuple[dict, dict]:
         """Cold-sink timing of the switch with ``refresh`` (None: the map's own recipe) and the medians of its passes
         over the timed runs (the warm-up run's are dropped)."""
-        timing = timed(self.switch(refresh), repeats, before=clear_target_sinks)
-        runs = self.passes[-repeats:]
-        return timing, {name: statistics.median(run[name] for run in runs) for name in runs[0]}
+        return timed(self.switch(refresh), repeats, before=clear_target_sinks), self.median_passes(refresh, repeats)
 
 
 @torch.no_grad()
@@ -168,16 +171,31 @@ def measure(source_run, target, kv_map, ids: torch.Tensor, repeats: int = 5, rec
 @torch.no_grad()
 def sweep(source_run, target, kv_map, ids: torch.Tensor, recipes: list[str], repeats: int = 3) -> dict:
     """TTFT at ``ids``' length of each recipe in ``recipes`` (names, `Refresh.named`), cold sink, beside the
-    target's full prefill in the same run: what budget a TTFT goal leaves a recipe."""
+    target's full prefill in the same run: what budget a TTFT goal leaves a recipe. Timed in rounds (the prefill,
+    then each recipe once; a first round warms up), so that a drift in the machine's speed moves the prefill and the
+    recipes together; a recipe's speedup is the median over rounds of the prefill's time over its own, with the
+    rounds' min and max."""
     length = ids.shape[1]
     context, last = ids[:, :-1], ids[:, -1:]
     timer = RecipeTimer(source_run(context), target, kv_map, context, last)
-    row = {"context": length, "full": timed(lambda: forward(target, ids, None, logits_to_keep=1), repeats),
-           "recipes": {}}
+    runs: dict[str, list[float]] = {"full": [], **{name: [] for name in recipes}}
+    for round_ in range(1 + repeats):
+        seconds = {"full": timed(lambda: forward(target, ids, None, logits_to_keep=1), 1, warmup=0)["median"]}
+        for name in recipes:
+            seconds[name] = timed(timer.switch(name), 1, warmup=0, before=clear_target_sinks)["median"]
+        if round_:
+            for name, value in seconds.items():
+                runs[name].append(value)
+
+    def summary(values: list[float]) -> dict:
+        return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+    row = {"context": length, "full": summary(runs["full"]), "recipes": {}}
     for name in recipes:
-        timing, passes = timer.recipe(Refresh.named(name), repeats)
-        row["recipes"][name] = {"timing": timing, "passes": passes, "budget": Refresh.named(name).compute,
-                                "speedup": row["full"]["median"] / timing["median"]}
+        ratios = summary([full / own for full, own in zip(runs["full"], runs[name])])
+        row["recipes"][name] = {"timing": summary(runs[name]), "passes": timer.median_passes(name, repeats),
+                                "budget": Refresh.named(name).compute, "speedup": ratios["median"],
+                                "speedup_min": ratios["min"], "speedup_max": ratios["max"]}
     return row
 
 
@@ -209,6 +227,10 @@ def markdown(name: str, rows: list[dict], machine: dict) -> str:
 
 
 def sweep_markdown(name: str, rows: list[dict]) -> str:
+    def speedup(r: dict) -> str:
+        spread = f" [{r['speedup_min']:.1f}, {r['speedup_max']:.1f}]" if "speedup_min" in r else ""
+        return f"{r['speedup']:.1f}x{spread}"
+
     header = ["context", "full prefill", "recipe", "target compute", "TTFT", "speedup",
               "passes: probe / recompute / first token / rest"]
     body = []
@@ -217,10 +239,12 @@ def sweep_markdown(name: str, rows: list[dict]) -> str:
             rest = r["timing"]["median"] - sum(r["passes"].values())
             body.append([row["context"], interval(row["full"]["median"], row["full"]["min"], row["full"]["max"], 2) + " s",
                          recipe, r["budget"], interval(r["timing"]["median"], r["timing"]["min"], r["timing"]["max"], 2)
-                         + " s", f"{r['speedup']:.1f}x",
+                         + " s", speedup(r),
                          " / ".join(f"{t:.2f}" for t in [*r["passes"].values(), rest]) + " s"])
     return (f"## TTFT by recipe: {name}\n\nCold sink; median [min, max] of the runs; {torch.get_num_threads()} threads. "
-            "Target compute: context tokens the target computes (the probe counted once).\n\n" + table(header, body) + "\n")
+            "Speedup: the median over rounds (each times the prefill, then every recipe) of the prefill's time over the "
+            "recipe's. Target compute: context tokens the target computes (the probe counted once).\n\n"
+            + table(header, body) + "\n")
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
