@@ -5,6 +5,7 @@ whole files."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,6 @@ from peft_kvcache import MappedCache
 from peft_kvcache.calibration.retention import cached_logits, window_logits
 from peft_kvcache.errors import CacheMismatchError, RecordError
 from peft_kvcache.maps.config import Refresh, parameter_count
-from peft_kvcache.runtime.target_sink import clear_target_sinks
 
 CONTEXT, CONTINUATION = 56, 8
 
@@ -253,17 +253,19 @@ def test_positions_are_picked_before_the_recent_window_even_where_attention_peak
     policy = Refresh.named("refresh@56/p8")  # a recent window of 16 before the probe: positions 24..39
     window_start = CONTEXT - PROBE - policy.recent_tokens
 
+    real_probe_pass = refresh.probe_pass
+
     def peaked(target, cache, probe_ids, offset=0, sink_ids=None):
+        probed = real_probe_pass(target, cache, probe_ids, offset, sink_ids=sink_ids)  # the pass runs (the sink)
         scores = torch.zeros(cache.get_seq_length())
         scores[window_start:] = 1.0  # the probe attends only to its recent window
         scores[8:16] = 0.5
-        return scores
+        return replace(probed, scores=scores)
 
-    monkeypatch.setattr(refresh, "attention_scores", peaked)
+    monkeypatch.setattr(refresh, "probe_pass", peaked)
     ids = example_run.example.ids
     cache = MappedCache.from_source(example_run.source_kv, sibling_map, example_run.target, input_ids=ids[None, :CONTEXT],
                                     refresh_tokens=policy, verify_models=False)
-    clear_target_sinks()  # a cold sink is the probe pass's to compute, which this one faked: memoize nothing of it
     picked = cache.refresh.positions
     assert picked.numel() == 8 and int(picked.max()) < window_start and len(set(picked.tolist()) & set(range(8, 16))) >= 4
 

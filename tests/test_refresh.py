@@ -296,7 +296,7 @@ def test_the_refresh_accounts_each_pass_it_runs(sibling_pair, sibling_map, monke
 
     source, target = sibling_pair
     context = random_ids(1, 33, seed=10)[0][None, :-1]
-    monkeypatch.setattr(refresh, "attention_scores", slowed(refresh.attention_scores))
+    monkeypatch.setattr(refresh, "probe_pass", slowed(refresh.probe_pass))
     probed = MappedCache.from_source(source, sibling_map, target, input_ids=context, refresh_tokens=Refresh(6, 4))
     assert probed.refresh.probe_seconds >= 0.2 > probed.refresh.recompute_seconds > 0
     monkeypatch.setattr(refresh, "refresh_positions", slowed(refresh.refresh_positions))
@@ -304,31 +304,53 @@ def test_the_refresh_accounts_each_pass_it_runs(sibling_pair, sibling_map, monke
     assert hybrid.refresh.probe_seconds == 0 and hybrid.refresh.recompute_seconds >= 0.2
 
 
-def test_a_cold_sink_is_computed_inside_the_probe_pass_with_the_same_result(sibling_pair, sibling_map):
+@pytest.fixture(scope="module")
+def grouped_pair():
+    """A source and a target whose query heads share KV heads (the grouped eager attention's own path)."""
+    from peft_kvcache import KVMap
+
+    source = tiny_model("qwen2", seed=0)
+    target = tiny_model("qwen2", seed=2, hidden_size=96, num_hidden_layers=3, num_attention_heads=6,
+                        num_key_value_heads=2, intermediate_size=160)
+    return source, target, KVMap.calibrate(source, target, random_ids(12, 48), progress=False)
+
+
+@pytest.mark.parametrize("sink_tokens, offset, recipe", [(1, 0, "refresh@40/p6"), (3, 5, "refresh@40/p6"),
+                                                         (3, 0, "index@40/p6")])
+def test_a_cold_sink_is_computed_inside_the_probe_pass_with_the_same_result(grouped_pair, sink_tokens, offset, recipe):
     """Where the target's sink is not memoized, the refresh's probe pass computes it (one pass over the target's
     weights fewer): the cache, the picked positions and the memoized sink match a switch whose sink was computed
     alone beforehand."""
     from peft_kvcache.runtime.target_sink import clear_target_sinks, sink_is_memoized, target_sink
 
-    source, target = sibling_pair
-    context = random_ids(1, 40, seed=11)[0][None, :-1]
-    recipe, ones = Refresh(6, 4), torch.ones(1, 1, dtype=torch.long)
+    source, target, kv_map = grouped_pair
+    context = random_ids(1, 48, seed=11)[0][None, :-1]
+    ones = torch.ones(1, sink_tokens, dtype=torch.long)
     calls = []
     hook = target.register_forward_hook(lambda module, args, out: calls.append(1))
+    options = kv_map.config.calibration.options  # the sink the map was fitted without, set for this test
+    recorded = options.sink_tokens
+    switch = lambda: MappedCache.from_source(source, kv_map, target, input_ids=context,  # noqa: E731
+                                             position_offset=offset, refresh_tokens=recipe)
     try:
+        options.sink_tokens = sink_tokens
         clear_target_sinks()
-        cold = MappedCache.from_source(source, sibling_map, target, input_ids=context, refresh_tokens=recipe)
+        cold = switch()
         cold_passes = len(calls)
-        assert sink_is_memoized(target, context[:, :1], ones, 0)
-        memo = target_sink(target, context[:, :1], ones, 0)
+        assert sink_is_memoized(target, context[:, :sink_tokens], ones, offset)
+        memo = target_sink(target, context[:, :sink_tokens], ones, offset)
         clear_target_sinks()
-        alone = target_sink(target, context[:, :1], ones, 0)  # the sink computed alone, then a warm switch
+        alone = target_sink(target, context[:, :sink_tokens], ones, offset)  # the sink alone, then a warm switch
         calls.clear()
-        warm = MappedCache.from_source(source, sibling_map, target, input_ids=context, refresh_tokens=recipe)
+        warm = switch()
     finally:
+        options.sink_tokens = recorded
         hook.remove()
+        clear_target_sinks()
     assert cold_passes == len(calls) == 2  # cold: probe (with the sink) + recompute; warm: the same two
     assert torch.equal(cold.refresh.positions, warm.refresh.positions)
-    assert _max_error(cold, warm.captured()) < 1e-5
+    assert max(float((a.keys - b.keys).abs().max()) + float((a.values - b.values).abs().max())
+               for a, b in zip(cold.layers, warm.layers)) < 1e-5
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(memo.keys + memo.values, alone.keys + alone.values))
-    assert float((cold.layers[0].keys[:, :, 0] - warm.layers[0].keys[:, :, 0]).abs().max()) < 1e-5
+    assert max(float((c.keys[:, :, :sink_tokens] - k).abs().max())  # the cold cache holds the target's own sink
+               for c, k in zip(cold.layers, alone.keys)) < 1e-5

@@ -381,7 +381,7 @@ class MappedCache(ContextCache):
         if policy is not None:  # before the positions are set: the refresh writes inside the context
             cache.refresh = refresh_cache(target_model, cache, input_ids, policy, sink_tokens, position_offset,
                                           compute_sink=sink_in_probe)
-            if sink_in_probe:
+            if sink_in_probe:  # the probe pass wrote the target's own sink and returned it (`probe_pass`)
                 remember_sink(target_model, input_ids[:, :sink_tokens], attention_mask[:, :sink_tokens],
                               position_offset, cache.refresh.sink, target_key)
         cache.next_positions = target_positions[:, -1] + 1 if length else torch.full((batch,), position_offset)

@@ -55,35 +55,53 @@ class RefreshResult:
     sink: CapturedKV | None = None  # the target's own sink KV, where the probe pass computed it (``compute_sink``)
 
 
-@torch.no_grad()
-def attention_scores(target_model, cache: "MappedCache", probe_ids: torch.Tensor, position_offset: int = 0,
-                     every_probe_token: bool = False, sink_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """``[context]``: how strongly the last of the ``probe_ids`` ``[1, W]`` tokens, run on top of ``cache``
-    (batch 1, left as it was), attends to each cached position: per layer the maximum attention weight
-    over heads, averaged over layers (a position one head retrieves sharply counts, not only positions
-    every head skims). The last token is the one whose prediction starts the answer. ``every_probe_token``
-    returns ``[W, context]``, one row per probe token.
+@dataclass
+class ProbeResult:
+    """A probe pass: the attention ``scores`` (`attention_scores`) and, where it computed them, the target's own sink
+    KV it wrote into the cache (``sink``)."""
 
-    ``sink_ids`` ``[1, S]``: the cache's first S positions are still mapped; the same pass computes the target's own
-    KV for them (they attend only to themselves) and writes it in place, the probe attending to it, which saves a
-    pass over the target's weights where the sink is not memoized yet."""
+    scores: torch.Tensor
+    sink: CapturedKV | None = None
+
+
+@torch.no_grad()
+def probe_pass(target_model, cache: "MappedCache", probe_ids: torch.Tensor, position_offset: int = 0,
+               every_probe_token: bool = False, sink_ids: torch.Tensor | None = None) -> ProbeResult:
+    """Run ``probe_ids`` ``[1, W]`` on top of ``cache`` (batch 1, left holding what it held) and read where they
+    attend (`attention_scores`). ``sink_ids`` ``[1, S]``: the cache's first S positions are still mapped; the same
+    pass computes the target's own KV for them (they attend only to themselves), writes it in place and returns it,
+    the probe attending to it: a pass over the target's weights fewer where the sink is not memoized yet. The
+    scores of those S positions are then about 0 (the probe does not see the mapped ones)."""
     length, width = cache.get_seq_length(), probe_ids.shape[1]
     sink = torch.arange(0 if sink_ids is None else sink_ids.shape[1])
     tokens = probe_ids if sink_ids is None else torch.cat([sink_ids.cpu(), probe_ids.cpu()], dim=1)
     mask, queries = None, torch.arange(length, length + width)
     if sink.numel():
         mask, queries = _pass_mask(length, sink, width, cache.layers[0].keys.dtype)
+    own_sink = None
     try:
         with eager_attention(target_model):
             out = forward(target_model, tokens, cache, position_ids=(queries + position_offset)[None],
                           attention_mask=mask, output_attentions=True)
         if sink.numel():
             _move_into_place(cache, length, sink, width)
+            own_sink = CapturedKV([layer.keys[:, :, :sink.numel()].clone() for layer in cache.layers],
+                                  [layer.values[:, :, :sink.numel()].clone() for layer in cache.layers])
     finally:
         cache.truncate(length)
     rows = slice(sink.numel(), None) if every_probe_token else -1
     per_layer = [a[0, :, rows, :length].float().amax(dim=0).cpu() for a in out.attentions]
-    return torch.stack(per_layer).mean(0)
+    return ProbeResult(torch.stack(per_layer).mean(0), own_sink)
+
+
+def attention_scores(target_model, cache: "MappedCache", probe_ids: torch.Tensor, position_offset: int = 0,
+                     every_probe_token: bool = False) -> torch.Tensor:
+    """``[context]``: how strongly the last of the ``probe_ids`` ``[1, W]`` tokens, run on top of ``cache``
+    (batch 1, left as it was), attends to each cached position: per layer the maximum attention weight
+    over heads, averaged over layers (a position one head retrieves sharply counts, not only positions
+    every head skims). The last token is the one whose prediction starts the answer. ``every_probe_token``
+    returns ``[W, context]``, one row per probe token."""
+    return probe_pass(target_model, cache, probe_ids, position_offset, every_probe_token).scores
 
 
 def select_spans(scores: torch.Tensor, budget: int, span: int = 8, first: int = 1) -> torch.Tensor:
@@ -182,7 +200,7 @@ def refresh_cache(target_model, cache: "MappedCache", input_ids: torch.Tensor, p
     positions). With ``policy.tokens`` 0 no probe pass runs: the last tokens are computed over the mapped prefix.
 
     ``compute_sink``: the cache's first ``sink_tokens`` are still mapped, and the probe pass computes the target's own
-    sink in the same pass (`attention_scores`; ``RefreshResult.sink`` holds it for the sink memo); only where
+    sink in the same pass (`probe_pass`; ``RefreshResult.sink`` holds it for the sink memo); only where
     `runs_probe_pass`.
 
     A probe longer than the context allows is shortened; a recent window or a budget larger than the positions left
@@ -197,7 +215,8 @@ def refresh_cache(target_model, cache: "MappedCache", input_ids: torch.Tensor, p
     if input_ids.shape[0] != 1:
         raise CacheMismatchError("the refresh works on one conversation at a time (batch 1)")
     if compute_sink and not runs_probe_pass(policy, length, sink_tokens):
-        raise ValueError("compute_sink needs a refresh that runs a probe pass (runs_probe_pass)")
+        raise CacheMismatchError(f"compute_sink needs a refresh that runs a probe pass (runs_probe_pass): {policy.name} "
+                                 f"on {length} tokens runs none")
     probe = min(policy.probe_tokens, length - sink_tokens - 1)
     if probe < 1:  # no context beyond the sink to refresh
         return RefreshResult(torch.empty(0, dtype=torch.long), 0, 0)
@@ -221,12 +240,10 @@ def refresh_cache(target_model, cache: "MappedCache", input_ids: torch.Tensor, p
     with cache.restored_on_error():
         started = time.perf_counter()
         cache.truncate(start)
-        scores = attention_scores(target_model, cache, input_ids[:, start:], position_offset,
-                                  sink_ids=input_ids[:, :sink_tokens] if compute_sink else None)
-        sink = CapturedKV([layer.keys[:, :, :sink_tokens].clone() for layer in cache.layers],
-                          [layer.values[:, :, :sink_tokens].clone() for layer in cache.layers]) if compute_sink else None
-        positions = select_spans(scores[:window_start], budget, policy.span, first=sink_tokens)
-        probed = time.perf_counter()
+        probed = probe_pass(target_model, cache, input_ids[:, start:], position_offset,
+                            sink_ids=input_ids[:, :sink_tokens] if compute_sink else None)
+        positions = select_spans(probed.scores[:window_start], budget, policy.span, first=sink_tokens)
+        probe_done = time.perf_counter()
         if policy.mapped_middle:
             recomputed = torch.cat([positions, torch.arange(window_start, start)])
             refresh_positions(target_model, cache, input_ids[:, :start], recomputed, position_offset,
@@ -235,7 +252,7 @@ def refresh_cache(target_model, cache: "MappedCache", input_ids: torch.Tensor, p
             _keep_only(target_model, cache, input_ids, torch.cat([torch.arange(sink_tokens), positions,
                                                                   torch.arange(window_start, length)]),
                        position_offset)
-    return RefreshResult(positions, probe, budget, probed - started, time.perf_counter() - probed, sink)
+    return RefreshResult(positions, probe, budget, probe_done - started, time.perf_counter() - probe_done, probed.sink)
 
 
 def _keep_only(target_model, cache: "MappedCache", input_ids: torch.Tensor, kept: torch.Tensor,
@@ -246,5 +263,5 @@ def _keep_only(target_model, cache: "MappedCache", input_ids: torch.Tensor, kept
     cache.hold_only(kept, own.pairs())
 
 
-__all__ = ["RefreshResult", "attention_scores", "refresh_cache", "refresh_positions", "runs_probe_pass",
-           "select_spans"]
+__all__ = ["ProbeResult", "RefreshResult", "attention_scores", "probe_pass", "refresh_cache", "refresh_positions",
+           "runs_probe_pass", "select_spans"]
