@@ -23,7 +23,8 @@ from peft_kvcache.calibration.gate import measure_quality
 from peft_kvcache.lab.corpus import corpus_description, stdlib_texts, token_ids
 from peft_kvcache import load_model
 from peft_kvcache.maps.adapter_maps import folder_name
-from peft_kvcache.maps.config import DataRecord, TextRecord, to_json
+from peft_kvcache.maps.config import DataRecord, TextRecord
+from peft_kvcache.maps.records import to_json
 
 from . import adapters, scaling, siblings
 from .common import ADAPTERS, SMOLLM, save, start_run, table

@@ -16,7 +16,8 @@ import torch
 from peft_kvcache import KVMap
 from peft_kvcache.calibration.nonlinear import fit_nonlinear_heads
 from peft_kvcache.lab.corpus import stdlib_texts
-from peft_kvcache.maps.config import Refresh, to_json
+from peft_kvcache.maps.config import Refresh
+from peft_kvcache.maps.records import to_json
 
 from .common import save, start_run, table
 from .levers import Lever, score_variants

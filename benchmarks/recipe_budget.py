@@ -1,8 +1,10 @@
 """The target budget a sibling direction's recipes run at: the largest the TTFT goals leave. A `benchmarks.ttft` sweep
 (``--sweep``, results ``ttft-<pair>-sweep``) times refreshes of several budgets against the target's full prefill in
-one run; the budget is the largest whose refresh (probe pass included: the costliest recipe at a budget) meets the
-goal at every swept context length that has one. The selection and final runs compare recipes at that budget, so the
-default they choose can reach the goals by construction (the defaults' own TTFT run checks it)."""
+one run; the budget is the largest B such that the refresh (probe pass included: the costliest recipe at a budget) of
+every swept budget up to B meets the goal at every swept context length that has one (a budget that passes only by
+noise above one that failed does not count). Goals at lengths the sweep did not time are not checked here: the
+defaults' own TTFT run reports them. Where no swept budget meets the goals, the runs keep the published recipe's
+budget and say so."""
 
 from __future__ import annotations
 
@@ -14,9 +16,9 @@ TTFT_GOALS = {2048: 10, 8192: 30}  # the sibling defaults' TTFT speedup goals by
 
 
 def ttft_budget(sweep: dict, goals: dict[int, int] = TTFT_GOALS) -> dict:
-    """The largest target budget whose refresh meets the TTFT goal at every swept context length that has one, from a
-    sweep's payload; None if no swept refresh does. Returns the budget and, per swept budget, the speedup at each
-    length and whether it passed."""
+    """The budget a sweep's payload leaves (None if its smallest refresh already misses a goal), per swept budget the
+    slowest refresh's speedup at each length with a goal and whether it met them all, the lengths checked and the
+    goals' lengths the sweep did not time."""
     verdicts: dict[int, dict] = {}
     for row in sweep["rows"]:
         goal = goals.get(row["context"])
@@ -24,22 +26,31 @@ def ttft_budget(sweep: dict, goals: dict[int, int] = TTFT_GOALS) -> dict:
             if goal is None or not name.startswith("refresh@"):
                 continue
             verdict = verdicts.setdefault(r["budget"], {"speedups": {}, "meets": True})
-            verdict["speedups"][row["context"]] = r["speedup"]
+            verdict["speedups"][row["context"]] = min(r["speedup"], verdict["speedups"].get(row["context"], r["speedup"]))
             verdict["meets"] &= r["speedup"] >= goal
-    meeting = [budget for budget, verdict in verdicts.items() if verdict["meets"]]
-    return {"budget": max(meeting, default=None), "goals": goals, "budgets": dict(sorted(verdicts.items()))}
+    budget = None
+    for candidate, verdict in sorted(verdicts.items()):
+        if not verdict["meets"]:
+            break
+        budget = candidate
+    swept = sorted({row["context"] for row in sweep["rows"]})
+    return {"budget": budget, "goals": goals, "budgets": dict(sorted(verdicts.items())),
+            "checked": [n for n in swept if n in goals], "unchecked": sorted(set(goals) - set(swept))}
 
 
 def sweep_stem(direction: str) -> str:
     return f"ttft-{siblings.pair_name(direction)}-sweep"
 
 
-def direction_budget(direction: str) -> int | None:
-    """The budget ``direction``'s recipes run at, from its sweep: None where no swept refresh meets the goals (the runs
-    then keep the published recipe's budget, and the defaults' TTFT run reports the miss); refuses (`RecordError`)
-    without a sweep."""
+def direction_budget(direction: str) -> dict:
+    """Where ``direction``'s budget comes from: its sweep's choice (``budget``, None where no swept refresh meets the
+    goals: the runs then keep the published recipe's), the maps it ran, the lengths checked and unchecked. Refuses
+    (`RecordError`) without a sweep."""
     stem = sweep_stem(direction)
     if not (RESULTS / f"{stem}.json").is_file():
         raise RecordError(f"no {stem}.json: the budget comes from a TTFT sweep; run `python -m benchmarks.ttft --pair "
-                          f"{direction} --lengths 2048 --sweep refresh@64/p32 refresh@80/p48 ...` first")
-    return ttft_budget(read_results(stem))["budget"]
+                          f"{direction} --lengths 2048 8192 --sweep refresh@64/p32 refresh@80/p48 ...` first")
+    sweep = read_results(stem)
+    choice = ttft_budget(sweep)
+    return {"budget": choice["budget"], "sweep": stem, "maps": sweep.get("maps", "published"),
+            "checked": choice["checked"], "unchecked": choice["unchecked"]}

@@ -119,6 +119,20 @@ def recipe_budget(records: list[dict], runs: list[dict], direction: str) -> int:
     return max(set(budgets), key=budgets.count) if budgets else 0
 
 
+def budget_note(runs: list[dict], direction: str) -> str:
+    """Where the latest run's budget in ``direction`` came from, in a sentence ("" for runs that did not record it)."""
+    sources = [run["budget_sources"][direction] for run in runs if direction in run.get("budget_sources", {})]
+    if not sources:
+        return ""
+    source = sources[-1]
+    said = f"The budget, {source['budget']}, comes from {source['from']}"
+    if "sweep" in source:
+        said += f" (`{source['sweep']}.md`, timed with the {source['maps']} maps"
+        said += f"; goals checked at {', '.join(map(str, source['checked'])) or 'no length'}"
+        said += f", not at {', '.join(map(str, source['unchecked']))})" if source.get("unchecked") else ")"
+    return said + "."
+
+
 def control_of(variant: str, compute: int) -> str | None:
     """The window-only control at the variant's target compute (none for the references and the controls)."""
     if variant in ("full", "no_context") or variant.startswith("window@") or compute < 2:
@@ -333,6 +347,7 @@ def report(role: str, context: int) -> dict:
                       "yes" if v["qualifies"] else "no"]
                      for name, v in sorted(choice["candidates"].items(), key=lambda kv: -kv[1]["continuation"])]
             lines += [f"## {siblings.pair_name(direction)}, the default", "",
+                      *([budget_note(runs, direction), ""] if budget_note(runs, direction) else []),
                       f"Candidates at the budget: continuation interval against the window-only control not below "
                       f"zero, pooled recall >= {RECALL_FLOOR}"
                       + ("" if limit is None else f", maps within {limit:,} multiply-adds per token (the target's "

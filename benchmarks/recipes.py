@@ -291,6 +291,16 @@ def chosen_defaults(context: int = SELECTION_CONTEXT) -> dict[str, str]:
     return {d: row["choice"]["default"] for d, row in directions.items() if (row.get("choice") or {}).get("default")}
 
 
+def budget_sources(role: str, directions) -> dict[str, dict]:
+    """Where each direction's budget comes from: on selection texts its TTFT sweep (`recipe_budget.direction_budget`),
+    on final texts the selection report's (the default was chosen at that budget; its controls run at the same)."""
+    if role != "final":
+        return {d: {**direction_budget(d), "from": "the TTFT sweep"} for d in directions}
+    chosen_defaults()  # refuses without a selection report
+    report = json.loads((RESULTS / f"sibling-recipes-selection-{SELECTION_CONTEXT}.json").read_text())["directions"]
+    return {d: {"budget": report[d]["budget"], "from": "the selection report"} for d in directions if d in report}
+
+
 def records_path(role: str, context: int) -> Path:
     return RECORDS / f"{role}-{context}.jsonl"
 
@@ -348,11 +358,11 @@ def map_facts(folder: Path, kv_map: KVMap, fingerprint: str) -> dict:
 
 def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str, context: int, windows: int,
         per_file: int, recall_cases: int, directions: tuple[str, ...] = ("up", "down"), only: tuple[str, ...] = (),
-        progress: bool = True, records: Path | None = None, budgets: dict[str, int] | None = None) -> Path:
+        progress: bool = True, records: Path | None = None, budgets: dict[str, dict] | None = None) -> Path:
     """Compute every missing (example, direction, variant) of the role at ``context`` and append it.
     ``map_sets[label][direction]``: the map folder (``published`` required). ``only``: variant name substrings (any).
-    ``budgets[direction]``: the target budget its recipes are compared at (`recipe_budget`; where absent or None, the
-    published map's recipe's)."""
+    ``budgets[direction]``: where the target budget its recipes are compared at comes from (`budget_sources`; its
+    ``budget`` absent or None: the published map's recipe's), recorded with the run."""
     chosen = chosen_defaults() if role == "final" else {}
     missing = {Variant.recipe(name).maps for d, name in chosen.items() if d in directions} - set(map_sets)
     if missing:
@@ -364,8 +374,14 @@ def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str
     commit = code_state()["commit"]
     maps = {d: {label: KVMap.from_pretrained(folders[d]) for label, folders in map_sets.items()} for d in directions}
     prints = {d: {label: map_fingerprint(folders[d]) for label, folders in map_sets.items()} for d in directions}
-    budgets = {d: (budgets or {}).get(d) or maps[d]["published"].config.refresh.compute for d in directions}
+    sources = {d: dict((budgets or {}).get(d) or {}) for d in directions}
+    for d, source in sources.items():
+        if source.get("budget") is None:
+            missed = " (no swept budget meets the TTFT goals)" if source else ""
+            source.update(budget=maps[d]["published"].config.refresh.compute, **{"from": "the published recipe" + missed})
+    budgets = {d: source["budget"] for d, source in sources.items()}
     append(path.with_name("runs.jsonl"), {"run": run_id, "role": role, "context": context, "budgets": budgets,
+                                          "budget_sources": sources,
                                           **provenance(),
                                           "map_sets": {label: {d: map_facts(folders[d], maps[d][label], prints[d][label])
                                                                for d in directions}
@@ -437,7 +453,7 @@ def main(argv: list[str] | None = None) -> None:
     for spec in args.lever:
         label, _, folder = spec.partition("=")
         map_sets[label] = {d: Path(folder) / siblings.pair_name(d) for d in siblings.DIRECTIONS}
-    budgets = {d: direction_budget(d) for d in args.directions}  # before any model loads: refuses without a sweep
+    budgets = budget_sources(args.role, args.directions)  # before any model loads: refuses without a sweep
     models, tokenizer = siblings.load_pair()
     run(models, tokenizer, map_sets, args.role, args.context, args.windows, args.per_file, args.recall_cases,
         tuple(args.directions), tuple(args.only), budgets=budgets)

@@ -103,6 +103,11 @@ def floors(device: torch.device, dtype: torch.dtype) -> dict:
     return {"bandwidth_bytes_per_s": 2 * data.numel() * 4 / copy, "matmul_flops_per_s": 2 * 2048**3 / matmul}
 
 
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class RecipeTimer:
     """Times switches at one length: map ``source_kv`` (the source's cache of ``context``, untimed: the source holds
     it at a switch) into ``target`` with a refresh, and run the next token (``last``) on the result; each recipe's
@@ -117,8 +122,10 @@ class RecipeTimer:
         def run():
             cache = MappedCache.from_source(self.source_kv, self.kv_map, self.target, input_ids=self.context,
                                             refresh_tokens=refresh)
+            synchronize()  # the first token's clock starts when the switch's work is done, not queued
             started = time.perf_counter()
             forward(self.target, self.last, cache, position_ids=self.step, logits_to_keep=1)
+            synchronize()
             if cache.refresh is not None:
                 self.passes.setdefault(refresh, []).append({"probe": cache.refresh.probe_seconds,
                                                             "recompute": cache.refresh.recompute_seconds,
@@ -153,7 +160,7 @@ def measure(source_run, target, kv_map, ids: torch.Tensor, repeats: int = 5, rec
            "cold": timed(timer.switch(0), repeats, before=clear_target_sinks), "warm": timed(timer.switch(0), repeats),
            "map_only": timed(lambda: MappedCache.from_source(timer.source_kv, kv_map, target, input_ids=context,
                                                              refresh_tokens=0), repeats)}
-    if recipe and kv_map.config.refresh is not None:
+    if recipe and kv_map.config.refresh is not None and kv_map.config.refresh.active:
         row["recipe"], row["recipe_stages"] = timer.recipe(None, repeats)
         row["recipe_name"] = kv_map.config.refresh.name  # what "recipe" timed
     for name in ("cold", "warm", "recipe"):
@@ -178,11 +185,14 @@ def sweep(source_run, target, kv_map, ids: torch.Tensor, recipes: list[str], rep
     length = ids.shape[1]
     context, last = ids[:, :-1], ids[:, -1:]
     timer = RecipeTimer(source_run(context), target, kv_map, context, last)
+    recommended = kv_map.config.refresh  # names are read with its probe and span, as `from_source` reads them
+    policies = {name: Refresh.named(name, **({} if recommended is None else {
+        "probe_tokens": recommended.probe_tokens, "span": recommended.span})) for name in recipes}
     runs: dict[str, list[float]] = {"full": [], **{name: [] for name in recipes}}
     for round_ in range(1 + repeats):
         seconds = {"full": timed(lambda: forward(target, ids, None, logits_to_keep=1), 1, warmup=0)["median"]}
-        for name in recipes:
-            seconds[name] = timed(timer.switch(name), 1, warmup=0, before=clear_target_sinks)["median"]
+        for name, policy in policies.items():
+            seconds[name] = timed(timer.switch(policy), 1, warmup=0, before=clear_target_sinks)["median"]
         if round_:
             for name, value in seconds.items():
                 runs[name].append(value)
@@ -193,8 +203,8 @@ def sweep(source_run, target, kv_map, ids: torch.Tensor, recipes: list[str], rep
     row = {"context": length, "full": summary(runs["full"]), "recipes": {}}
     for name in recipes:
         ratios = summary([full / own for full, own in zip(runs["full"], runs[name])])
-        row["recipes"][name] = {"timing": summary(runs[name]), "passes": timer.median_passes(name, repeats),
-                                "budget": Refresh.named(name).compute, "speedup": ratios["median"],
+        row["recipes"][name] = {"timing": summary(runs[name]), "passes": timer.median_passes(policies[name], repeats),
+                                "budget": policies[name].compute, "speedup": ratios["median"],
                                 "speedup_min": ratios["min"], "speedup_max": ratios["max"]}
     return row
 
@@ -298,6 +308,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    if args.sweep and (args.recipe or len(set(args.sweep)) < len(args.sweep)):
+        parser.error("--sweep takes distinct recipes and no --recipe (it times each recipe it names)")
     torch.set_num_threads(args.threads)
     dtype, device = getattr(torch, args.dtype), torch.device(args.device)
     if args.random_models:

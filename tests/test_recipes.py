@@ -113,7 +113,9 @@ def test_records_resume_where_a_run_stopped(tmp_path, sibling_pair, sibling_map,
     items = [Example(f"continuation/{i}.py@0", f"{i}.py", "continuation", x, CONTINUATION) for i, x in enumerate(ids)]
     monkeypatch.setattr(recipes, "examples", lambda *args: items)
     plan = [Variant("full"), Variant("no_context"), Variant("window", 40), Variant("hybrid", 40)]
-    monkeypatch.setattr(recipes, "variants_for", lambda budget, levers=(), final=False, chosen=None: plan)
+    asked = []  # the budgets the plan was asked for
+    monkeypatch.setattr(recipes, "variants_for",
+                        lambda budget, levers=(), final=False, chosen=None: asked.append(budget) or plan)
     path = tmp_path / "records.jsonl"
     maps = {"published": {d: tmp_path / "maps" / recipes.siblings.pair_name(d) for d in ("up", "down")}}
     run = lambda: recipes.run({"small": source, "large": target}, None, maps, "selection", CONTEXT, 3, 1, 0,
@@ -123,6 +125,7 @@ def test_records_resume_where_a_run_stopped(tmp_path, sibling_pair, sibling_map,
     assert len(first) == 3 * len(plan) and {r["map"] for r in first if r["variant"] == "hybrid@40"} != {None}
     entry = json.loads(path.with_name("runs.jsonl").read_text().splitlines()[-1])
     assert entry["budgets"] == {"up": sibling_map.config.refresh.compute}  # no budgets given: the published recipe's
+    assert entry["budget_sources"]["up"]["from"] == "the published recipe"
     facts = entry["map_sets"]["published"]["up"]
     assert facts["fingerprint"] == first[-1]["map"] and facts["parameters"] == parameter_count(sibling_map.config)
     assert facts["options"] == {}  # the sibling fixture's map is fitted with the default options
@@ -132,6 +135,13 @@ def test_records_resume_where_a_run_stopped(tmp_path, sibling_pair, sibling_map,
     again = recipes.read_records(path)
     assert len(again) == 3 * len(plan)
     assert [r["correct"] for r in again] == [r["correct"] for r in first]  # recomputed exactly as before
+    for given, budget, said in (({"budget": 40, "from": "the TTFT sweep"}, 40, "the TTFT sweep"),
+                                ({"budget": None, "sweep": "ttft-x-sweep"}, sibling_map.config.refresh.compute,
+                                 "the published recipe (no swept budget meets the TTFT goals)")):
+        recipes.run({"small": source, "large": target}, None, maps, "selection", CONTEXT, 3, 1, 0, directions=("up",),
+                    progress=False, records=path, budgets={"up": given})
+        entry = json.loads(path.with_name("runs.jsonl").read_text().splitlines()[-1])
+        assert asked[-1] == entry["budgets"]["up"] == budget and entry["budget_sources"]["up"]["from"] == said
 
 
 def test_the_bootstrap_resamples_whole_files():
@@ -353,7 +363,14 @@ def test_the_ttft_budget_is_the_largest_refresh_budget_meeting_every_goal():
     choice = recipe_budget.ttft_budget(sweep, {2048: 10, 8192: 30})
     assert choice["budget"] == 96  # 128 misses 10x at 2k; the hybrid (no probe pass) is no refresh
     assert choice["budgets"][128] == {"speedups": {2048: 50.0 / 5.5, 8192: 240.0 / 7.0}, "meets": False}
+    assert (choice["checked"], choice["unchecked"]) == ([2048, 8192], [])
     assert recipe_budget.ttft_budget(sweep, {2048: 13})["budget"] is None
+    sweep["rows"][0]["recipes"]["refresh@160/p128"] = {"budget": 160, "speedup": 10.5}  # above a miss: noise
+    assert recipe_budget.ttft_budget(sweep, {2048: 10})["budget"] == 96
+    sweep["rows"][0]["recipes"]["refresh@96/p32"] = {"budget": 96, "speedup": 9.0}  # a slower refresh at 96
+    choice = recipe_budget.ttft_budget(sweep, {2048: 10, 16384: 60})
+    assert choice["budget"] == 64 and choice["budgets"][96]["speedups"][2048] == 9.0
+    assert choice["unchecked"] == [16384]  # a goal at a length the sweep did not time is said, not met
 
 
 def test_a_direction_s_budget_comes_from_its_sweep_and_is_refused_without_one(tmp_path, monkeypatch):
@@ -361,12 +378,23 @@ def test_a_direction_s_budget_comes_from_its_sweep_and_is_refused_without_one(tm
     with pytest.raises(RecordError, match="--sweep"):
         recipe_budget.direction_budget("up")
     stem = recipe_budget.sweep_stem("up")
-    sweep = {"rows": [{"context": 2048, "full": {"median": 40.0},
-                       "recipes": {"refresh@64/p32": {"budget": 64, "speedup": 11.0},
-                                   "refresh@96/p64": {"budget": 96, "speedup": 9.0}}}]}
+    sweep = {"maps": "basis512", "rows": [{"context": 2048, "full": {"median": 40.0},
+                                           "recipes": {"refresh@64/p32": {"budget": 64, "speedup": 11.0},
+                                                       "refresh@96/p64": {"budget": 96, "speedup": 9.0}}}]}
     (tmp_path / f"{stem}.json").write_text(json.dumps(sweep))
     monkeypatch.setattr(recipe_budget, "read_results", lambda name: json.loads((tmp_path / f"{name}.json").read_text()))
-    assert recipe_budget.direction_budget("up") == 64
+    assert recipe_budget.direction_budget("up") == {"budget": 64, "sweep": stem, "maps": "basis512", "checked": [2048],
+                                                    "unchecked": [8192]}
     sweep["rows"][0]["recipes"]["refresh@64/p32"]["speedup"] = 9.5
     (tmp_path / f"{stem}.json").write_text(json.dumps(sweep))
-    assert recipe_budget.direction_budget("up") is None  # none meets the goals: the runs keep the published budget
+    assert recipe_budget.direction_budget("up")["budget"] is None  # none meets the goals: the published budget stays
+
+
+def test_the_report_says_where_each_budget_came_from():
+    runs = [{"budget_sources": {"up": {"budget": 160, "from": "the published recipe"}}},
+            {"budget_sources": {"up": {"budget": 64, "from": "the TTFT sweep", "sweep": "ttft-up-sweep",
+                                       "maps": "basis512", "checked": [2048], "unchecked": [8192]}}}]
+    assert recipe_report.budget_note(runs, "up") == ("The budget, 64, comes from the TTFT sweep (`ttft-up-sweep.md`, "
+                                                     "timed with the basis512 maps; goals checked at 2048, not at 8192).")
+    assert recipe_report.budget_note(runs[:1], "up") == "The budget, 160, comes from the published recipe."
+    assert recipe_report.budget_note(runs, "down") == ""
