@@ -22,7 +22,7 @@ from ..modeling.capture import CapturedKV, cache_states, run_with_cache
 from ..modeling.identity import weights_key
 from ..modeling.layout import check_token_ids, layer_placements, vocab_size_of
 from ..modeling.positions import positions_from_mask, rotary_spec_of
-from .refresh import RefreshResult, refresh_cache, runs_probe_pass
+from .refresh import RefreshResult, refresh_cache, refresh_runs
 from .target_sink import remember_sink, sink_is_memoized, with_target_sink
 
 logger = logging.getLogger(__name__)
@@ -363,13 +363,13 @@ class MappedCache(ContextCache):
                            layer_placements(target_model), source_rotary=None if source_is_cache else rotary_spec_of(source),
                            target_rotary=rotary_spec_of(target_model))
         sink_tokens = kv_map.config.sink_tokens
-        # a cold sink (not memoized) is computed inside the refresh's probe pass where one runs: one pass over the
+        # a cold sink (not memoized) is computed inside the refresh's first pass where one runs: one pass over the
         # target's weights fewer
-        sink_in_probe = (sink_tokens > 0 and policy is not None and input_ids is not None
-                         and runs_probe_pass(policy, length, sink_tokens)
-                         and not sink_is_memoized(target_model, input_ids[:, :sink_tokens],
-                                                  attention_mask[:, :sink_tokens], position_offset, target_key))
-        if sink_tokens > 0 and not sink_in_probe:
+        sink_in_refresh = (sink_tokens > 0 and policy is not None and input_ids is not None
+                           and refresh_runs(policy, length, sink_tokens)
+                           and not sink_is_memoized(target_model, input_ids[:, :sink_tokens],
+                                                    attention_mask[:, :sink_tokens], position_offset, target_key))
+        if sink_tokens > 0 and not sink_in_refresh:
             if input_ids is None:
                 logger.warning(
                     "no input_ids given with the source cache: the first %d token(s) (the attention sink) are "
@@ -380,8 +380,8 @@ class MappedCache(ContextCache):
         cache = cls(mapped, kv_map=kv_map)
         if policy is not None:  # before the positions are set: the refresh writes inside the context
             cache.refresh = refresh_cache(target_model, cache, input_ids, policy, sink_tokens, position_offset,
-                                          compute_sink=sink_in_probe)
-            if sink_in_probe:  # the probe pass wrote the target's own sink and returned it (`probe_pass`)
+                                          compute_sink=sink_in_refresh)
+            if sink_in_refresh:  # the refresh's first pass wrote the target's own sink and returned it
                 remember_sink(target_model, input_ids[:, :sink_tokens], attention_mask[:, :sink_tokens],
                               position_offset, cache.refresh.sink, target_key)
         cache.next_positions = target_positions[:, -1] + 1 if length else torch.full((batch,), position_offset)

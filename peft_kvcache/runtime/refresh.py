@@ -52,7 +52,7 @@ class RefreshResult:
     budget: int
     probe_seconds: float = 0.0
     recompute_seconds: float = 0.0
-    sink: CapturedKV | None = None  # the target's own sink KV, where the probe pass computed it (``compute_sink``)
+    sink: CapturedKV | None = None  # the target's own sink KV, where the refresh computed it (``compute_sink``)
 
 
 @dataclass
@@ -85,8 +85,7 @@ def probe_pass(target_model, cache: "MappedCache", probe_ids: torch.Tensor, posi
                           attention_mask=mask, output_attentions=True)
         if sink.numel():
             _move_into_place(cache, length, sink, width)
-            own_sink = CapturedKV([layer.keys[:, :, :sink.numel()].clone() for layer in cache.layers],
-                                  [layer.values[:, :, :sink.numel()].clone() for layer in cache.layers])
+            own_sink = _leading(cache, sink.numel())
     finally:
         cache.truncate(length)
     rows = slice(sink.numel(), None) if every_probe_token else -1
@@ -152,6 +151,12 @@ def refresh_positions(target_model, cache: "MappedCache", context_ids: torch.Ten
     _move_into_place(cache, length, positions, appended)
 
 
+def _leading(cache: "MappedCache", tokens: int) -> CapturedKV:
+    """A copy of the cache's first ``tokens`` positions (a sink a pass just computed, for the memo)."""
+    return CapturedKV([layer.keys[:, :, :tokens].clone() for layer in cache.layers],
+                      [layer.values[:, :, :tokens].clone() for layer in cache.layers])
+
+
 def _pass_mask(length: int, positions: torch.Tensor, appended: int, dtype: torch.dtype) -> tuple[torch.Tensor,
                                                                                                   torch.Tensor]:
     """The ``[1, 1, queries, length + queries]`` additive mask of a pass that recomputes the cache ``positions``
@@ -183,10 +188,10 @@ def _move_into_place(cache: "MappedCache", length: int, positions: torch.Tensor,
             setattr(layer, name, states[:, :, :length + appended])
 
 
-def runs_probe_pass(policy: Refresh, length: int, sink_tokens: int) -> bool:
-    """Whether `refresh_cache` runs a probe pass with ``policy`` on a ``length``-token context: a recipe that picks
-    positions, with a context longer than the sink and one token."""
-    return policy.tokens > 0 and min(policy.probe_tokens, length - sink_tokens - 1) >= 1
+def refresh_runs(policy: Refresh, length: int, sink_tokens: int) -> bool:
+    """Whether `refresh_cache` runs the target on a ``length``-token context with ``policy`` (a probe pass, or the
+    hybrid's recompute pass): a context longer than the sink and one token. A cold sink is computed in that pass."""
+    return min(policy.probe_tokens, length - sink_tokens - 1) >= 1
 
 
 @torch.no_grad()
@@ -199,9 +204,10 @@ def refresh_cache(target_model, cache: "MappedCache", input_ids: torch.Tensor, p
     ``policy.mapped_middle`` False the cache ends holding only the sink and what the target computed (at their true
     positions). With ``policy.tokens`` 0 no probe pass runs: the last tokens are computed over the mapped prefix.
 
-    ``compute_sink``: the cache's first ``sink_tokens`` are still mapped, and the probe pass computes the target's own
-    sink in the same pass (`probe_pass`; ``RefreshResult.sink`` holds it for the sink memo); only where
-    `runs_probe_pass`.
+    ``compute_sink``: the cache's first ``sink_tokens`` are still mapped, and the refresh's first pass computes the
+    target's own sink with its other tokens (the probe pass, `probe_pass`, or the hybrid's recompute pass; the sink's
+    tokens attend only to themselves, so the result is the sink computed alone); ``RefreshResult.sink`` holds it for
+    the sink memo. Only where `refresh_runs`.
 
     A probe longer than the context allows is shortened; a recent window or a budget larger than the positions left
     is clamped to them, the budget with a warning (the target then computes the whole context: ordinary prefill).
@@ -214,9 +220,9 @@ def refresh_cache(target_model, cache: "MappedCache", input_ids: torch.Tensor, p
     length = input_ids.shape[1]
     if input_ids.shape[0] != 1:
         raise CacheMismatchError("the refresh works on one conversation at a time (batch 1)")
-    if compute_sink and not runs_probe_pass(policy, length, sink_tokens):
-        raise CacheMismatchError(f"compute_sink needs a refresh that runs a probe pass (runs_probe_pass): {policy.name} "
-                                 f"on {length} tokens runs none")
+    if compute_sink and not refresh_runs(policy, length, sink_tokens):
+        raise CacheMismatchError(f"compute_sink needs a refresh that runs the target (refresh_runs): {policy.name} on "
+                                 f"{length} tokens runs nothing")
     probe = min(policy.probe_tokens, length - sink_tokens - 1)
     if probe < 1:  # no context beyond the sink to refresh
         return RefreshResult(torch.empty(0, dtype=torch.long), 0, 0)
@@ -225,11 +231,13 @@ def refresh_cache(target_model, cache: "MappedCache", input_ids: torch.Tensor, p
     no_positions = torch.empty(0, dtype=torch.long)
     if policy.tokens == 0:  # nothing to pick: the recent window and the probe over the mapped prefix
         started = time.perf_counter()
+        sink = torch.arange(sink_tokens if compute_sink else 0)
         with cache.restored_on_error():
             cache.truncate(window_start)
-            refresh_positions(target_model, cache, input_ids[:, :window_start], no_positions, position_offset,
+            refresh_positions(target_model, cache, input_ids[:, :window_start], sink, position_offset,
                               append_ids=input_ids[:, window_start:])
-        return RefreshResult(no_positions, probe, 0, recompute_seconds=time.perf_counter() - started)
+        return RefreshResult(no_positions, probe, 0, recompute_seconds=time.perf_counter() - started,
+                             sink=_leading(cache, sink_tokens) if compute_sink else None)
     available = window_start - sink_tokens
     budget = policy.tokens
     if budget > available:
@@ -264,4 +272,4 @@ def _keep_only(target_model, cache: "MappedCache", input_ids: torch.Tensor, kept
 
 
 __all__ = ["ProbeResult", "RefreshResult", "attention_scores", "probe_pass", "refresh_cache", "refresh_positions",
-           "runs_probe_pass", "select_spans"]
+           "refresh_runs", "select_spans"]
