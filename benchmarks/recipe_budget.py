@@ -2,7 +2,8 @@
 (``--sweep``, results ``ttft-<pair>-sweep``) times refreshes of several budgets against the target's full prefill in
 one run; the budget is the largest B such that the refresh (probe pass included: the costliest recipe at a budget) of
 every swept budget up to B meets the goal at every swept context length that has one (a budget that passes only by
-noise above one that failed does not count). Goals at lengths the sweep did not time are not checked here: the
+noise above one that failed does not count), and a default's maps may cost no more per token than the maps the sweep
+timed. Goals at lengths the sweep did not time are not checked here: the
 defaults' own TTFT run reports them. Where no swept budget meets the goals, the runs keep the published recipe's
 budget and say so."""
 
@@ -44,8 +45,9 @@ def sweep_stem(direction: str) -> str:
 
 def direction_budget(direction: str) -> dict:
     """Where ``direction``'s budget comes from: its sweep's choice (``budget``, None where no swept refresh meets the
-    goals: the runs then keep the published recipe's), the maps it ran, the lengths checked and unchecked. Refuses
-    (`RecordError`) without a sweep."""
+    goals: the runs then keep the published recipe's), the maps it ran and their multiply-adds per token (a default's
+    maps may cost no more: only those were timed), the lengths checked and unchecked. Refuses (`RecordError`) without
+    a sweep."""
     stem = sweep_stem(direction)
     if not (RESULTS / f"{stem}.json").is_file():
         raise RecordError(f"no {stem}.json: the budget comes from a TTFT sweep; run `python -m benchmarks.ttft --pair "
@@ -53,4 +55,5 @@ def direction_budget(direction: str) -> dict:
     sweep = read_results(stem)
     choice = ttft_budget(sweep)
     return {"budget": choice["budget"], "sweep": stem, "maps": sweep.get("maps", "published"),
-            "checked": choice["checked"], "unchecked": choice["unchecked"]}
+            "multiply_adds_per_token": sweep.get("map_multiply_adds_per_token"), "checked": choice["checked"],
+            "unchecked": choice["unchecked"]}

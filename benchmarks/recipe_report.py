@@ -119,12 +119,24 @@ def recipe_budget(records: list[dict], runs: list[dict], direction: str) -> int:
     return max(set(budgets), key=budgets.count) if budgets else 0
 
 
+def budget_source(runs: list[dict], direction: str) -> dict | None:
+    """Where the latest run's budget in ``direction`` came from (`recipes.budget_sources`; None for older runs)."""
+    sources = [run["budget_sources"][direction] for run in runs if direction in run.get("budget_sources", {})]
+    return sources[-1] if sources else None
+
+
+def cost_limit(runs: list[dict], direction: str) -> int:
+    """The most multiply-adds per token a default's maps may cost: `map_cost_limit`, and no more than the maps the
+    TTFT sweep that set the budget timed (a costlier map's recipe was not timed at that budget)."""
+    timed = (budget_source(runs, direction) or {}).get("multiply_adds_per_token")
+    return map_cost_limit(direction) if timed is None else min(map_cost_limit(direction), timed)
+
+
 def budget_note(runs: list[dict], direction: str) -> str:
     """Where the latest run's budget in ``direction`` came from, in a sentence ("" for runs that did not record it)."""
-    sources = [run["budget_sources"][direction] for run in runs if direction in run.get("budget_sources", {})]
-    if not sources:
+    source = budget_source(runs, direction)
+    if source is None:
         return ""
-    source = sources[-1]
     said = f"The budget, {source['budget']}, comes from {source['from']}"
     if "sweep" in source:
         said += f" (`{source['sweep']}.md`, timed with the {source['maps']} maps"
@@ -295,7 +307,7 @@ def report(role: str, context: int) -> dict:
         if role == "selection":
             levers_compete = any(row.get("maps", "published") != "published" for row in rows.values())
             choice = choose_default(rows, budget, {label: f["multiply_adds_per_token"] for label, f in facts.items()},
-                                    map_cost_limit(direction) if levers_compete else None)
+                                    cost_limit(runs, direction) if levers_compete else None)
         # the default these texts choose (selection) or report (final: the one the selection texts chose)
         default = choice["default"] if choice else chosen_defaults().get(direction)
         if default is not None and default not in rows:
@@ -350,8 +362,9 @@ def report(role: str, context: int) -> dict:
                       *([budget_note(runs, direction), ""] if budget_note(runs, direction) else []),
                       f"Candidates at the budget: continuation interval against the window-only control not below "
                       f"zero, pooled recall >= {RECALL_FLOOR}"
-                      + ("" if limit is None else f", maps within {limit:,} multiply-adds per token (the target's "
-                         f"prefill per token at {TTFT_LENGTH} tokens over the {TTFT_GOAL}x TTFT goal)") + ".", "",
+                      + ("" if limit is None else f", maps within {limit:,} multiply-adds per token (the least of "
+                         f"the target's prefill per token at {TTFT_LENGTH} tokens over the {TTFT_GOAL}x TTFT goal and "
+                         "the maps the budget's TTFT sweep timed)") + ".", "",
                       table(["recipe", "continuation", "minus window-only", "recall", "map multiply-adds per token",
                              "qualifies"], cells), "",
                       f"Default earned: **{choice['default']}**" if choice["default"] else "No recipe qualifies.", ""]

@@ -334,7 +334,7 @@ def main() -> None:
         rows = [sweep(source_run, target, kv_map, torch.randint(100, 20000, (1, n), generator=generator), args.sweep,
                       args.repeats) for n in args.lengths]
         payload = {"name": name, "maps": args.label or "published", "map_parameters": kv_map.num_parameters,
-                   "repeats": args.repeats, "rows": rows}
+                   "map_multiply_adds_per_token": kv_map.multiply_adds_per_token, "repeats": args.repeats, "rows": rows}
         save(f"ttft-{name}-sweep", payload, sweep_markdown(f"{name} ({payload['maps']} maps)", rows), seeds={"ids": 0})
         return
     name += f"-{args.label}" if args.label else ""

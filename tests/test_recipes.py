@@ -378,13 +378,13 @@ def test_a_direction_s_budget_comes_from_its_sweep_and_is_refused_without_one(tm
     with pytest.raises(RecordError, match="--sweep"):
         recipe_budget.direction_budget("up")
     stem = recipe_budget.sweep_stem("up")
-    sweep = {"maps": "basis512", "rows": [{"context": 2048, "full": {"median": 40.0},
-                                           "recipes": {"refresh@64/p32": {"budget": 64, "speedup": 11.0},
-                                                       "refresh@96/p64": {"budget": 96, "speedup": 9.0}}}]}
+    row = {"context": 2048, "full": {"median": 40.0}, "recipes": {"refresh@64/p32": {"budget": 64, "speedup": 11.0},
+                                                                   "refresh@96/p64": {"budget": 96, "speedup": 9.0}}}
+    sweep = {"maps": "basis512", "map_multiply_adds_per_token": 400, "rows": [row]}
     (tmp_path / f"{stem}.json").write_text(json.dumps(sweep))
     monkeypatch.setattr(recipe_budget, "read_results", lambda name: json.loads((tmp_path / f"{name}.json").read_text()))
     assert recipe_budget.direction_budget("up") == {"budget": 64, "sweep": stem, "maps": "basis512", "checked": [2048],
-                                                    "unchecked": [8192]}
+                                                    "unchecked": [8192], "multiply_adds_per_token": 400}
     sweep["rows"][0]["recipes"]["refresh@64/p32"]["speedup"] = 9.5
     (tmp_path / f"{stem}.json").write_text(json.dumps(sweep))
     assert recipe_budget.direction_budget("up")["budget"] is None  # none meets the goals: the published budget stays
@@ -398,3 +398,13 @@ def test_the_report_says_where_each_budget_came_from():
                                                      "timed with the basis512 maps; goals checked at 2048, not at 8192).")
     assert recipe_report.budget_note(runs[:1], "up") == "The budget, 160, comes from the published recipe."
     assert recipe_report.budget_note(runs, "down") == ""
+
+
+def test_a_defaults_maps_cost_no_more_than_the_maps_its_budgets_sweep_timed(monkeypatch):
+    monkeypatch.setattr(recipe_report, "map_cost_limit", lambda direction: 1000)
+    timed = {"budget_sources": {"up": {"budget": 64, "from": "the TTFT sweep", "sweep": "s", "maps": "basis512",
+                                       "multiply_adds_per_token": 400, "checked": [2048], "unchecked": []}}}
+    assert recipe_report.cost_limit([timed], "up") == 400  # a costlier map's recipe was not timed at this budget
+    assert recipe_report.cost_limit([timed], "down") == 1000
+    timed["budget_sources"]["up"]["multiply_adds_per_token"] = 5000
+    assert recipe_report.cost_limit([timed], "up") == 1000  # the TTFT goal's own bound still holds
