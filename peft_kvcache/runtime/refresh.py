@@ -9,8 +9,9 @@ cache before it and to the refreshed tokens before it, at its true position — 
 replace the mapped ones; the probe tokens are recomputed on top in the same pass.
 
 Cost: ``2 * probe + budget`` target tokens over the context (plus a recent window, if any; vs the whole context
-for prefill), in two passes over the target's weights (the probe, then refresh + probe again). With every context
-position refreshed the result is exactly the target's own prefill (a test checks this). The probe pass runs with
+for prefill), in two passes over the target's weights (the probe, then refresh + probe again); a sink the target has
+not computed yet for these first tokens rides the first pass (its tokens attend only to themselves) instead of a
+pass of its own. With every context position refreshed the result is exactly the target's own prefill (a test checks this). The probe pass runs with
 eager attention (transformers returns attention weights only from it) over grouped KV heads
 (`_compat.eager_attention`); the recompute pass, whose mask is explicit, with SDPA over grouped KV heads where the
 model runs SDPA (`_compat.masked_attention`): neither copies a KV head per query head. Two other recipes

@@ -48,14 +48,14 @@ def target_sink(target_model, ids: torch.Tensor, mask: torch.Tensor, position_of
 
 def sink_is_memoized(target_model, ids: torch.Tensor, mask: torch.Tensor, position_offset: int,
                      target_key: tuple | None = None) -> bool:
-    """Whether `target_sink` holds these leading ``ids`` already (a switch that runs a probe pass otherwise computes
-    the sink inside it: `peft_kvcache.runtime.refresh.attention_scores`)."""
+    """Whether `target_sink` holds these leading ``ids`` already (a switch whose refresh runs the target otherwise
+    computes the sink inside the refresh's first pass: `peft_kvcache.runtime.refresh.refresh_cache`)."""
     return _SINKS.holds(target_model, _sink_key(target_model, ids, mask, position_offset, target_key))
 
 
 def remember_sink(target_model, ids: torch.Tensor, mask: torch.Tensor, position_offset: int, sink: CapturedKV,
                   target_key: tuple | None = None) -> None:
-    """Memoize ``sink``, the target's own KV of the leading ``ids`` computed elsewhere (a probe pass)."""
+    """Memoize ``sink``, the target's own KV of the leading ``ids`` computed elsewhere (a refresh's first pass)."""
     _SINKS.get(target_model, _sink_key(target_model, ids, mask, position_offset, target_key), lambda: sink)
 
 
