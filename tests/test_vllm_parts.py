@@ -313,3 +313,29 @@ def test_the_step_share_option_is_checked_by_name():
     assert ConnectorOptions.parse({"maps": None, "mode": "exact"}).step_share == 0.2
     with pytest.raises(ConnectorError, match="step_share"):
         ConnectorOptions.parse({"maps": None, "mode": "exact", "step_share": 1.0}).validate()
+
+
+def test_a_switch_waits_for_its_own_map_not_for_every_map_the_loader_reads():
+    import threading
+
+    from peft_kvcache.vllm.worker import LoadedMaps
+
+    maps, second = LoadedMaps(), threading.Event()
+
+    def loader():
+        maps.put("a", "map a")
+        second.wait(10)  # the loader is slow on the next map
+        maps.put("b", "map b")
+        maps.finish()
+
+    threading.Thread(target=loader, daemon=True).start()
+    read = lambda folder: f"read {folder}"  # noqa: E731
+    got: list = []
+    asking = threading.Thread(target=lambda: got.append(maps.get("a", read)), daemon=True)
+    asking.start()
+    asking.join(5)
+    assert got == ["map a"] and not second.is_set()  # answered while the loader still works on "b"
+    second.set()
+    assert maps.get("b", read) == "map b"
+    assert maps.get("c", read) == "read c"  # not found at start: read by whoever asks, once the loader is done
+    assert maps.get("c", lambda folder: "read again") == "read c"

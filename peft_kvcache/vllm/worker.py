@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -38,6 +38,42 @@ from .store import KVStore, StoredKV
 logger = logging.getLogger(__name__)
 
 
+class LoadedMaps:
+    """The maps a background loader reads at start, each usable as soon as it is read: a switch waits for its own map,
+    not for every map under the root (with a hundred adapters' maps, the first switch would wait for all of them)."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Condition()
+        self._maps: dict[str, KVMap | str] = {}  # folder -> its map, or why it could not be loaded
+        self._finished = False
+
+    def put(self, folder: str, found: KVMap | str) -> None:
+        with self._ready:
+            self._maps[folder] = found
+            self._ready.notify_all()
+
+    def finish(self) -> None:
+        """The loader is done: a folder it did not read is read by whoever asks for it."""
+        with self._ready:
+            self._finished = True
+            self._ready.notify_all()
+
+    def get(self, folder: str, read: Callable[[str], KVMap]) -> KVMap | str:
+        """``folder``'s map (or why it could not be loaded), waiting until the loader has read it or finished; a folder
+        the loader never reads (not found at start) is read now with ``read``."""
+        with self._ready:
+            self._ready.wait_for(lambda: folder in self._maps or self._finished)
+            if folder in self._maps:
+                return self._maps[folder]
+        found = read(folder)
+        self.put(folder, found)
+        return found
+
+    def loaded(self) -> int:
+        with self._ready:
+            return sum(isinstance(m, KVMap) for m in self._maps.values())
+
+
 class WorkerSide:
     """See the module. ``kv_cache_config``: the engine's (block count); ``shard``: this rank's tensor-parallel place."""
 
@@ -52,8 +88,7 @@ class WorkerSide:
         self.layout: PagedLayout | None = None
         self.problem: str | None = None
         self.store = KVStore()
-        self._maps: dict[str, KVMap | str] = {}  # folder -> its map, or why it could not be loaded
-        self._preload: threading.Thread | None = None
+        self._maps = LoadedMaps()
         self._report = WorkerReport()
         # the job thread's queue and what it finished, read by the engine's thread under the lock
         self.async_loads = self.shard.world == 1
@@ -72,6 +107,7 @@ class WorkerSide:
             ordered = sorted(kv_caches.items(), key=lambda item: _layer_index(item[0]))
         except ValueError:
             self._disable(f"cannot order the cache's layers by name: {sorted(kv_caches)[:3]}")
+            self._maps.finish()  # nothing is loaded in the background: a map asked for is read then
             return
         seen: set[int] = set()
         for name, tensor in ordered:
@@ -85,26 +121,30 @@ class WorkerSide:
             keep_freed_memory()
             if self.async_loads:
                 self._slicer = StepSlicer(self.step_share)
-        if self.maps_root is not None:  # every map this engine's model could use, read off the engine loop
-            self._preload = threading.Thread(target=self._load_maps, name="peft-kvcache-maps", daemon=True)
-            self._preload.start()
+        if self.maps_root is None:
+            self._maps.finish()
+        else:  # every map this engine's model could use, read off the engine loop
+            threading.Thread(target=self._load_maps, name="peft-kvcache-maps", daemon=True).start()
 
     def _load_maps(self) -> None:
         """Load the maps under ``maps_root`` fitted for this engine's KV layout (a failure is kept as the reason)."""
-        layout = KVLayout.of_config(self.vllm_config.model_config.hf_config)
-        registry = MapRegistry([self.maps_root])
-        for folder, config in registry.configs.items():
-            if config.source_layout == config.target_layout == layout:
-                try:
-                    kv_map = KVMap.from_pretrained(folder)
-                    if self.layers:  # cast (or factored) now, not at the first switch
-                        place_map(kv_map, self.layers[0].device)
-                    self._maps[folder] = kv_map
-                except Exception as err:  # a damaged map: the scheduler is told, and stops choosing it
-                    self._maps[folder] = f"{type(err).__name__}: {err}"
-                    with self._lock:
-                        self._report.failed_maps[folder] = self._maps[folder]
-        logger.info("peft-kvcache: %d map(s) loaded at start", sum(isinstance(m, KVMap) for m in self._maps.values()))
+        try:
+            layout = KVLayout.of_config(self.vllm_config.model_config.hf_config)
+            registry = MapRegistry([self.maps_root])
+            for folder, config in registry.configs.items():
+                if config.source_layout == config.target_layout == layout:
+                    try:
+                        kv_map = KVMap.from_pretrained(folder)
+                        if self.layers:  # cast (or factored) now, not at the first switch
+                            place_map(kv_map, self.layers[0].device)
+                        self._maps.put(folder, kv_map)
+                    except Exception as err:  # a damaged map: the scheduler is told, and stops choosing it
+                        self._maps.put(folder, f"{type(err).__name__}: {err}")
+                        with self._lock:
+                            self._report.failed_maps[folder] = f"{type(err).__name__}: {err}"
+        finally:  # a switch waiting for a map this loader never reads reads it itself
+            self._maps.finish()
+        logger.info("peft-kvcache: %d map(s) loaded at start", self._maps.loaded())
 
     def _check_layout(self) -> None:
         """Once, before the first job: what the engine declares its cache to be, checked on every layer."""
@@ -324,12 +364,9 @@ class WorkerSide:
         return list(keys[:, self.shard.heads]), list(values[:, self.shard.heads])
 
     def _map(self, folder: str) -> KVMap:
-        """A map loaded at start (waiting for the loader if a switch comes first); one it could not load fails."""
-        if self._preload is not None:
-            self._preload.join()
-        if folder not in self._maps:  # not one of the maps found at start (another folder): read it now
-            self._maps[folder] = KVMap.from_pretrained(folder)
-        found = self._maps[folder]
+        """A map loaded at start (waiting for the loader to read it if a switch comes first); one it could not load
+        fails."""
+        found = self._maps.get(folder, KVMap.from_pretrained)
         if isinstance(found, str):
             raise CacheMismatchError(f"map {folder} could not be loaded at start: {found}")
         return found
