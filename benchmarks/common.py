@@ -37,11 +37,21 @@ def timed(fn: Callable[[], object], repeats: int = 5, warmup: int = 1, before: C
             before()
         started = time.perf_counter()
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        synchronize()
         if i >= warmup:
             runs.append(time.perf_counter() - started)
-    return {"median": statistics.median(runs), "min": min(runs), "max": max(runs), "runs": runs}
+    return spread(runs)
+
+
+def spread(values: list[float]) -> dict:
+    """Median, min, max and every value (what `timed` returns)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def synchronize() -> None:
+    """Wait for queued CUDA work (no-op without CUDA): a clock read after it counts the work."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def save(stem: str, payload: dict, markdown: str, **provenance) -> Path:

@@ -3,9 +3,8 @@
 one run; the budget is the largest B such that the refresh (probe pass included: the costliest recipe at a budget) of
 every swept budget up to B meets the goal at every swept context length that has one (a budget that passes only by
 noise above one that failed does not count), and a default's maps may cost no more per token than the maps the sweep
-timed. Goals at lengths the sweep did not time are not checked here: the
-defaults' own TTFT run reports them. Where no swept budget meets the goals, the runs keep the published recipe's
-budget and say so."""
+timed. Goals at lengths the sweep did not time are not checked here: the defaults' own TTFT run reports them. Where
+no swept budget meets the goals, the runs keep the published recipe's budget and say so."""
 
 from __future__ import annotations
 

@@ -359,7 +359,7 @@ def report(role: str, context: int) -> dict:
                       "yes" if v["qualifies"] else "no"]
                      for name, v in sorted(choice["candidates"].items(), key=lambda kv: -kv[1]["continuation"])]
             lines += [f"## {siblings.pair_name(direction)}, the default", "",
-                      *([budget_note(runs, direction), ""] if budget_note(runs, direction) else []),
+                      *([note, ""] if (note := budget_note(runs, direction)) else []),
                       f"Candidates at the budget: continuation interval against the window-only control not below "
                       f"zero, pooled recall >= {RECALL_FLOOR}"
                       + ("" if limit is None else f", maps within {limit:,} multiply-adds per token (the least of "

@@ -34,10 +34,10 @@ from peft_kvcache.calibration.statistics import ModelSide
 from peft_kvcache.maps.config import KVMapConfig
 from peft_kvcache.maps.recipe import Refresh
 from peft_kvcache.modeling.capture import forward, run_with_cache
-from peft_kvcache.runtime.cache import ContextCache
+from peft_kvcache.runtime.cache import ContextCache, refresh_policy
 from peft_kvcache.runtime.target_sink import clear_target_sinks
 
-from .common import RESULTS, interval, save, start_run, table, timed
+from .common import RESULTS, interval, save, spread, start_run, synchronize, table, timed
 
 # Real configs of sizes timed with random weights (timing does not need trained weights).
 RANDOM_CONFIGS = {
@@ -103,11 +103,6 @@ def floors(device: torch.device, dtype: torch.dtype) -> dict:
     return {"bandwidth_bytes_per_s": 2 * data.numel() * 4 / copy, "matmul_flops_per_s": 2 * 2048**3 / matmul}
 
 
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 class RecipeTimer:
     """Times switches at one length: map ``source_kv`` (the source's cache of ``context``, untimed: the source holds
     it at a switch) into ``target`` with a refresh, and run the next token (``last``) on the result; each recipe's
@@ -161,7 +156,7 @@ def measure(source_run, target, kv_map, ids: torch.Tensor, repeats: int = 5, rec
            "map_only": timed(lambda: MappedCache.from_source(timer.source_kv, kv_map, target, input_ids=context,
                                                              refresh_tokens=0), repeats)}
     if recipe and kv_map.config.refresh is not None and kv_map.config.refresh.active:
-        row["recipe"], row["recipe_stages"] = timer.recipe(None, repeats)
+        row["recipe"], row["recipe_passes"] = timer.recipe(None, repeats)
         row["recipe_name"] = kv_map.config.refresh.name  # what "recipe" timed
     for name in ("cold", "warm", "recipe"):
         if name in row:
@@ -185,9 +180,7 @@ def sweep(source_run, target, kv_map, ids: torch.Tensor, recipes: list[str], rep
     length = ids.shape[1]
     context, last = ids[:, :-1], ids[:, -1:]
     timer = RecipeTimer(source_run(context), target, kv_map, context, last)
-    recommended = kv_map.config.refresh  # names are read with its probe and span, as `from_source` reads them
-    policies = {name: Refresh.named(name, **({} if recommended is None else {
-        "probe_tokens": recommended.probe_tokens, "span": recommended.span})) for name in recipes}
+    policies = {name: refresh_policy(kv_map, name) for name in recipes}  # read as `from_source` reads a name
     runs: dict[str, list[float]] = {"full": [], **{name: [] for name in recipes}}
     for round_ in range(1 + repeats):
         seconds = {"full": timed(lambda: forward(target, ids, None, logits_to_keep=1), 1, warmup=0)["median"]}
@@ -196,17 +189,18 @@ def sweep(source_run, target, kv_map, ids: torch.Tensor, recipes: list[str], rep
         if round_:
             for name, value in seconds.items():
                 runs[name].append(value)
-
-    def summary(values: list[float]) -> dict:
-        return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
-
-    row = {"context": length, "full": summary(runs["full"]), "recipes": {}}
+    row = {"context": length, "full": spread(runs["full"]), "recipes": {}}
     for name in recipes:
-        ratios = summary([full / own for full, own in zip(runs["full"], runs[name])])
-        row["recipes"][name] = {"timing": summary(runs[name]), "passes": timer.median_passes(policies[name], repeats),
+        ratios = spread([full / own for full, own in zip(runs["full"], runs[name])])
+        row["recipes"][name] = {"timing": spread(runs[name]), "passes": timer.median_passes(policies[name], repeats),
                                 "budget": policies[name].compute, "speedup": ratios["median"],
                                 "speedup_min": ratios["min"], "speedup_max": ratios["max"]}
     return row
+
+
+def passes_cell(passes: dict, total: float) -> str:
+    """A recipe's median passes (probe / recompute / first token) and the rest of its median ``total``, in seconds."""
+    return " / ".join(f"{seconds:.2f}" for seconds in [*passes.values(), total - sum(passes.values())]) + " s"
 
 
 def markdown(name: str, rows: list[dict], machine: dict) -> str:
@@ -216,20 +210,14 @@ def markdown(name: str, rows: list[dict], machine: dict) -> str:
     header = ["context", "full prefill", "own cache", "switch, cold", "switch, warm", "with the recipe",
               "speedup cold / warm / recipe", "recipe's passes: probe / recompute / first token / rest",
               "warm switch / own cache", "map only (tok/s)", "map vs bandwidth / matmul floor"]
-    def passes(row: dict) -> str:
-        if "recipe_stages" not in row:
-            return "-"
-        stages = row["recipe_stages"]
-        rest = row["recipe"]["median"] - sum(stages.values())
-        return " / ".join(f"{seconds:.2f}" for seconds in [*stages.values(), rest]) + " s"
-
     body = []
     for r in rows:
         speedups = " / ".join(f"{r[f'speedup_{k}']:.1f}x" if f"speedup_{k}" in r else "-" for k in ("cold", "warm", "recipe"))
         bandwidth = r["cache_bytes_written"] / machine["bandwidth_bytes_per_s"] / r["map_only"]["median"]
         compute = r["map_flops"] / machine["matmul_flops_per_s"] / r["map_only"]["median"]
         body.append([r["context"], cell(r["full"]), cell(r["own"]) if "own" in r else "-", cell(r["cold"]),
-                     cell(r["warm"]), cell(r["recipe"]) if "recipe" in r else "-", speedups, passes(r),
+                     cell(r["warm"]), cell(r["recipe"]) if "recipe" in r else "-", speedups,
+                     passes_cell(r["recipe_passes"], r["recipe"]["median"]) if "recipe_passes" in r else "-",
                      f"{r['warm_to_own']:.2f}x" if "warm_to_own" in r else "-",
                      f"{r['map_only']['median']:.3f} s ({r['map_tokens_per_s']:,.0f})", f"{bandwidth:.0%} / {compute:.0%}"])
     return (f"## TTFT after a switch: {name}\n\nMedian [min, max] of the runs; {torch.get_num_threads()} threads.\n\n"
@@ -246,11 +234,10 @@ def sweep_markdown(name: str, rows: list[dict]) -> str:
     body = []
     for row in rows:
         for recipe, r in row["recipes"].items():
-            rest = r["timing"]["median"] - sum(r["passes"].values())
             body.append([row["context"], interval(row["full"]["median"], row["full"]["min"], row["full"]["max"], 2) + " s",
                          recipe, r["budget"], interval(r["timing"]["median"], r["timing"]["min"], r["timing"]["max"], 2)
                          + " s", speedup(r),
-                         " / ".join(f"{t:.2f}" for t in [*r["passes"].values(), rest]) + " s"])
+                         passes_cell(r["passes"], r["timing"]["median"])])
     return (f"## TTFT by recipe: {name}\n\nCold sink; median [min, max] of the runs; {torch.get_num_threads()} threads. "
             "Speedup: the median over rounds (each times the prefill, then every recipe) of the prefill's time over the "
             "recipe's. Target compute: context tokens the target computes (the probe counted once).\n\n"

@@ -18,7 +18,7 @@ def test_the_recipe_row_splits_its_time_into_the_passes_it_ran(sibling_pair, sib
                            repeats=2)
     finally:
         sibling_map.config.refresh = recorded
-    stages = row["recipe_stages"]
+    stages = row["recipe_passes"]
     assert list(stages) == ["probe", "recompute", "first_token"] and all(s > 0 for s in stages.values())
     assert sum(stages.values()) < row["recipe"]["max"]  # parts of the timed runs, not extra time
     line = ttft.markdown("tiny", [row], {"bandwidth_bytes_per_s": 1e10, "matmul_flops_per_s": 1e11}).splitlines()[-1]

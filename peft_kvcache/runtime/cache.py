@@ -329,7 +329,7 @@ class MappedCache(ContextCache):
         if not source_is_cache and not isinstance(source, torch.nn.Module):
             raise CacheMismatchError(f"source must be a source model or its cache (a transformers Cache, a "
                                      f"CapturedKV or (keys, values) pairs per layer), got {type(source).__name__}")
-        policy = _refresh_policy(kv_map, refresh_tokens)
+        policy = refresh_policy(kv_map, refresh_tokens)
         if not isinstance(position_offset, int) or isinstance(position_offset, bool) or position_offset < 0:
             raise CacheMismatchError(f"position_offset must be a non-negative integer, got {position_offset!r}")
         if input_ids is not None:
@@ -388,9 +388,9 @@ class MappedCache(ContextCache):
         return cache
 
 
-def _refresh_policy(kv_map: KVMap, refresh_tokens: int | str | Refresh | None) -> Refresh | None:
-    """The refresh to run: the map's recommendation, none, a budget with the recommended probe, a named recipe, or
-    as given."""
+def refresh_policy(kv_map: KVMap, refresh_tokens: int | str | Refresh | None) -> Refresh | None:
+    """The refresh `MappedCache.from_source` runs for ``refresh_tokens``: the map's recommendation, none, a budget with
+    the recommended probe, a named recipe (read with the recommended probe and span), or as given."""
     recommended = kv_map.config.refresh
     if refresh_tokens is None:
         return recommended if recommended is not None and recommended.active else None
