@@ -37,7 +37,8 @@ from peft_kvcache.modeling.capture import forward, run_with_cache
 from peft_kvcache.runtime.cache import ContextCache, refresh_policy
 from peft_kvcache.runtime.target_sink import clear_target_sinks
 
-from .common import RESULTS, interval, save, spread, start_run, synchronize, table, timed
+from .common import RESULTS, interval, read_results, save, spread, start_run, synchronize, table, timed
+from .recipe_budget import with_earlier_runs
 
 # Real configs of sizes timed with random weights (timing does not need trained weights).
 RANDOM_CONFIGS = {
@@ -224,24 +225,33 @@ def markdown(name: str, rows: list[dict], machine: dict) -> str:
             + table(header, body) + "\n")
 
 
-def sweep_markdown(name: str, rows: list[dict]) -> str:
+def sweep_markdown(name: str, payload: dict) -> str:
+    """The sweep's table, then one per earlier run of the same maps it keeps (the budget must hold in each)."""
     def speedup(r: dict) -> str:
         spread = f" [{r['speedup_min']:.1f}, {r['speedup_max']:.1f}]" if "speedup_min" in r else ""
         return f"{r['speedup']:.1f}x{spread}"
 
-    header = ["context", "full prefill", "recipe", "target compute", "TTFT", "speedup",
-              "passes: probe / recompute / first token / rest"]
-    body = []
-    for row in rows:
-        for recipe, r in row["recipes"].items():
-            body.append([row["context"], interval(row["full"]["median"], row["full"]["min"], row["full"]["max"], 2) + " s",
-                         recipe, r["budget"], interval(r["timing"]["median"], r["timing"]["min"], r["timing"]["max"], 2)
-                         + " s", speedup(r),
-                         passes_cell(r["passes"], r["timing"]["median"])])
-    return (f"## TTFT by recipe: {name}\n\nCold sink; median [min, max] of the runs; {torch.get_num_threads()} threads. "
+    def runs_table(rows: list[dict]) -> str:
+        header = ["context", "full prefill", "recipe", "target compute", "TTFT", "speedup",
+                  "passes: probe / recompute / first token / rest"]
+        body = []
+        for row in rows:
+            full = interval(row["full"]["median"], row["full"]["min"], row["full"]["max"], 2) + " s"
+            for recipe, r in row["recipes"].items():
+                body.append([row["context"], full, recipe, r["budget"],
+                             interval(r["timing"]["median"], r["timing"]["min"], r["timing"]["max"], 2) + " s",
+                             speedup(r), passes_cell(r["passes"], r["timing"]["median"])])
+        return table(header, body) + "\n"
+
+    text = (f"## TTFT by recipe: {name}\n\nCold sink; median [min, max] of the runs; {torch.get_num_threads()} threads. "
             "Speedup: the median over rounds (each times the prefill, then every recipe) of the prefill's time over the "
             "recipe's. Target compute: context tokens the target computes (the probe counted once).\n\n"
-            + table(header, body) + "\n")
+            + runs_table(payload["rows"]))
+    for earlier in payload.get("earlier_runs", []):
+        text += (f"\n### An earlier run of the same maps ({earlier['provenance']['date']}, commit "
+                 f"{earlier['provenance']['commit'][:7]}; a budget must meet the goals in every run)\n\n"
+                 + runs_table(earlier["rows"]))
+    return text
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -322,7 +332,9 @@ def main() -> None:
                       args.repeats) for n in args.lengths]
         payload = {"name": name, "maps": args.label or "published", "map_parameters": kv_map.num_parameters,
                    "map_multiply_adds_per_token": kv_map.multiply_adds_per_token, "repeats": args.repeats, "rows": rows}
-        save(f"ttft-{name}-sweep", payload, sweep_markdown(f"{name} ({payload['maps']} maps)", rows), seeds={"ids": 0})
+        stem = f"ttft-{name}-sweep"
+        payload = with_earlier_runs(payload, read_results(stem) if (RESULTS / f"{stem}.json").is_file() else None)
+        save(stem, payload, sweep_markdown(f"{name} ({payload['maps']} maps)", payload), seeds={"ids": 0})
         return
     name += f"-{args.label}" if args.label else ""
     run(name, lambda ids: run_with_cache(source, ids), target, kv_map, args.lengths, args.repeats, device, dtype)

@@ -383,11 +383,36 @@ def test_a_direction_s_budget_comes_from_its_sweep_and_is_refused_without_one(tm
     sweep = {"maps": "basis512", "map_multiply_adds_per_token": 400, "rows": [row]}
     (tmp_path / f"{stem}.json").write_text(json.dumps(sweep))
     monkeypatch.setattr(recipe_budget, "read_results", lambda name: json.loads((tmp_path / f"{name}.json").read_text()))
-    assert recipe_budget.direction_budget("up") == {"budget": 64, "sweep": stem, "maps": "basis512", "checked": [2048],
-                                                    "unchecked": [8192], "multiply_adds_per_token": 400}
+    assert recipe_budget.direction_budget("up") == {"budget": 64, "sweep": stem, "runs": 1, "maps": "basis512",
+                                                    "checked": [2048], "unchecked": [8192],
+                                                    "multiply_adds_per_token": 400}
     sweep["rows"][0]["recipes"]["refresh@64/p32"]["speedup"] = 9.5
     (tmp_path / f"{stem}.json").write_text(json.dumps(sweep))
     assert recipe_budget.direction_budget("up")["budget"] is None  # none meets the goals: the published budget stays
+
+
+def test_a_budget_must_meet_the_goals_in_every_run_of_the_same_maps(tmp_path, monkeypatch):
+    def run(maps, parameters, speedups, context=2048, date="d"):
+        recipes = {f"refresh@{b}/p32": {"budget": b, "speedup": x} for b, x in speedups.items()}
+        return {"provenance": {"date": date}, "maps": maps, "map_parameters": parameters,
+                "map_multiply_adds_per_token": parameters, "rows": [{"context": context, "recipes": recipes}]}
+
+    first = run("basis512", 10, {64: 11.0, 96: 9.2})  # the slower hour: 96 misses 10x
+    second = run("basis512", 10, {64: 35.0, 96: 33.0}, context=8192)
+    merged = recipe_budget.with_earlier_runs(second, first)
+    assert merged["earlier_runs"] == [first]
+    other = recipe_budget.with_earlier_runs(run("top4", 6, {64: 12.0}), merged)  # other maps: their runs dropped
+    assert other["earlier_runs"] == []
+    third = recipe_budget.with_earlier_runs(run("basis512", 10, {64: 12.0, 96: 11.8}), merged)
+    assert third["earlier_runs"] == [second, first]  # kept across runs, newest first
+    stem = recipe_budget.sweep_stem("up")
+    (tmp_path / f"{stem}.json").write_text(json.dumps(third))
+    monkeypatch.setattr(recipe_budget, "read_results", lambda name: json.loads((tmp_path / f"{name}.json").read_text()))
+    choice = recipe_budget.direction_budget("up")
+    assert (choice["budget"], choice["runs"], choice["checked"], choice["unchecked"]) == (64, 3, [2048, 8192], [])
+    first["rows"][0]["recipes"]["refresh@64/p32"]["speedup"] = 9.9  # one run misses at the smallest budget
+    (tmp_path / f"{stem}.json").write_text(json.dumps(recipe_budget.with_earlier_runs(second, first)))
+    assert recipe_budget.direction_budget("up")["budget"] is None
 
 
 def test_the_report_says_where_each_budget_came_from():
@@ -397,6 +422,10 @@ def test_the_report_says_where_each_budget_came_from():
     assert recipe_report.budget_note(runs, "up") == ("The budget, 64, comes from the TTFT sweep (`ttft-up-sweep.md`, "
                                                      "timed with the basis512 maps; goals checked at 2048, not at 8192).")
     assert recipe_report.budget_note(runs[:1], "up") == "The budget, 160, comes from the published recipe."
+    runs[1]["budget_sources"]["up"].update(runs=2, unchecked=[])
+    assert recipe_report.budget_note(runs, "up") == ("The budget, 64, comes from the TTFT sweep (`ttft-up-sweep.md`, "
+                                                     "timed with the basis512 maps, met in each of 2 runs; goals checked "
+                                                     "at 2048).")
     assert recipe_report.budget_note(runs, "down") == ""
 
 

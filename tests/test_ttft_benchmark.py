@@ -38,5 +38,9 @@ def test_a_sweep_times_each_recipe_against_one_full_prefill(sibling_pair, siblin
         ratios = sorted(f / t for f, t in zip(row["full"]["runs"], r["timing"]["runs"]))
         assert len(ratios) == 2 and r["speedup"] == (ratios[0] + ratios[1]) / 2
         assert (r["speedup_min"], r["speedup_max"]) == (ratios[0], ratios[1])
-    lines = ttft.sweep_markdown("tiny", [row]).splitlines()
+    lines = ttft.sweep_markdown("tiny", {"rows": [row]}).splitlines()
     assert [line.split(" | ")[2] for line in lines[-2:]] == ["hybrid@24", "refresh@36/p4"]
+    earlier = {"provenance": {"date": "2026-12-01T00:00:00", "commit": "abcdef0123"}, "rows": [row]}
+    text = ttft.sweep_markdown("tiny", {"rows": [row], "earlier_runs": [earlier]})
+    assert "An earlier run of the same maps (2026-12-01T00:00:00, commit abcdef0" in text
+    assert text.count("| refresh@36/p4 |") == 2  # each run's table
