@@ -8,6 +8,8 @@ as soon as it is computed (one JSON line: the example and its text, the variant,
 fingerprint, dtype, commit and run), so a run stops anywhere and the next one computes only what is missing, however
 many sessions it takes. ``report`` makes the tables from whatever is there: normalized retention and paired
 differences with 95% intervals from a bootstrap that resamples whole files (windows of one file move together).
+The models' full passes over each example, most of its time, are kept under ``runs/passes`` (`benchmarks.pass_store`),
+so a lever or variant added later computes only itself.
 
 Target compute counts the context tokens the target runs (the probe pass counted once, the sink not counted: every
 variant has the target's own sink). At a budget B: ``window@B`` keeps the sink and the last B tokens and nothing
@@ -46,16 +48,17 @@ from peft_kvcache.lab.corpus import prose_texts, stdlib_texts, token_ids
 from peft_kvcache.lab.provenance import code_state, provenance
 from peft_kvcache.maps.config import CalibrationConfig, parameter_count
 from peft_kvcache.maps.recipe import Refresh
-from peft_kvcache.modeling._compat import output_cache
-from peft_kvcache.modeling.capture import CapturedKV, cache_states, forward
+from peft_kvcache.modeling.capture import CapturedKV
 from peft_kvcache.runtime.refresh import attention_scores, refresh_positions, select_spans
 
 from . import siblings
-from .common import RESULTS
+from .common import RESULTS, ROOT
+from .pass_store import PassStore
 from .recipe_budget import direction_budget
 from .tasks import ANSWER_TOKENS, DEPTHS, recall_examples
 
 RECORDS = RESULTS / "sibling-recipes"
+PASSES = ROOT / "runs" / "passes"  # the models' full passes over the examples (benchmarks.pass_store), not in git
 PROBE, SPAN = 16, 8
 CONTINUATION = 128  # scored continuation tokens per window
 SELECTION_CONTEXT = 2048  # the context the selection texts choose the defaults at (the final texts report 2k and 4k)
@@ -262,12 +265,6 @@ class ExampleRun:
                 "agree": int((logits.argmax(-1) == self.full.argmax(-1)).sum())}
 
 
-def full_pass(model, ids: torch.Tensor, continuation: int) -> tuple[torch.Tensor, CapturedKV]:
-    """One pass of ``model`` over ``ids[:-1]``: its continuation logits ``[M, vocab]`` and its own KV."""
-    out = forward(model, ids[None, :-1], None, logits_to_keep=continuation)
-    return out.logits[0].float().cpu(), cache_states(output_cache(out))
-
-
 # ----- records -----
 
 
@@ -358,11 +355,14 @@ def map_facts(folder: Path, kv_map: KVMap, fingerprint: str) -> dict:
 
 def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str, context: int, windows: int,
         per_file: int, recall_cases: int, directions: tuple[str, ...] = ("up", "down"), only: tuple[str, ...] = (),
-        progress: bool = True, records: Path | None = None, budgets: dict[str, dict] | None = None) -> Path:
+        progress: bool = True, records: Path | None = None, budgets: dict[str, dict] | None = None,
+        passes: PassStore | None = None) -> Path:
     """Compute every missing (example, direction, variant) of the role at ``context`` and append it.
     ``map_sets[label][direction]``: the map folder (``published`` required). ``only``: variant name substrings (any).
     ``budgets[direction]``: where the target budget its recipes are compared at comes from (`budget_sources`; its
-    ``budget`` absent or None: the published map's recipe's), recorded with the run."""
+    ``budget`` absent or None: the published map's recipe's), recorded with the run. ``passes``: where the models'
+    full passes are kept between runs (`PassStore`; None: computed every time)."""
+    passes = passes or PassStore(None)
     chosen = chosen_defaults() if role == "final" else {}
     missing = {Variant.recipe(name).maps for d, name in chosen.items() if d in directions} - set(map_sets)
     if missing:
@@ -404,13 +404,13 @@ def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str
         if not any(todo.values()):
             continue
         # one pass of each model serves both directions: the target's prefill of one, the source's cache of the other
-        passes = {size: full_pass(models[size], example.ids, example.continuation) for size in ("small", "large")}
+        computed = {size: passes.full_pass(models[size], example.ids, example.continuation) for size in ("small", "large")}
         for d in directions:
             if not todo[d]:
                 continue
             source, target = siblings.DIRECTIONS[d]
-            full, own = passes[target]
-            source_kv = passes[source][1].prefix(example.ids.numel() - example.continuation)
+            full, own = computed[target]
+            source_kv = computed[source][1].prefix(example.ids.numel() - example.continuation)
             state = ExampleRun(example, models[target], own, full, source_kv, maps[d])
             for v in todo[d]:
                 started = time.perf_counter()
@@ -436,6 +436,10 @@ def main(argv: list[str] | None = None) -> None:
     go.add_argument("--directions", nargs="+", default=["up", "down"], choices=list(siblings.DIRECTIONS))
     go.add_argument("--only", action="append", default=[],
                     help="only variants whose name holds this text; repeat for several (full and no_context always)")
+    go.add_argument("--passes", type=Path, default=PASSES,
+                    help="where the models' full passes are kept between runs (both models' continuation logits "
+                         "and caches per example: hundreds of MB each at 2,048 tokens; benchmarks.pass_store)")
+    go.add_argument("--no-passes", action="store_true", help="compute every pass, keep none")
     go.add_argument("--threads", type=int, default=2)
     for p in (go, sub.add_parser("report", help="tables from the records (benchmarks.recipe_report)")):
         p.add_argument("--role", choices=list(siblings.ROLES), required=True)
@@ -456,7 +460,8 @@ def main(argv: list[str] | None = None) -> None:
     budgets = budget_sources(args.role, args.directions)  # before any model loads: refuses without a sweep
     models, tokenizer = siblings.load_pair()
     run(models, tokenizer, map_sets, args.role, args.context, args.windows, args.per_file, args.recall_cases,
-        tuple(args.directions), tuple(args.only), budgets=budgets)
+        tuple(args.directions), tuple(args.only), budgets=budgets,
+        passes=PassStore(None if args.no_passes else args.passes))
 
 
 if __name__ == "__main__":

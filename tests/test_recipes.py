@@ -11,8 +11,9 @@ import pytest
 import torch
 from conftest import random_ids
 
-from benchmarks import recipe_budget, recipe_report, recipes
-from benchmarks.recipes import PROBE, Example, ExampleRun, Variant, full_pass
+from benchmarks import pass_store, recipe_budget, recipe_report, recipes
+from benchmarks.pass_store import PassStore, full_pass
+from benchmarks.recipes import PROBE, Example, ExampleRun, Variant
 from peft_kvcache import MappedCache
 from peft_kvcache.calibration.retention import cached_logits, window_logits
 from peft_kvcache.errors import CacheMismatchError, RecordError
@@ -119,7 +120,8 @@ def test_records_resume_where_a_run_stopped(tmp_path, sibling_pair, sibling_map,
     path = tmp_path / "records.jsonl"
     maps = {"published": {d: tmp_path / "maps" / recipes.siblings.pair_name(d) for d in ("up", "down")}}
     run = lambda: recipes.run({"small": source, "large": target}, None, maps, "selection", CONTEXT, 3, 1, 0,
-                              directions=("up",), progress=False, records=path)
+                              directions=("up",), progress=False, records=path,
+                              passes=PassStore(tmp_path / "passes"))
     run()
     first = recipes.read_records(path)
     assert len(first) == 3 * len(plan) and {r["map"] for r in first if r["variant"] == "hybrid@40"} != {None}
@@ -134,7 +136,8 @@ def test_records_resume_where_a_run_stopped(tmp_path, sibling_pair, sibling_map,
     run()
     again = recipes.read_records(path)
     assert len(again) == 3 * len(plan)
-    assert [r["correct"] for r in again] == [r["correct"] for r in first]  # recomputed exactly as before
+    # recomputed exactly as before, from the passes the first run kept
+    assert [(r["correct"], r["kl"]) for r in again] == [(r["correct"], r["kl"]) for r in first]
     for given, budget, said in (({"budget": 40, "from": "the TTFT sweep"}, 40, "the TTFT sweep"),
                                 ({"budget": None, "sweep": "ttft-x-sweep"}, sibling_map.config.refresh.compute,
                                  "the published recipe (no swept budget meets the TTFT goals)")):
@@ -142,6 +145,30 @@ def test_records_resume_where_a_run_stopped(tmp_path, sibling_pair, sibling_map,
                     progress=False, records=path, budgets={"up": given})
         entry = json.loads(path.with_name("runs.jsonl").read_text().splitlines()[-1])
         assert asked[-1] == entry["budgets"]["up"] == budget and entry["budget_sources"]["up"]["from"] == said
+
+
+def test_a_kept_pass_is_read_back_bit_for_bit_and_never_for_other_weights_or_text(tmp_path, sibling_pair,
+                                                                                 monkeypatch):
+    source, target = sibling_pair
+    ids = random_ids(2, CONTEXT + CONTINUATION, seed=5)
+    store = PassStore(tmp_path)
+    logits, kv = store.full_pass(target, ids[0], CONTINUATION)
+    files = list(tmp_path.glob("*.safetensors"))
+    assert len(files) == 1
+    computed = pass_store.full_pass
+    monkeypatch.setattr(pass_store, "full_pass", lambda *args: pytest.fail("a kept pass was computed again"))
+    again, kv_again = store.full_pass(target, ids[0], CONTINUATION)
+    assert torch.equal(again, logits) and all(torch.equal(a, b) for a, b in zip(kv_again.keys + kv_again.values,
+                                                                                 kv.keys + kv.values))
+    assert len(kv_again.keys) == len(kv.keys)
+    monkeypatch.setattr(pass_store, "full_pass", computed)
+    store.full_pass(target, ids[1], CONTINUATION)  # other text
+    store.full_pass(source, ids[0], CONTINUATION)  # other weights
+    store.full_pass(target, ids[0], CONTINUATION - 1)  # another continuation
+    assert len(list(tmp_path.glob("*.safetensors"))) == 4
+    files[0].write_bytes(files[0].read_bytes()[:100])  # a torn file: computed again and replaced
+    torn, _ = store.full_pass(target, ids[0], CONTINUATION)
+    assert torch.equal(torn, logits) and files[0].stat().st_size > 100
 
 
 def test_the_bootstrap_resamples_whole_files():

@@ -1,0 +1,78 @@
+"""The models' full passes over the recipes benchmark's examples, kept on disk between runs.
+
+Every run of `benchmarks.recipes` that has something to compute for an example first runs both siblings over its whole
+text (the target's prefill is the reference, the source's cache is what the maps read): most of an example's time on
+a CPU. A lever or a recipe added later needs the same passes again, so they are kept: one safetensors file per
+(model weights, dtype, token ids, continuation) holding the continuation's logits over the vocabulary and the cache,
+read back bit for bit. A file that cannot be read is
+computed again and replaced; a pass is never read for other weights, dtype or text (the file name is their digest).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from peft_kvcache._files import atomic_write
+from peft_kvcache.modeling._compat import output_cache
+from peft_kvcache.modeling.capture import CapturedKV, cache_states, forward
+from peft_kvcache.modeling.identity import cached_fingerprint
+
+logger = logging.getLogger(__name__)
+
+
+def full_pass(model, ids: torch.Tensor, continuation: int) -> tuple[torch.Tensor, CapturedKV]:
+    """One pass of ``model`` over ``ids[:-1]``: its continuation logits ``[M, vocab]`` and its own KV."""
+    out = forward(model, ids[None, :-1], None, logits_to_keep=continuation)
+    return out.logits[0].float().cpu(), cache_states(output_cache(out))
+
+
+class PassStore:
+    """`full_pass`, read from ``folder`` where an earlier run computed it (``folder=None``: always computed)."""
+
+    def __init__(self, folder: Path | None):
+        self.folder = folder
+
+    def key(self, model, ids: torch.Tensor, continuation: int) -> str:
+        """The digest a pass is filed under: the model's weights (`cached_fingerprint`) and dtype, the token ids and
+        the continuation's length."""
+        digest = hashlib.sha256()
+        dtype = next(model.parameters()).dtype
+        for part in (cached_fingerprint(model), str(dtype), str(continuation), str(ids.numel())):
+            digest.update(part.encode() + b"\0")
+        digest.update(ids.to(torch.int64).cpu().numpy().tobytes())
+        return digest.hexdigest()[:32]
+
+    def full_pass(self, model, ids: torch.Tensor, continuation: int) -> tuple[torch.Tensor, CapturedKV]:
+        if self.folder is None:
+            return full_pass(model, ids, continuation)
+        path = self.folder / f"{self.key(model, ids, continuation)}.safetensors"
+        if path.is_file():
+            try:
+                return _unpack(load_file(path))
+            except (SafetensorError, OSError, KeyError) as error:  # a torn or foreign file: computed again
+                logger.warning("recomputing the pass in %s, which cannot be read (%s)", path, error)
+        logits, kv = full_pass(model, ids, continuation)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda tmp: save_file(_pack(logits, kv), tmp))
+        return logits, kv
+
+
+def _pack(logits: torch.Tensor, kv: CapturedKV) -> dict[str, torch.Tensor]:
+    tensors = {"logits": logits}
+    for i, (keys, values) in enumerate(kv.pairs()):
+        tensors[f"keys.{i}"], tensors[f"values.{i}"] = keys.contiguous(), values.contiguous()
+    return tensors
+
+
+def _unpack(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, CapturedKV]:
+    layers = sum(name.startswith("keys.") for name in tensors)
+    if layers == 0:
+        raise KeyError("no layers")
+    return tensors["logits"], CapturedKV([tensors[f"keys.{i}"] for i in range(layers)],
+                                         [tensors[f"values.{i}"] for i in range(layers)])
