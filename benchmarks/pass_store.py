@@ -6,6 +6,8 @@ a CPU. A lever or a recipe added later needs the same passes again, so they are 
 (model weights, dtype, token ids, continuation) holding the continuation's logits over the vocabulary and the cache,
 read back bit for bit. A file that cannot be read is
 computed again and replaced; a pass is never read for other weights, dtype or text (the file name is their digest).
+The store stops keeping passes at its size limit (the first ones kept stay: a later run goes through the examples in
+the same order, so it reads a prefix of them instead of evicting each before it is read again).
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ def full_pass(model, ids: torch.Tensor, continuation: int) -> tuple[torch.Tensor
 
 
 class PassStore:
-    """`full_pass`, read from ``folder`` where an earlier run computed it (``folder=None``: always computed)."""
+    """`full_pass`, read from ``folder`` where an earlier run computed it (``folder=None``: always computed); new
+    passes are kept while the folder holds less than ``limit_bytes``."""
 
-    def __init__(self, folder: Path | None):
-        self.folder = folder
+    def __init__(self, folder: Path | None, limit_bytes: int = 30 * 2**30):
+        self.folder, self.limit_bytes, self._full = folder, limit_bytes, False
 
     def key(self, model, ids: torch.Tensor, continuation: int) -> str:
         """The digest a pass is filed under: the model's weights (`cached_fingerprint`) and dtype, the token ids and
@@ -58,8 +61,16 @@ class PassStore:
             except (SafetensorError, OSError, KeyError) as error:  # a torn or foreign file: computed again
                 logger.warning("recomputing the pass in %s, which cannot be read (%s)", path, error)
         logits, kv = full_pass(model, ids, continuation)
+        tensors = _pack(logits, kv)
         self.folder.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, lambda tmp: save_file(_pack(logits, kv), tmp))
+        held = sum(f.stat().st_size for f in self.folder.glob("*.safetensors"))
+        if held + sum(t.numel() * t.element_size() for t in tensors.values()) > self.limit_bytes:
+            if not self._full:
+                logger.warning("%s holds %.1f GiB, its limit: further passes are computed, not kept", self.folder,
+                               held / 2**30)
+            self._full = True
+            return logits, kv
+        atomic_write(path, lambda tmp: save_file(tensors, tmp))
         return logits, kv
 
 

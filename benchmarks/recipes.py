@@ -439,6 +439,8 @@ def main(argv: list[str] | None = None) -> None:
     go.add_argument("--passes", type=Path, default=PASSES,
                     help="where the models' full passes are kept between runs (both models' continuation logits "
                          "and caches per example: hundreds of MB each at 2,048 tokens; benchmarks.pass_store)")
+    go.add_argument("--passes-limit", type=float, default=30, metavar="GIB",
+                    help="keep passes while the folder holds less than this")
     go.add_argument("--no-passes", action="store_true", help="compute every pass, keep none")
     go.add_argument("--threads", type=int, default=2)
     for p in (go, sub.add_parser("report", help="tables from the records (benchmarks.recipe_report)")):
@@ -461,7 +463,7 @@ def main(argv: list[str] | None = None) -> None:
     models, tokenizer = siblings.load_pair()
     run(models, tokenizer, map_sets, args.role, args.context, args.windows, args.per_file, args.recall_cases,
         tuple(args.directions), tuple(args.only), budgets=budgets,
-        passes=PassStore(None if args.no_passes else args.passes))
+        passes=PassStore(None if args.no_passes else args.passes, int(args.passes_limit * 2**30)))
 
 
 if __name__ == "__main__":

@@ -169,6 +169,9 @@ def test_a_kept_pass_is_read_back_bit_for_bit_and_never_for_other_weights_or_tex
     files[0].write_bytes(files[0].read_bytes()[:100])  # a torn file: computed again and replaced
     torn, _ = store.full_pass(target, ids[0], CONTINUATION)
     assert torch.equal(torn, logits) and files[0].stat().st_size > 100
+    full = PassStore(tmp_path, limit_bytes=sum(f.stat().st_size for f in tmp_path.glob("*.safetensors")))
+    kept, _ = full.full_pass(target, ids[1], CONTINUATION - 1)  # at its limit: computed, not kept
+    assert len(list(tmp_path.glob("*.safetensors"))) == 4 and kept.shape[0] == CONTINUATION - 1
 
 
 def test_the_bootstrap_resamples_whole_files():
