@@ -43,6 +43,25 @@ def timed(fn: Callable[[], object], repeats: int = 5, warmup: int = 1, before: C
     return spread(runs)
 
 
+def rounds(fns: dict[str, Callable[[], object]], repeats: int, before: dict[str, Callable[[], None]] | None = None,
+           warmup: int = 1) -> dict[str, list[float]]:
+    """Wall seconds of each of ``fns`` timed in rounds (each once per round, in order; ``warmup`` untimed rounds
+    first), so a drift in the machine's speed moves them together and their ratios are read round by round (`ratio`);
+    ``before[name]()`` runs untimed ahead of that one. Returns every timed run per name."""
+    runs: dict[str, list[float]] = {name: [] for name in fns}
+    for round_ in range(warmup + repeats):
+        for name, fn in fns.items():
+            seconds = timed(fn, 1, warmup=0, before=(before or {}).get(name))["median"]
+            if round_ >= warmup:
+                runs[name].append(seconds)
+    return runs
+
+
+def ratio(numerators: list[float], denominators: list[float]) -> dict:
+    """`spread` of the round-by-round ratios of two `rounds` timings."""
+    return spread([n / d for n, d in zip(numerators, denominators, strict=True)])
+
+
 def spread(values: list[float]) -> dict:
     """Median, min, max and every value (what `timed` returns)."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}

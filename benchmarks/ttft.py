@@ -37,7 +37,8 @@ from peft_kvcache.modeling.capture import forward, run_with_cache
 from peft_kvcache.runtime.cache import ContextCache, refresh_policy
 from peft_kvcache.runtime.target_sink import clear_target_sinks
 
-from .common import RESULTS, interval, read_results, save, spread, start_run, synchronize, table, timed
+from .common import (RESULTS, interval, ratio, read_results, rounds, save, spread, start_run, synchronize,
+                     table, timed)
 from .recipe_budget import with_earlier_runs
 
 # Real configs of sizes timed with random weights (timing does not need trained weights).
@@ -150,10 +151,12 @@ def measure(source_run, target, kv_map, ids: torch.Tensor, repeats: int = 5, rec
     timer = RecipeTimer(source_run(context), target, kv_map, context, last)
     own_kv = run_with_cache(target, context)  # untimed: what the target holds when it continues its own context
 
+    # the warm switch and the target continuing its own cache in rounds: their ratio is read round by round
+    paired = rounds({"own": lambda: forward(target, last, ContextCache(own_kv), position_ids=timer.step,
+                                            logits_to_keep=1), "warm": timer.switch(0)}, repeats)
     row = {"context": length, "full": full or timed(lambda: forward(target, ids, None, logits_to_keep=1), repeats),
-           "own": timed(lambda: forward(target, last, ContextCache(own_kv), position_ids=timer.step,
-                                        logits_to_keep=1), repeats),
-           "cold": timed(timer.switch(0), repeats, before=clear_target_sinks), "warm": timed(timer.switch(0), repeats),
+           "own": spread(paired["own"]), "warm": spread(paired["warm"]),
+           "cold": timed(timer.switch(0), repeats, before=clear_target_sinks),
            "map_only": timed(lambda: MappedCache.from_source(timer.source_kv, kv_map, target, input_ids=context,
                                                              refresh_tokens=0), repeats)}
     if recipe and kv_map.config.refresh is not None and kv_map.config.refresh.active:
@@ -162,7 +165,7 @@ def measure(source_run, target, kv_map, ids: torch.Tensor, repeats: int = 5, rec
     for name in ("cold", "warm", "recipe"):
         if name in row:
             row[f"speedup_{name}"] = row["full"]["median"] / row[name]["median"]
-    row["warm_to_own"] = row["warm"]["median"] / row["own"]["median"]
+    row["warm_to_own"] = ratio(paired["warm"], paired["own"])
     layout = kv_map.config.target_layout
     element = torch.finfo(next(target.parameters()).dtype).bits // 8
     row["cache_bytes_written"] = 2 * layout.num_layers * layout.layer_width * (length - 1) * element
@@ -182,17 +185,12 @@ def sweep(source_run, target, kv_map, ids: torch.Tensor, recipes: list[str], rep
     context, last = ids[:, :-1], ids[:, -1:]
     timer = RecipeTimer(source_run(context), target, kv_map, context, last)
     policies = {name: refresh_policy(kv_map, name) for name in recipes}  # read as `from_source` reads a name
-    runs: dict[str, list[float]] = {"full": [], **{name: [] for name in recipes}}
-    for round_ in range(1 + repeats):
-        seconds = {"full": timed(lambda: forward(target, ids, None, logits_to_keep=1), 1, warmup=0)["median"]}
-        for name, policy in policies.items():
-            seconds[name] = timed(timer.switch(policy), 1, warmup=0, before=clear_target_sinks)["median"]
-        if round_:
-            for name, value in seconds.items():
-                runs[name].append(value)
+    runs = rounds({"full": lambda: forward(target, ids, None, logits_to_keep=1),
+                   **{name: timer.switch(policy) for name, policy in policies.items()}}, repeats,
+                  before={name: clear_target_sinks for name in recipes})
     row = {"context": length, "full": spread(runs["full"]), "recipes": {}}
     for name in recipes:
-        ratios = spread([full / own for full, own in zip(runs["full"], runs[name])])
+        ratios = ratio(runs["full"], runs[name])
         row["recipes"][name] = {"timing": spread(runs[name]), "passes": timer.median_passes(policies[name], repeats),
                                 "budget": policies[name].compute, "speedup": ratios["median"],
                                 "speedup_min": ratios["min"], "speedup_max": ratios["max"]}
@@ -208,9 +206,15 @@ def markdown(name: str, rows: list[dict], machine: dict) -> str:
     def cell(timing: dict) -> str:
         return interval(timing["median"], timing["min"], timing["max"], 2) + " s"
 
+    def warm_to_own(r: dict) -> str:  # rows written before the rounds hold the ratio of two medians
+        ratios = r.get("warm_to_own")
+        if isinstance(ratios, dict):
+            return f"{ratios['median']:.2f}x [{ratios['min']:.2f}, {ratios['max']:.2f}]"
+        return f"{ratios:.2f}x" if ratios is not None else "-"
+
     header = ["context", "full prefill", "own cache", "switch, cold", "switch, warm", "with the recipe",
               "speedup cold / warm / recipe", "recipe's passes: probe / recompute / first token / rest",
-              "warm switch / own cache", "map only (tok/s)", "map vs bandwidth / matmul floor"]
+              "warm switch / own cache (by round)", "map only (tok/s)", "map vs bandwidth / matmul floor"]
     body = []
     for r in rows:
         speedups = " / ".join(f"{r[f'speedup_{k}']:.1f}x" if f"speedup_{k}" in r else "-" for k in ("cold", "warm", "recipe"))
@@ -219,7 +223,7 @@ def markdown(name: str, rows: list[dict], machine: dict) -> str:
         body.append([r["context"], cell(r["full"]), cell(r["own"]) if "own" in r else "-", cell(r["cold"]),
                      cell(r["warm"]), cell(r["recipe"]) if "recipe" in r else "-", speedups,
                      passes_cell(r["recipe_passes"], r["recipe"]["median"]) if "recipe_passes" in r else "-",
-                     f"{r['warm_to_own']:.2f}x" if "warm_to_own" in r else "-",
+                     warm_to_own(r),
                      f"{r['map_only']['median']:.3f} s ({r['map_tokens_per_s']:,.0f})", f"{bandwidth:.0%} / {compute:.0%}"])
     return (f"## TTFT after a switch: {name}\n\nMedian [min, max] of the runs; {torch.get_num_threads()} threads.\n\n"
             + table(header, body) + "\n")

@@ -25,6 +25,10 @@ def test_the_recipe_row_splits_its_time_into_the_passes_it_ran(sibling_pair, sib
     parts = line.split(" | ")[7].removesuffix(" s").split(" / ")
     assert parts[:3] == [f"{s:.2f}" for s in stages.values()]
     assert parts[3] == f"{row['recipe']['median'] - sum(stages.values()):.2f}"
+    # the warm switch over the target's own cache, read round by round (not a ratio of two medians)
+    ratios = sorted(w / o for w, o in zip(row["warm"]["runs"], row["own"]["runs"], strict=True))
+    assert len(ratios) == 2 and row["warm_to_own"]["median"] == (ratios[0] + ratios[1]) / 2
+    assert line.split(" | ")[8] == f"{row['warm_to_own']['median']:.2f}x [{ratios[0]:.2f}, {ratios[1]:.2f}]"
 
 
 def test_a_sweep_times_each_recipe_against_one_full_prefill(sibling_pair, sibling_map):
