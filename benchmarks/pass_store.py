@@ -5,7 +5,8 @@ text (the target's prefill is the reference, the source's cache is what the maps
 a CPU. A lever or a recipe added later needs the same passes again, so they are kept: one safetensors file per
 (model weights, dtype, token ids, continuation) holding the continuation's logits over the vocabulary and the cache,
 read back bit for bit. A file that cannot be read is
-computed again and replaced; a pass is never read for other weights, dtype or text (the file name is their digest).
+computed again and replaced; a pass is read only for the same checkpoint name and config, sampled weights, dtype,
+device, torch and transformers versions, text and continuation (the file name is their digest).
 The store stops keeping passes at its size limit (the first ones kept stay: a later run goes through the examples in
 the same order, so it reads a prefix of them instead of evicting each before it is read again).
 """
@@ -17,6 +18,7 @@ import logging
 from pathlib import Path
 
 import torch
+import transformers
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -35,18 +37,21 @@ def full_pass(model, ids: torch.Tensor, continuation: int) -> tuple[torch.Tensor
 
 
 class PassStore:
-    """`full_pass`, read from ``folder`` where an earlier run computed it (``folder=None``: always computed); new
-    passes are kept while the folder holds less than ``limit_bytes``."""
+    """`full_pass`, read from ``folder`` where an earlier run computed it (``folder=None``: always computed); a new
+    pass is kept while the folder, with it, holds at most ``limit_bytes``."""
 
     def __init__(self, folder: Path | None, limit_bytes: int = 30 * 2**30):
         self.folder, self.limit_bytes, self._full = folder, limit_bytes, False
 
     def key(self, model, ids: torch.Tensor, continuation: int) -> str:
-        """The digest a pass is filed under: the model's weights (`cached_fingerprint`) and dtype, the token ids and
+        """The digest a pass is filed under: the model (its checkpoint's name, config, sampled weights
+        `cached_fingerprint`, dtype and device), the torch and transformers versions that ran it, the token ids and
         the continuation's length."""
         digest = hashlib.sha256()
-        dtype = next(model.parameters()).dtype
-        for part in (cached_fingerprint(model), str(dtype), str(continuation), str(ids.numel())):
+        parameter = next(model.parameters())
+        for part in (model.config.name_or_path, model.config.to_json_string(), cached_fingerprint(model),
+                     str(parameter.dtype), parameter.device.type, torch.__version__, transformers.__version__,
+                     str(continuation), str(ids.numel())):
             digest.update(part.encode() + b"\0")
         digest.update(ids.to(torch.int64).cpu().numpy().tobytes())
         return digest.hexdigest()[:32]
@@ -57,11 +62,14 @@ class PassStore:
         path = self.folder / f"{self.key(model, ids, continuation)}.safetensors"
         if path.is_file():
             try:
-                return _unpack(load_file(path))
+                logits, kv = _unpack(load_file(path, device=str(next(model.parameters()).device)))
+                if logits.shape[0] == continuation and kv.length == ids.numel() - 1:
+                    return logits, kv
+                logger.warning("recomputing the pass in %s, which holds another pass's shapes", path)
             except (SafetensorError, OSError, KeyError) as error:  # a torn or foreign file: computed again
                 logger.warning("recomputing the pass in %s, which cannot be read (%s)", path, error)
-        logits, kv = full_pass(model, ids, continuation)
-        tensors = _pack(logits, kv)
+        tensors = _pack(*full_pass(model, ids, continuation))
+        logits, kv = _unpack(tensors)  # contiguous, as a kept pass reads back: every run multiplies the same layout
         self.folder.mkdir(parents=True, exist_ok=True)
         held = sum(f.stat().st_size for f in self.folder.glob("*.safetensors"))
         if held + sum(t.numel() * t.element_size() for t in tensors.values()) > self.limit_bytes:

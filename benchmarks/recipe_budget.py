@@ -3,8 +3,8 @@
 one run; the budget is the largest B such that the refresh (probe pass included: the costliest recipe at a budget) of
 every swept budget up to B meets the goal at every swept context length that has one (a budget that passes only by
 noise above one that failed does not count), and a default's maps may cost no more per token than the maps the sweep
-timed. A sweep keeps the earlier runs that timed maps of the same label and size (`same_maps`), and the budget must
-meet the goals in every one of them: on a machine whose speed drifts by a quarter within an hour, one run's pass at
+timed. A sweep keeps the earlier runs, and the budget must meet the goals in every one of them that timed maps of the
+same label and size with as many threads (`same_maps`): on a machine whose speed drifts by a quarter within an hour, one run's pass at
 the margin is not a budget a user can count on. Goals at lengths no run timed are not checked here: the defaults'
 own TTFT run reports them. Where no swept budget meets the goals, the runs keep the published recipe's budget and
 say so."""
@@ -43,19 +43,25 @@ def ttft_budget(sweep: dict, goals: dict[int, int] = TTFT_GOALS) -> dict:
 
 def same_maps(run: dict, other: dict) -> bool:
     """Whether two sweep runs timed maps of the same label, size and cost per token (a cost either leaves unrecorded
-    is not compared): the maps' weights do not move a timing, their shapes do."""
+    is not compared) with as many threads: the maps' weights do not move a timing, their shapes and the threads do."""
     costs = (run.get("map_multiply_adds_per_token"), other.get("map_multiply_adds_per_token"))
+    threads = (run.get("provenance", {}).get("torch_threads"), other.get("provenance", {}).get("torch_threads"))
     return (run.get("maps") == other.get("maps") and run.get("map_parameters") == other.get("map_parameters")
-            and (None in costs or costs[0] == costs[1]))
+            and (None in costs or costs[0] == costs[1]) and (None in threads or threads[0] == threads[1]))
 
 
 def with_earlier_runs(payload: dict, previous: dict | None) -> dict:
-    """A new sweep's ``payload`` with ``earlier_runs``: the ``previous`` results file's run and its own earlier runs
-    (each with its provenance), those that timed the same maps (`same_maps`); others are dropped."""
+    """A new sweep's ``payload`` with ``earlier_runs``: the ``previous`` results file's run and its own earlier runs,
+    each with its provenance, whatever maps they timed (`direction_budget` reads those of the same maps)."""
     if previous is None:
         return payload
-    runs = [{k: v for k, v in previous.items() if k != "earlier_runs"}, *previous.get("earlier_runs", [])]
-    return {**payload, "earlier_runs": [r for r in runs if same_maps(r, payload)]}
+    return {**payload, "earlier_runs": [{k: v for k, v in previous.items() if k != "earlier_runs"},
+                                        *previous.get("earlier_runs", [])]}
+
+
+def runs_of_the_same_maps(sweep: dict) -> list[dict]:
+    """The sweep's latest run and its earlier runs that timed the same maps (`same_maps`), newest first."""
+    return [sweep, *(run for run in sweep.get("earlier_runs", []) if same_maps(run, sweep))]
 
 
 def sweep_stem(direction: str) -> str:
@@ -63,18 +69,19 @@ def sweep_stem(direction: str) -> str:
 
 
 def direction_budget(direction: str) -> dict:
-    """Where ``direction``'s budget comes from: its sweep's choice over its runs (``budget``: the smallest of the runs'
-    own, None where some run's smallest refresh misses a goal: the runs then keep the published recipe's), the maps it
-    ran and their multiply-adds per token (a default's maps may cost no more: only those were timed), the number of
-    runs, the lengths some run checked and those none did. Refuses (`RecordError`) without a sweep."""
+    """Where ``direction``'s budget comes from: its sweep's choice over its runs of the same maps (``budget``: the
+    `ttft_budget` of all their rows, so a budget holds only where every run that swept it met the goals; None where the
+    smallest swept refresh missed one: the runs then keep the published recipe's), the maps it ran and their
+    multiply-adds per token (a default's maps may cost no more: only those were timed), the number of runs, the lengths
+    some run checked and those none did. Refuses (`RecordError`) without a sweep."""
     stem = sweep_stem(direction)
     if not (RESULTS / f"{stem}.json").is_file():
         raise RecordError(f"no {stem}.json: the budget comes from a TTFT sweep; run `python -m benchmarks.ttft --pair "
                           f"{direction} --lengths 2048 8192 --sweep refresh@64/p32 refresh@80/p48 ...` first")
     sweep = read_results(stem)
-    choices = [ttft_budget(run) for run in (sweep, *sweep.get("earlier_runs", []))]
-    budgets = [choice["budget"] for choice in choices]
-    checked = sorted({n for choice in choices for n in choice["checked"]})
-    return {"budget": None if None in budgets else min(budgets), "sweep": stem, "runs": len(choices),
-            "maps": sweep.get("maps", "published"), "multiply_adds_per_token": sweep.get("map_multiply_adds_per_token"),
-            "checked": checked, "unchecked": sorted(set(TTFT_GOALS) - set(checked))}
+    runs = runs_of_the_same_maps(sweep)
+    # every run's rows at once: a budget holds where its slowest refresh in any run meets the goals
+    choice = ttft_budget({"rows": [row for run in runs for row in run["rows"]]})
+    return {"budget": choice["budget"], "sweep": stem, "runs": len(runs), "maps": sweep.get("maps", "published"),
+            "multiply_adds_per_token": sweep.get("map_multiply_adds_per_token"), "checked": choice["checked"],
+            "unchecked": choice["unchecked"]}

@@ -139,9 +139,10 @@ def budget_note(runs: list[dict], direction: str) -> str:
         return ""
     said = f"The budget, {source['budget']}, comes from {source['from']}"
     if "sweep" in source:
-        runs = source.get("runs", 1)
+        swept_runs = source.get("runs", 1)
         said += f" (`{source['sweep']}.md`, timed with the {source['maps']} maps"
-        said += f", met in each of {runs} runs" if runs > 1 else ""
+        met = source["from"] == "the TTFT sweep" and swept_runs > 1
+        said += f", met in each of {swept_runs} runs" if met else ""
         said += f"; goals checked at {', '.join(map(str, source['checked'])) or 'no length'}"
         said += f", not at {', '.join(map(str, source['unchecked']))})" if source.get("unchecked") else ")"
     return said + "."

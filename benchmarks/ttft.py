@@ -39,7 +39,7 @@ from peft_kvcache.runtime.target_sink import clear_target_sinks
 
 from .common import (RESULTS, interval, ratio, read_results, rounds, save, spread, start_run, synchronize,
                      table, timed)
-from .recipe_budget import with_earlier_runs
+from .recipe_budget import runs_of_the_same_maps, with_earlier_runs
 
 # Real configs of sizes timed with random weights (timing does not need trained weights).
 RANDOM_CONFIGS = {
@@ -251,10 +251,10 @@ def sweep_markdown(name: str, payload: dict) -> str:
             "Speedup: the median over rounds (each times the prefill, then every recipe) of the prefill's time over the "
             "recipe's. Target compute: context tokens the target computes (the probe counted once).\n\n"
             + runs_table(payload["rows"]))
-    for earlier in payload.get("earlier_runs", []):
-        text += (f"\n### An earlier run of the same maps ({earlier['provenance']['date']}, commit "
-                 f"{earlier['provenance']['commit'][:7]}; a budget must meet the goals in every run)\n\n"
-                 + runs_table(earlier["rows"]))
+    for earlier in runs_of_the_same_maps(payload)[1:]:
+        commit = (earlier["provenance"].get("commit") or "unknown")[:7]
+        text += (f"\n### An earlier run of the same maps ({earlier['provenance']['date']}, commit {commit}; a budget "
+                 "must meet the goals in every run)\n\n" + runs_table(earlier["rows"]))
     return text
 
 

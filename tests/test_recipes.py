@@ -4,6 +4,7 @@ whole files."""
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import replace
 
@@ -133,7 +134,10 @@ def test_records_resume_where_a_run_stopped(tmp_path, sibling_pair, sibling_map,
     assert facts["options"] == {}  # the sibling fixture's map is fitted with the default options
     lines = path.read_text().splitlines()
     path.write_text("\n".join(lines[:5]) + "\n" + lines[5][:20])  # a stop mid-write
+    computed = pass_store.full_pass
+    monkeypatch.setattr(pass_store, "full_pass", lambda *args: pytest.fail("a kept pass was computed again"))
     run()
+    monkeypatch.setattr(pass_store, "full_pass", computed)
     again = recipes.read_records(path)
     assert len(again) == 3 * len(plan)
     # recomputed exactly as before, from the passes the first run kept
@@ -166,6 +170,11 @@ def test_a_kept_pass_is_read_back_bit_for_bit_and_never_for_other_weights_or_tex
     store.full_pass(source, ids[0], CONTINUATION)  # other weights
     store.full_pass(target, ids[0], CONTINUATION - 1)  # another continuation
     assert len(list(tmp_path.glob("*.safetensors"))) == 4
+    other = copy.deepcopy(target)
+    with torch.no_grad():
+        next(other.parameters()).add_(1.0)
+    keys = {store.key(m, ids[0], CONTINUATION) for m in (target, other, copy.deepcopy(target).to(torch.bfloat16))}
+    assert len(keys) == 3  # other weights of the same architecture, another dtype
     files[0].write_bytes(files[0].read_bytes()[:100])  # a torn file: computed again and replaced
     torn, _ = store.full_pass(target, ids[0], CONTINUATION)
     assert torch.equal(torn, logits) and files[0].stat().st_size > 100
@@ -422,27 +431,34 @@ def test_a_direction_s_budget_comes_from_its_sweep_and_is_refused_without_one(tm
 
 
 def test_a_budget_must_meet_the_goals_in_every_run_of_the_same_maps(tmp_path, monkeypatch):
-    def run(maps, parameters, speedups, context=2048, date="d"):
+    def run(maps, parameters, speedups, context=2048, threads=2):
         recipes = {f"refresh@{b}/p32": {"budget": b, "speedup": x} for b, x in speedups.items()}
-        return {"provenance": {"date": date}, "maps": maps, "map_parameters": parameters,
+        return {"provenance": {"date": "d", "torch_threads": threads}, "maps": maps, "map_parameters": parameters,
                 "map_multiply_adds_per_token": parameters, "rows": [{"context": context, "recipes": recipes}]}
+
+    stem = recipe_budget.sweep_stem("up")
+    monkeypatch.setattr(recipe_budget, "read_results", lambda name: json.loads((tmp_path / f"{name}.json").read_text()))
+
+    def budget(*runs) -> dict:  # the runs newest first, as the sweep files them
+        sweep = None
+        for r in reversed(runs):
+            sweep = recipe_budget.with_earlier_runs(r, sweep)
+        (tmp_path / f"{stem}.json").write_text(json.dumps(sweep))
+        return recipe_budget.direction_budget("up")
 
     first = run("basis512", 10, {64: 11.0, 96: 9.2})  # the slower hour: 96 misses 10x
     second = run("basis512", 10, {64: 35.0, 96: 33.0}, context=8192)
-    merged = recipe_budget.with_earlier_runs(second, first)
-    assert merged["earlier_runs"] == [first]
-    other = recipe_budget.with_earlier_runs(run("top4", 6, {64: 12.0}), merged)  # other maps: their runs dropped
-    assert other["earlier_runs"] == []
-    third = recipe_budget.with_earlier_runs(run("basis512", 10, {64: 12.0, 96: 11.8}), merged)
-    assert third["earlier_runs"] == [second, first]  # kept across runs, newest first
-    stem = recipe_budget.sweep_stem("up")
-    (tmp_path / f"{stem}.json").write_text(json.dumps(third))
-    monkeypatch.setattr(recipe_budget, "read_results", lambda name: json.loads((tmp_path / f"{name}.json").read_text()))
-    choice = recipe_budget.direction_budget("up")
+    third = run("basis512", 10, {64: 12.0, 96: 11.8})
+    assert recipe_budget.with_earlier_runs(third, recipe_budget.with_earlier_runs(second, first))["earlier_runs"] == [
+        second, first]  # kept across runs, newest first
+    choice = budget(third, second, first)
     assert (choice["budget"], choice["runs"], choice["checked"], choice["unchecked"]) == (64, 3, [2048, 8192], [])
-    first["rows"][0]["recipes"]["refresh@64/p32"]["speedup"] = 9.9  # one run misses at the smallest budget
-    (tmp_path / f"{stem}.json").write_text(json.dumps(recipe_budget.with_earlier_runs(second, first)))
-    assert recipe_budget.direction_budget("up")["budget"] is None
+    assert budget(third, second)["budget"] == 96  # without the slower hour's run
+    # runs of other maps or threads are kept in the file but not read; a run without a goal length decides nothing
+    assert budget(third, run("top4", 6, {64: 12.0, 96: 8.0}), run("basis512", 10, {96: 5.0}, threads=1),
+                  run("basis512", 10, {96: 1.0}, context=512)) == {**budget(third), "runs": 2}
+    assert budget(third, run("basis512", 10, {128: 9.0}))["budget"] == 96  # a miss above every swept budget
+    assert budget(run("basis512", 10, {64: 9.9}), third)["budget"] is None  # one run misses at the smallest
 
 
 def test_the_report_says_where_each_budget_came_from():
@@ -456,6 +472,8 @@ def test_the_report_says_where_each_budget_came_from():
     assert recipe_report.budget_note(runs, "up") == ("The budget, 64, comes from the TTFT sweep (`ttft-up-sweep.md`, "
                                                      "timed with the basis512 maps, met in each of 2 runs; goals checked "
                                                      "at 2048).")
+    runs[1]["budget_sources"]["up"].update(budget=160, **{"from": "the published recipe (no swept budget meets)"})
+    assert "met in each" not in recipe_report.budget_note(runs, "up")
     assert recipe_report.budget_note(runs, "down") == ""
 
 
