@@ -64,7 +64,7 @@ class PassStore:
             try:
                 logits, kv = _unpack(load_file(path, device=str(next(model.parameters()).device)))
                 if logits.shape[0] == continuation and kv.length == ids.numel() - 1:
-                    return logits, kv
+                    return logits.cpu(), kv  # the logits where `full_pass` leaves them, the cache on the model's device
                 logger.warning("recomputing the pass in %s, which holds another pass's shapes", path)
             except (SafetensorError, OSError, KeyError) as error:  # a torn or foreign file: computed again
                 logger.warning("recomputing the pass in %s, which cannot be read (%s)", path, error)

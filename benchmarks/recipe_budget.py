@@ -4,10 +4,10 @@ one run; the budget is the largest B such that the refresh (probe pass included:
 every swept budget up to B meets the goal at every swept context length that has one (a budget that passes only by
 noise above one that failed does not count), and a default's maps may cost no more per token than the maps the sweep
 timed. A sweep keeps the earlier runs, and the budget must meet the goals in every one of them that timed maps of the
-same label and size with as many threads (`same_maps`): on a machine whose speed drifts by a quarter within an hour, one run's pass at
-the margin is not a budget a user can count on. Goals at lengths no run timed are not checked here: the defaults'
-own TTFT run reports them. Where no swept budget meets the goals, the runs keep the published recipe's budget and
-say so."""
+same label and size with as many threads (`same_maps`): on a machine whose speed drifts by a quarter within an hour,
+one run's pass at the margin is not a budget a user can count on. Goals at lengths no run timed are not checked here:
+the defaults' own TTFT run reports them. Where no swept budget meets the goals, the runs keep the published recipe's
+budget and say so."""
 
 from __future__ import annotations
 

@@ -404,7 +404,8 @@ def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str
         if not any(todo.values()):
             continue
         # one pass of each model serves both directions: the target's prefill of one, the source's cache of the other
-        computed = {size: passes.full_pass(models[size], example.ids, example.continuation) for size in ("small", "large")}
+        computed = {size: passes.full_pass(models[size], example.ids, example.continuation)
+                    for size in ("small", "large")}
         for d in directions:
             if not todo[d]:
                 continue
