@@ -2,12 +2,11 @@
 
 Every run of `benchmarks.recipes` that has something to compute for an example first runs both siblings over its whole
 text (the target's prefill is the reference, the source's cache is what the maps read): most of an example's time on
-a CPU. A lever or a recipe added later needs the same passes again, so they are kept: one safetensors file per
-(model weights, dtype, token ids, continuation) holding the continuation's logits over the vocabulary and the cache,
-read back bit for bit. A file that cannot be read is
-computed again and replaced; a pass is read only for the same checkpoint name and config, sampled weights, dtype,
-device, torch and transformers versions, text and continuation (the file name is their digest).
-The store stops keeping passes at its size limit (the first ones kept stay: a later run goes through the examples in
+a CPU. A lever or a recipe added later needs the same passes again, so they are kept: one safetensors file per pass
+holding the continuation's logits over the vocabulary and the cache, read back bit for bit, and read only for the same
+checkpoint name and config, sampled weights, dtype, device, torch and transformers versions, text and continuation
+(the file name is their digest, `PassStore.key`). A file that cannot be read is computed again and replaced. The
+store stops keeping passes at its size limit (the first ones kept stay: a later run goes through the examples in
 the same order, so it reads a prefix of them instead of evicting each before it is read again).
 """
 
@@ -26,6 +25,7 @@ from peft_kvcache._files import atomic_write
 from peft_kvcache.modeling._compat import output_cache
 from peft_kvcache.modeling.capture import CapturedKV, cache_states, forward
 from peft_kvcache.modeling.identity import cached_fingerprint
+from peft_kvcache.modeling.layout import model_device
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +48,9 @@ class PassStore:
         `cached_fingerprint`, dtype and device), the torch and transformers versions that ran it, the token ids and
         the continuation's length."""
         digest = hashlib.sha256()
-        parameter = next(model.parameters())
         for part in (model.config.name_or_path, model.config.to_json_string(), cached_fingerprint(model),
-                     str(parameter.dtype), parameter.device.type, torch.__version__, transformers.__version__,
+                     str(next(model.parameters()).dtype), model_device(model).type, torch.__version__,
+                     transformers.__version__,
                      str(continuation), str(ids.numel())):
             digest.update(part.encode() + b"\0")
         digest.update(ids.to(torch.int64).cpu().numpy().tobytes())
@@ -62,7 +62,7 @@ class PassStore:
         path = self.folder / f"{self.key(model, ids, continuation)}.safetensors"
         if path.is_file():
             try:
-                logits, kv = _unpack(load_file(path, device=str(next(model.parameters()).device)))
+                logits, kv = _unpack(load_file(path, device=str(model_device(model))))
                 if logits.shape[0] == continuation and kv.length == ids.numel() - 1:
                     return logits.cpu(), kv  # the logits where `full_pass` leaves them, the cache on the model's device
                 logger.warning("recomputing the pass in %s, which holds another pass's shapes", path)
