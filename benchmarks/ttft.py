@@ -134,38 +134,38 @@ class RecipeTimer:
         last = self.passes[refresh][-runs:]
         return {name: statistics.median(run[name] for run in last) for name in last[0]}
 
-    def recipe(self, refresh, repeats: int) -> tuple[dict, dict]:
-        """Cold-sink timing of the switch with ``refresh`` (None: the map's own recipe) and the medians of its passes
-        over the timed runs (the warm-up run's are dropped)."""
-        return timed(self.switch(refresh), repeats, before=clear_target_sinks), self.median_passes(refresh, repeats)
-
 
 @torch.no_grad()
 def measure(source_run, target, kv_map, ids: torch.Tensor, repeats: int = 5, recipe: bool = True,
             full: dict | None = None) -> dict:
     """TTFT at ``ids``' length: ``source_run(ids) -> source cache`` (untimed: the source holds it at a switch), the
-    target's full prefill (unless its timing ``full`` is given), and the switch cold, warm and with the map's
-    recipe; medians with min and max."""
+    target's full prefill (unless its timing ``full`` is given), the target continuing its own cache, and the switch
+    cold, warm and with the map's recipe; medians with min and max. All are timed in rounds (`rounds`), so each
+    speedup and the warm switch over the own cache are read round by round (a given ``full`` was timed apart: its
+    speedups are ratios of medians)."""
     length = ids.shape[1]
     context, last = ids[:, :-1], ids[:, -1:]
     timer = RecipeTimer(source_run(context), target, kv_map, context, last)
     own_kv = run_with_cache(target, context)  # untimed: what the target holds when it continues its own context
-
-    # the warm switch and the target continuing its own cache in rounds: their ratio is read round by round
-    paired = rounds({"own": lambda: forward(target, last, ContextCache(own_kv), position_ids=timer.step,
-                                            logits_to_keep=1), "warm": timer.switch(0)}, repeats)
-    row = {"context": length, "full": full or timed(lambda: forward(target, ids, None, logits_to_keep=1), repeats),
-           "own": spread(paired["own"]), "warm": spread(paired["warm"]),
-           "cold": timed(timer.switch(0), repeats, before=clear_target_sinks),
-           "map_only": timed(lambda: MappedCache.from_source(timer.source_kv, kv_map, target, input_ids=context,
-                                                             refresh_tokens=0), repeats)}
-    if recipe and kv_map.config.refresh is not None and kv_map.config.refresh.active:
-        row["recipe"], row["recipe_passes"] = timer.recipe(None, repeats)
+    fns = {} if full is not None else {"full": lambda: forward(target, ids, None, logits_to_keep=1)}
+    fns |= {"own": lambda: forward(target, last, ContextCache(own_kv), position_ids=timer.step, logits_to_keep=1),
+            "warm": timer.switch(0), "cold": timer.switch(0),
+            "map_only": lambda: MappedCache.from_source(timer.source_kv, kv_map, target, input_ids=context,
+                                                        refresh_tokens=0)}
+    cold = {"cold": clear_target_sinks}
+    with_recipe = recipe and kv_map.config.refresh is not None and kv_map.config.refresh.active
+    if with_recipe:
+        fns["recipe"], cold["recipe"] = timer.switch(None), clear_target_sinks
+    runs = rounds(fns, repeats, before=cold)
+    row = {"context": length, "full": full or spread(runs["full"]), **{name: spread(runs[name]) for name in runs}}
+    if with_recipe:
+        row["recipe_passes"] = timer.median_passes(None, repeats)
         row["recipe_name"] = kv_map.config.refresh.name  # what "recipe" timed
     for name in ("cold", "warm", "recipe"):
         if name in row:
-            row[f"speedup_{name}"] = row["full"]["median"] / row[name]["median"]
-    row["warm_to_own"] = ratio(paired["warm"], paired["own"])
+            row[f"speedup_{name}"] = (row["full"]["median"] / row[name]["median"] if full is not None
+                                      else ratio(runs["full"], runs[name])["median"])
+    row["warm_to_own"] = ratio(runs["warm"], runs["own"])
     layout = kv_map.config.target_layout
     element = torch.finfo(next(target.parameters()).dtype).bits // 8
     row["cache_bytes_written"] = 2 * layout.num_layers * layout.layer_width * (length - 1) * element
@@ -225,7 +225,9 @@ def markdown(name: str, rows: list[dict], machine: dict) -> str:
                      passes_cell(r["recipe_passes"], r["recipe"]["median"]) if "recipe_passes" in r else "-",
                      warm_to_own(r),
                      f"{r['map_only']['median']:.3f} s ({r['map_tokens_per_s']:,.0f})", f"{bandwidth:.0%} / {compute:.0%}"])
-    return (f"## TTFT after a switch: {name}\n\nMedian [min, max] of the runs; {torch.get_num_threads()} threads.\n\n"
+    return (f"## TTFT after a switch: {name}\n\nMedian [min, max] of the runs, timed in rounds (each times every column once); "
+            f"{torch.get_num_threads()} threads. A speedup and the warm switch over the own cache: the median over rounds "
+            "of the ratio of two times in one round.\n\n"
             + table(header, body) + "\n")
 
 

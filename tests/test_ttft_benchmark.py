@@ -29,6 +29,9 @@ def test_the_recipe_row_splits_its_time_into_the_passes_it_ran(sibling_pair, sib
     ratios = sorted(w / o for w, o in zip(row["warm"]["runs"], row["own"]["runs"], strict=True))
     assert len(ratios) == 2 and row["warm_to_own"]["median"] == (ratios[0] + ratios[1]) / 2
     assert line.split(" | ")[8] == f"{row['warm_to_own']['median']:.2f}x [{ratios[0]:.2f}, {ratios[1]:.2f}]"
+    for name in ("cold", "warm", "recipe"):  # each speedup: the prefill over the switch in the same round
+        speedups = sorted(f / s for f, s in zip(row["full"]["runs"], row[name]["runs"], strict=True))
+        assert row[f"speedup_{name}"] == (speedups[0] + speedups[1]) / 2
 
 
 def test_a_sweep_times_each_recipe_against_one_full_prefill(sibling_pair, sibling_map):
