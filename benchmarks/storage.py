@@ -21,6 +21,7 @@ from peft_kvcache import AdapterMaps, KVMap
 from peft_kvcache.lab.corpus import stdlib_texts
 from peft_kvcache import load_model
 from peft_kvcache.maps.adapter_maps import folder_name
+from peft_kvcache.maps.config import is_weight
 
 from . import adapters, scaling, siblings
 from .common import ADAPTERS, ROOT, SMOLLM, save, start_run, table
@@ -65,20 +66,32 @@ def run(cases: Iterable[Case], progress: bool = True) -> dict:
         diff = report.paired_difference("bfloat16", "float32", metric="kl")
         base = next(r["kl"] for r in report.rows() if r["variant"] == "float32")
         choice[name] = "bfloat16" if max(abs(diff["low"]), abs(diff["high"])) < TOLERANCE * base else "float32"
-        out[name] = {"rows": report.rows(), "kl_bfloat16_minus_float32": diff, "choice": choice[name]}
+        out[name] = {"rows": report.rows(), "kl_bfloat16_minus_float32": diff, "choice": choice[name],
+                     "weights_read_as": weights_dtype(kv_map)}
     results = {"maps": out, "choice": choice}
     save("storage-dtype", results, markdown(results))
     return results
 
 
+def weights_dtype(kv_map: KVMap) -> str:
+    """The dtype the map's weights were read in (``"bfloat16"`` for a published file stored so)."""
+    return str(next(t.dtype for n, t in kv_map.tensors.items() if is_weight(n))).removeprefix("torch.")
+
+
 def markdown(results: dict) -> str:
-    rows = []
+    rows, vacuous = [], []
     for name, o in results["maps"].items():
-        diff = o["kl_bfloat16_minus_float32"]
-        rows.append([name, f"{next(r['kl'] for r in o['rows'] if r['variant'] == 'float32'):.5f}",
+        diff, read_as = o["kl_bfloat16_minus_float32"], o.get("weights_read_as", "-")  # older files lack it
+        rows.append([name, read_as, f"{next(r['kl'] for r in o['rows'] if r['variant'] == 'float32'):.5f}",
                      f"{diff['difference']:+.6f} [{diff['low']:+.6f}, {diff['high']:+.6f}]", o["choice"]])
-    return "# Storing map weights in bfloat16\n\n" + table(
-        ["map", "KL float32", "KL bfloat16 - float32 [95% CI]", "stored as"], rows)
+        vacuous += [name] if read_as == "bfloat16" else []
+    text = "# Storing map weights in bfloat16\n\n" + table(
+        ["map", "weights read as", "KL float32", "KL bfloat16 - float32 [95% CI]", "stored as"], rows)
+    if vacuous:  # the "float32" variant holds the same bfloat16 values: the row cannot tell what rounding costs
+        text += (f"\n\n{', '.join(vacuous)}: read from files already stored in bfloat16 (no float32 fit at hand), so "
+                 "both variants hold the same values and the difference says nothing about rounding; the dtype stands "
+                 "on the check of the float32 fit that was stored so.\n")
+    return text
 
 
 def main() -> None:

@@ -110,10 +110,16 @@ def test_ctrl_c_then_resume_gives_the_same_map_and_a_finished_run_is_not_redone(
                               checkpoint_every=3, **CALIBRATION_OPTIONS)
     assert runs.calls == 2 * (1 + 2)  # batch 10 (checkpoint at 9) and the held-out split
     _assert_same_map(resumed, reference_map)
-    runs.calls = 0  # a crash while fitting: the statistics are complete, nothing is run again
-    _assert_same_map(KVMap.calibrate(source, target, random_ids(**SEQUENCES), checkpoint_dir=checkpoint,
-                                     **CALIBRATION_OPTIONS), reference_map)
-    assert runs.calls == 0
+    progress = json.loads((checkpoint / "progress-rank0.json").read_text())
+    assert 0 < progress["seconds"] <= resumed.config.calibration.seconds  # the interrupted run's collection counts
+    # a crash while fitting: the statistics are complete, nothing is run again, and the map records what they
+    # cost (say 1000 s) rather than the seconds of its fit
+    (checkpoint / "progress-rank0.json").write_text(json.dumps({**progress, "seconds": 1000.0}))
+    runs.calls = 0
+    refitted = KVMap.calibrate(source, target, random_ids(**SEQUENCES), checkpoint_dir=checkpoint,
+                               **CALIBRATION_OPTIONS)
+    _assert_same_map(refitted, reference_map)
+    assert runs.calls == 0 and 1000 <= refitted.config.calibration.seconds < 1000 + 60
 
 
 # ----- foreign or damaged checkpoints, the options, what a checkpoint folder holds -----
@@ -160,12 +166,13 @@ def test_a_damaged_checkpoint_is_a_calibration_error(tmp_path, damage):
         KVMap.calibrate(source, target, random_ids(6, 12), checkpoint_dir=tmp_path, **CALIBRATION_OPTIONS)
 
 
-@pytest.mark.parametrize("batches", [-50, 10**9, 1.5, "3"])
-def test_a_checkpoint_counter_out_of_range_is_damage(tmp_path, batches):
+@pytest.mark.parametrize("batches, seconds", [(-50, 1.0), (10**9, 1.0), (1.5, 1.0), ("3", 1.0), (1, -1.0),
+                                              (1, "12"), (1, float("nan"))])
+def test_a_checkpoint_counter_out_of_range_is_damage(tmp_path, batches, seconds):
     source, target = tiny_model("qwen2", seed=0), tiny_model("llama", seed=1)
     KVMap.calibrate(source, target, random_ids(6, 12), checkpoint_dir=tmp_path, checkpoint_every=1, progress=False)
     record = json.loads((tmp_path / "progress-rank0.json").read_text())
-    record.update(split=0, batches=batches, complete=False)
+    record.update(split=0, batches=batches, complete=False, seconds=seconds)
     (tmp_path / "progress-rank0.json").write_text(json.dumps(record))
     with pytest.raises(CalibrationError, match="damaged"):
         KVMap.calibrate(source, target, random_ids(6, 12), checkpoint_dir=tmp_path, checkpoint_every=1, progress=False)

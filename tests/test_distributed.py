@@ -41,8 +41,10 @@ def test_all_reduce_is_a_no_op_outside_torch_distributed():
 
 
 def _assert_shards_sum_to_whole(make_run, run_models, texts, world=3):
-    whole = collect(run_models, make_run(), texts, 2, progress=False, shard=(0, 1))
-    shards = [collect(run_models, make_run(), texts, 2, progress=False, shard=(r, world)) for r in range(world)]
+    whole, shards = make_run(), [make_run() for _ in range(world)]
+    collect(run_models, whole, texts, 2, progress=False, shard=(0, 1))
+    for r, shard in enumerate(shards):
+        collect(run_models, shard, texts, 2, progress=False, shard=(r, world))
     for key, entry in whole.stats.items():
         parts = [s.stats[key] for s in shards]
         if key[2] == "train":

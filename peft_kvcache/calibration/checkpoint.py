@@ -44,11 +44,13 @@ def run_digest(sequences: list[torch.Tensor], options: dict) -> str:
 
 @dataclass
 class Progress:
-    """Where a calibration stands: splits before ``split`` are complete, ``batches`` batches of it are in."""
+    """Where a calibration stands: splits before ``split`` are complete, ``batches`` batches of it are in;
+    ``seconds``: the wall time its runs spent collecting them (what a resumed run adds to its own)."""
 
     split: int = 0
     batches: int = 0
     complete: bool = False
+    seconds: float = 0.0
 
 
 class CalibrationCheckpoint:
@@ -105,6 +107,9 @@ class CalibrationCheckpoint:
             if not 0 <= batches <= limit:
                 raise ValueError(f"{batches} batches done of a split of {limit}")
             statistics_name = str(record["statistics"])
+            seconds = record.get("seconds", 0.0)  # absent from checkpoints written before it was kept
+            if type(seconds) not in (int, float) or not 0 <= seconds < float("inf"):
+                raise ValueError(f"seconds must be a non-negative number, got {seconds!r}")
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
             raise CalibrationError(f"calibration checkpoint {self.progress_path} is damaged ({err}); delete the "
                                    "folder to start over") from None
@@ -114,7 +119,7 @@ class CalibrationCheckpoint:
                 f"or models (digest {str(record.get('digest'))[:12]}, this run {self.digest[:12]}): resume it with "
                 "the same data, options, models, dtypes and process count, or pass an empty checkpoint_dir"
             )
-        return Progress(split, batches, complete), statistics_name
+        return Progress(split, batches, complete, float(seconds)), statistics_name
 
     def save(self, state: dict[str, torch.Tensor], progress: Progress) -> None:
         """Write the statistics and then the progress naming them, each atomically."""
@@ -123,7 +128,8 @@ class CalibrationCheckpoint:
         contiguous = {key: t.contiguous() for key, t in state.items()}
         atomic_write(self.folder / name, lambda tmp: save_file(contiguous, tmp))
         record = {"format": CHECKPOINT_FORMAT, "digest": self.digest, "split": progress.split,
-                  "batches": progress.batches, "complete": progress.complete, "statistics": name}
+                  "batches": progress.batches, "complete": progress.complete, "seconds": round(progress.seconds, 3),
+                  "statistics": name}
         text = json.dumps(record, indent=2) + "\n"
         atomic_write(self.progress_path, lambda tmp: Path(tmp).write_text(text))
         for old in self.folder.glob(f"statistics-rank{self.rank}-*.safetensors"):

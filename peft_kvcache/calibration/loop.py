@@ -57,9 +57,12 @@ def _shard() -> tuple[int, int]:
 
 def collect(run_models: Callable[[torch.Tensor, torch.Tensor], dict[str, CapturedKV]], accumulator,
             texts: CalibrationTexts, batch_size: int = 1, *, progress: bool = True, checkpoint_dir=None,
-            checkpoint_every: int = 50, checkpoint_key: dict | None = None, shard: tuple[int, int] | None = None):
+            checkpoint_every: int = 50, checkpoint_key: dict | None = None,
+            shard: tuple[int, int] | None = None) -> float:
     """Run the models over every chunk (``run_models(ids, mask) -> {name: CapturedKV}``) and feed the caches to
-    ``accumulator.add(split, runs, mask)``, split by split. Returns the accumulator.
+    ``accumulator.add(split, runs, mask)``, split by split. Returns the wall seconds that earlier runs of a resumed
+    checkpoint spent collecting (0.0 for a fresh start): a calibration adds them to its own time, so a map fitted
+    from a finished checkpoint records what its statistics cost, not the seconds of its fit.
 
     With ``checkpoint_dir`` the accumulator's ``state_dict()`` is saved there every ``checkpoint_every`` batches and
     an interrupted run started again with the same arguments resumes where it stopped, with the same result; a
@@ -73,7 +76,7 @@ def collect(run_models: Callable[[torch.Tensor, torch.Tensor], dict[str, Capture
     if checkpoint_every < 1:
         raise CalibrationError(f"checkpoint_every must be at least 1 batch, got {checkpoint_every}")
     per_split = [texts.split(split)[rank::world] for split in SPLITS]
-    checkpoint, done = None, Progress()
+    checkpoint, done, started = None, Progress(), time.perf_counter()
     if checkpoint_dir is not None:
         digest = run_digest(texts.all_chunks(), {"names": texts.names, "heldout": texts.heldout, "batch": batch_size,
                                                  "rank": rank, "world": world, **(checkpoint_key or {})})
@@ -93,12 +96,14 @@ def collect(run_models: Callable[[torch.Tensor, torch.Tensor], dict[str, Capture
                 accumulator.add(split, run_models(ids, mask), mask)
                 bar.update(int(mask.sum()))
                 if checkpoint is not None and count % checkpoint_every == 0:
-                    checkpoint.save(accumulator.state_dict(), Progress(index, count))
+                    checkpoint.save(accumulator.state_dict(),
+                                    Progress(index, count, seconds=done.seconds + time.perf_counter() - started))
         if checkpoint is not None:
-            checkpoint.save(accumulator.state_dict(), Progress(index + 1, 0, complete=index + 1 == len(SPLITS)))
+            checkpoint.save(accumulator.state_dict(), Progress(index + 1, 0, complete=index + 1 == len(SPLITS),
+                                                               seconds=done.seconds + time.perf_counter() - started))
     if world > 1 and dist.is_available() and dist.is_initialized():
         accumulator.all_reduce()
-    return accumulator
+    return done.seconds
 
 
 # ----- fit -----
@@ -229,17 +234,17 @@ def calibrate(source_model: torch.nn.Module, target_model: torch.nn.Module, cali
     texts = CalibrationTexts.build(calibration_data, tokenizer, config, vocab_size_of(source_model))
     run = StatisticsRun({"source": ["target"]}, sides, config)
     weighting = config.attention_weighting > 0
-    collect(lambda ids, mask: {"source": run_with_cache(source_model, ids, mask),
-                               "target": run_with_cache(target_model, ids, mask, received_attention=weighting)},
-            run, texts, config.batch_size, progress=progress, checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every, checkpoint_key={
-                "options": statistics_options(config), "fingerprints": [s.fingerprint for s in sides.values()],
-                "dtypes": _dtypes(source_model, target_model)})
+    key = {"options": statistics_options(config), "fingerprints": [s.fingerprint for s in sides.values()],
+           "dtypes": _dtypes(source_model, target_model)}
+    earlier = collect(lambda ids, mask: {"source": run_with_cache(source_model, ids, mask),
+                                         "target": run_with_cache(target_model, ids, mask, received_attention=weighting)},
+                      run, texts, config.batch_size, progress=progress, checkpoint_dir=checkpoint_dir,
+                      checkpoint_every=checkpoint_every, checkpoint_key=key)
     record = CalibrationRecord(options=config, data=texts.record(description), sequences=len(texts.all_chunks()),
                                processes=_shard()[1], source=source_spec, target=target_spec)
     kv_map = build_map(run, "source", "target", config, record, vocab_size_of(source_model), progress)
-    kv_map.config.calibration.seconds = round(time.perf_counter() - started, 2)
-    logger.info("calibrated %r in %.1fs", kv_map, time.perf_counter() - started)
+    kv_map.config.calibration.seconds = round(earlier + time.perf_counter() - started, 2)
+    logger.info("calibrated %r in %.1fs", kv_map, kv_map.config.calibration.seconds)
     return kv_map
 
 
@@ -291,10 +296,10 @@ def calibrate_adapters(model: torch.nn.Module, calibration_data, tokenizer=None,
                 runs[name] = run_with_cache(model, ids, mask, received_attention=name in targets)
         return runs
 
-    collect(run_models, run, texts, config.batch_size, progress=progress, checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every, checkpoint_key={
-                "options": statistics_options(config), "fingerprints": {n: s.fingerprint for n, s in sides.items()},
-                "dtypes": _dtypes(model), "reverse": reverse})
+    key = {"options": statistics_options(config), "fingerprints": {n: s.fingerprint for n, s in sides.items()},
+           "dtypes": _dtypes(model), "reverse": reverse}
+    earlier = collect(run_models, run, texts, config.batch_size, progress=progress, checkpoint_dir=checkpoint_dir,
+                      checkpoint_every=checkpoint_every, checkpoint_key=key)
     record = CalibrationRecord(options=config, data=texts.record(description), sequences=len(texts.all_chunks()),
                                processes=_shard()[1])
     paths = dict(adapter_paths or {})
@@ -307,7 +312,7 @@ def calibrate_adapters(model: torch.nn.Module, calibration_data, tokenizer=None,
         if reverse:
             maps.to_base[adapter] = build_map(run, adapter, BASE, config, replace(
                 record, source=spec(adapter), target=spec(BASE)), vocab, progress and not config.same_layer)
-    seconds = round(time.perf_counter() - started, 2)
+    seconds = round(earlier + time.perf_counter() - started, 2)  # with a resumed checkpoint's collection
     for _, _, kv_map in maps.all():
         kv_map.config.calibration.seconds = seconds
     logger.info("calibrated %d adapter maps in %.1fs", len(maps.all()), seconds)
