@@ -225,9 +225,9 @@ def markdown(name: str, rows: list[dict], machine: dict) -> str:
                      passes_cell(r["recipe_passes"], r["recipe"]["median"]) if "recipe_passes" in r else "-",
                      warm_to_own(r),
                      f"{r['map_only']['median']:.3f} s ({r['map_tokens_per_s']:,.0f})", f"{bandwidth:.0%} / {compute:.0%}"])
-    return (f"## TTFT after a switch: {name}\n\nMedian [min, max] of the runs, timed in rounds (each times every column once); "
-            f"{torch.get_num_threads()} threads. A speedup and the warm switch over the own cache: the median over rounds "
-            "of the ratio of two times in one round.\n\n"
+    return (f"## TTFT after a switch: {name}\n\nMedian [min, max] of the runs, timed in rounds (each times every "
+            f"column once); {torch.get_num_threads()} threads. A speedup and the warm switch over the own cache: the "
+            "median over rounds of the ratio of two times in one round.\n\n"
             + table(header, body) + "\n")
 
 

@@ -236,9 +236,9 @@ def calibrate(source_model: torch.nn.Module, target_model: torch.nn.Module, cali
     weighting = config.attention_weighting > 0
     key = {"options": statistics_options(config), "fingerprints": [s.fingerprint for s in sides.values()],
            "dtypes": _dtypes(source_model, target_model)}
-    earlier = collect(lambda ids, mask: {"source": run_with_cache(source_model, ids, mask),
-                                         "target": run_with_cache(target_model, ids, mask, received_attention=weighting)},
-                      run, texts, config.batch_size, progress=progress, checkpoint_dir=checkpoint_dir,
+    run_models = lambda ids, mask: {"source": run_with_cache(source_model, ids, mask),  # noqa: E731
+                                    "target": run_with_cache(target_model, ids, mask, received_attention=weighting)}
+    earlier = collect(run_models, run, texts, config.batch_size, progress=progress, checkpoint_dir=checkpoint_dir,
                       checkpoint_every=checkpoint_every, checkpoint_key=key)
     record = CalibrationRecord(options=config, data=texts.record(description), sequences=len(texts.all_chunks()),
                                processes=_shard()[1], source=source_spec, target=target_spec)
