@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -151,10 +152,15 @@ def test_fits_of_other_ranks_resume_from_the_same_checkpointed_statistics(tmp_pa
     dense = calibrate_adapters(model, data, adapters=["strong"], reverse=False, checkpoint_dir=tmp_path,
                                progress=False).to_adapter["strong"]
     monkeypatch.setattr(model, "forward", lambda *a, **k: pytest.fail("the statistics were collected again"))
+    progress = json.loads((tmp_path / "progress-rank0.json").read_text())
+    assert 0 < progress["seconds"] <= dense.config.calibration.seconds
+    # say the capture took 1000 s: the rank fitted from the finished checkpoint records that, not only its own fit
+    (tmp_path / "progress-rank0.json").write_text(json.dumps({**progress, "seconds": 1000.0}))
     reduced = calibrate_adapters(model, data, adapters=["strong"], reverse=False, checkpoint_dir=tmp_path,
                                  residual_rank=2, progress=False).to_adapter["strong"]
     assert reduced.residual_rank == 2 and dense.residual_rank == 0
     assert not torch.equal(reduced.tensors["keys.1.weight"], dense.tensors["keys.1.weight"])
+    assert 1000 <= reduced.config.calibration.seconds < 1000 + 60
 
 
 def test_the_card_says_the_map_runs_as_the_identity_plus_factors(factored_maps):
