@@ -21,7 +21,7 @@ from peft_kvcache import AdapterMaps, KVMap
 from peft_kvcache.lab.corpus import stdlib_texts
 from peft_kvcache import load_model
 from peft_kvcache.maps.adapter_maps import folder_name
-from peft_kvcache.maps.config import is_weight
+from peft_kvcache.maps.config import weights_dtype
 
 from . import adapters, scaling, siblings
 from .common import ADAPTERS, ROOT, SMOLLM, save, start_run, table
@@ -67,15 +67,10 @@ def run(cases: Iterable[Case], progress: bool = True) -> dict:
         base = next(r["kl"] for r in report.rows() if r["variant"] == "float32")
         choice[name] = "bfloat16" if max(abs(diff["low"]), abs(diff["high"])) < TOLERANCE * base else "float32"
         out[name] = {"rows": report.rows(), "kl_bfloat16_minus_float32": diff, "choice": choice[name],
-                     "weights_read_as": weights_dtype(kv_map)}
+                     "weights_read_as": weights_dtype(kv_map.tensors)}
     results = {"maps": out, "choice": choice}
     save("storage-dtype", results, markdown(results))
     return results
-
-
-def weights_dtype(kv_map: KVMap) -> str:
-    """The dtype the map's weights were read in (``"bfloat16"`` for a published file stored so)."""
-    return str(next(t.dtype for n, t in kv_map.tensors.items() if is_weight(n))).removeprefix("torch.")
 
 
 def markdown(results: dict) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks import storage
+from peft_kvcache.maps.config import weights_dtype
 
 
 def _results(read_as: dict[str, str]) -> dict:
@@ -16,8 +17,8 @@ def _results(read_as: dict[str, str]) -> dict:
 
 
 def test_a_map_read_in_bfloat16_is_flagged_and_one_read_in_float32_is_not(sibling_map):
-    assert storage.weights_dtype(sibling_map) == "float32"
-    assert storage.weights_dtype(sibling_map.with_weights_dtype(torch.bfloat16)) == "bfloat16"
+    assert weights_dtype(sibling_map.tensors) == "float32"
+    assert weights_dtype(sibling_map.with_weights_dtype(torch.bfloat16).tensors) == "bfloat16"
     text = storage.markdown(_results({"published": "bfloat16", "fitted": "float32"}))
     assert "| published | bfloat16 |" in text and "| fitted | float32 |" in text
     assert "published: read from files already stored in bfloat16" in text

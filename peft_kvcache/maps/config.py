@@ -223,6 +223,11 @@ def is_weight(name: str) -> bool:
     return not name.endswith("inv_freq") and not name.startswith("sink.")
 
 
+def weights_dtype(tensors: dict) -> str:
+    """The dtype a map's weights are held in (``"float32"``, ``"bfloat16"``): its first layer's key weight."""
+    return str(tensors["keys.0.weight"].dtype).removeprefix("torch.")
+
+
 def parameter_count(config: KVMapConfig) -> int:
     """Weights of a map with this config (`is_weight`)."""
     return sum(math.prod(shape) for name, shape in expected_shapes(config).items() if is_weight(name))

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from .._files import UMASK, is_repo_id, recover_folder, replace_folder, staging_folder
 from ..errors import ArtifactError
 from .card import CHART_NAME, plot_layer_selection, render_card
-from .config import FORMAT_VERSION, KVMapConfig, expected_shapes
+from .config import FORMAT_VERSION, KVMapConfig, expected_shapes, weights_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,7 @@ def save_map(config: KVMapConfig, tensors: dict[str, torch.Tensor], save_directo
             save_file({k: v.contiguous() for k, v in tensors.items()}, staging / WEIGHTS_NAME,
                       metadata={"format": "pt", "peft_kvcache_format": str(FORMAT_VERSION)})
         (staging / CONFIG_NAME).write_text(config_text)
-        dtype = str(tensors["keys.0.weight"].dtype).removeprefix("torch.")
-        render_card(config, repo_id or target.name, chart=has_chart, weights_dtype=dtype).save(
+        render_card(config, repo_id or target.name, chart=has_chart, weights_dtype=weights_dtype(tensors)).save(
             staging / CARD_NAME)
         for path in staging.iterdir():  # safetensors writes its file 0600: give every file the umask's mode
             os.chmod(path, 0o666 & ~UMASK)
