@@ -84,15 +84,24 @@ def load_summary(phases: dict, loop: str) -> dict:
 
 
 def streams_summary(windows: list[dict]) -> dict:
-    """Inter-token latency of the background streams: p50 / p95 over every gap of a condition, the p95 per window,
-    and the ratio of switch to no-switch p95 window by window."""
+    """Inter-token latency of the background streams: p50 / p95 / largest over every gap of a condition, the p95 per
+    window, and the ratio of switch to no-switch p95 window by window; with the foreground requests' prompt tokens
+    served from cache and the connector's fallbacks where the windows recorded them."""
     out = {}
     for condition in ("none", "switch"):
         chosen = [w for w in windows if w["condition"] == condition]
         gaps = [g for w in chosen for g in w["gaps"]]
         out[condition] = {"gaps": len(gaps), "itl_p50": percentile(gaps, 0.5), "itl_p95": percentile(gaps, 0.95),
+                          "itl_max": max(gaps),
                           "window_p95": mean_interval([percentile(w["gaps"], 0.95) for w in chosen]),
                           "foreground_ttft_median": statistics.median(t for w in chosen for t in w["foreground_ttft"])}
+        if all("foreground_tokens" in w for w in chosen):  # recorded since the streams' loss was studied
+            tokens = [pair for w in chosen for pair in w["foreground_tokens"]]
+            fallbacks = collections.Counter()
+            for w in chosen:
+                fallbacks.update(w["fallbacks"])
+            out[condition].update(prompt_tokens=sum(p for p, _ in tokens), cached_tokens=sum(c for _, c in tokens),
+                                  fallbacks=dict(fallbacks))
     pairs = zip(*([w for w in windows if w["condition"] == c] for c in ("none", "switch")))
     out["p95_ratio"] = mean_interval([percentile(s["gaps"], 0.95) / percentile(n["gaps"], 0.95) for n, s in pairs])
     return out

@@ -9,6 +9,7 @@ freshly started server (a) (vLLM's CPU build with the connector mapping; the sam
    and a prefill; mapped / own run by run, and the mapped switch's first-token KL against the prefill.
 
     python -m benchmarks.vllm_switch_cost          # ~20 min on 2 cores; a quiet machine: it times
+    python -m benchmarks.vllm_switch_cost --maps OTHER --output OUT    # other maps (e.g. from git history)
 
 Writes benchmarks/results/vllm-switch-cost.json and .md (the raw measurements inside).
 """
@@ -34,14 +35,17 @@ def markdown(payload: dict) -> str:
     s, st, own = payload["setup"], payload["streams"], payload["own_cache"]
     return "\n".join([
         "# A switch inside vLLM: the streams around it and the adapter's own cache", "",
-        f"Server (a) of `benchmarks.vllm_load` (vLLM's CPU build, the connector mapping), started fresh; "
-        f"{s['threads']} threads.", "",
+        f"Server (a) of `benchmarks.vllm_load` (vLLM's CPU build, the connector mapping), started fresh, maps from "
+        f"`{s['maps_shown']}`; {s['threads']} threads.", "",
         f"## Inter-token latency of streams that do not switch ({s['repetitions']} windows per condition)", "",
-        table(["ITL p50 / p95, no switches (ms)", "ITL p50 / p95, switches (ms)",
-               "p95 ratio switches / none (per window)", "their TTFT, none / switches (s)"],
-              [[f"{1e3 * st['none']['itl_p50']:.1f} / {1e3 * st['none']['itl_p95']:.1f}",
-                f"{1e3 * st['switch']['itl_p50']:.1f} / {1e3 * st['switch']['itl_p95']:.1f}", ci(st["p95_ratio"]),
-                f"{st['none']['foreground_ttft_median']:.3f} / {st['switch']['foreground_ttft_median']:.3f}"]]), "",
+        table(["condition", "ITL p50 / p95 / largest (ms)", "foreground TTFT median (s)",
+               "foreground prompt tokens cached", "connector fallbacks"],
+              [[condition, " / ".join(f"{1e3 * st[condition][k]:.1f}" for k in ("itl_p50", "itl_p95", "itl_max")),
+                f"{st[condition]['foreground_ttft_median']:.3f}",
+                f"{st[condition]['cached_tokens']} of {st[condition]['prompt_tokens']}",
+                ", ".join(f"{reason} {n}" for reason, n in sorted(st[condition]["fallbacks"].items())) or "none"]
+               for condition in ("none", "switch")]), "",
+        f"p95 ratio switches / none, window by window: {ci(st['p95_ratio'])}.", "",
         f"## An adapter's own cache against a mapped switch ({own['prompt_tokens']} prompt tokens, "
         f"{s['repeats']} repeats)", "",
         table(["reply", "TTFT median [min, max] (s)", "cached tokens"],
@@ -61,6 +65,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="repeats of the own / mapped / prefill timings")
     parser.add_argument("--history-chars", type=int, default=6000, help="characters of the module shared first")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--maps", type=Path, default=Path(MAPS),
+                        help="folder of the adapter maps the connector serves (default: the published hub_cards)")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
                         help="python of the vLLM environment (scripts/vllm_env.sh)")
     parser.add_argument("--log", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "vllm-switch-cost.log")
@@ -74,12 +80,13 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(converted_path(SMOLLM))
     texts = traffic.modules(args.history_chars)
     module = next(t for t in traffic.modules(0) if len(t) > 40000)
-    with vllm_server(args.vllm_python, converted_path(SMOLLM), {"maps": MAPS}, args.log) as url:
+    with vllm_server(args.vllm_python, converted_path(SMOLLM), {"maps": str(args.maps)}, args.log) as url:
         traffic.warm_up(url)
         windows = traffic.streams(url, texts, args.history_chars, args.repetitions)
         rows = traffic.own_versus_mapped(url, tokenizer, module, args.own_tokens, args.repeats)
-    setup = {"model": SMOLLM, "server": "a", "maps": MAPS, **{k: getattr(args, k) for k in
-                                                              ("repetitions", "own_tokens", "repeats", "threads")}}
+    shown = args.maps.resolve().relative_to(ROOT) if args.maps.resolve().is_relative_to(ROOT) else args.maps
+    setup = {"model": SMOLLM, "server": "a", "maps": str(args.maps), "maps_shown": str(shown),
+             **{k: getattr(args, k) for k in ("repetitions", "own_tokens", "repeats", "threads")}}
     payload = {"setup": setup, "streams": streams_summary(windows), "own_cache": own_summary(rows),
                "raw": {"windows": windows, "own": rows}}
     text = markdown(payload)

@@ -105,7 +105,8 @@ def streams(url: str, texts: list[str], history_chars: int, repetitions: int, ba
     """Inter-token latency of ``background`` long base-model streams while ``foreground`` requests arrive one after
     another, each on a history the base model computed before the streams began: to an adapter (``switch``) or to the
     base model again (``none``, the same load without switches), conditions alternating ``repetitions`` times.
-    Returns per window the background streams' token gaps that fell inside it and the foreground TTFTs."""
+    Returns per window the background streams' token gaps that fell inside it, the foreground TTFTs and cached
+    prompt tokens, and the connector's fallbacks by reason during the window."""
     api, out, k = client(url), [], 0
     for repetition in range(repetitions):
         for condition in ("none", "switch"):
@@ -129,16 +130,22 @@ def streams(url: str, texts: list[str], history_chars: int, repetitions: int, ba
             for thread in threads:
                 thread.start()
             time.sleep(2.0)  # the streams are decoding
-            opened, ttfts = time.perf_counter(), []
+            before = fallback_counts(url)
+            opened, foreground = time.perf_counter(), []
             for j, messages in enumerate(histories):
                 model = ADAPTERS[j % len(ADAPTERS)] if condition == "switch" else NAME
-                ttfts.append(ask(api, model, messages, 1, logprobs=False)["ttft"])
+                foreground.append(ask(api, model, messages, 1, logprobs=False))
                 time.sleep(0.5)
             closed = time.perf_counter()
+            after = fallback_counts(url)
             for thread in threads:
                 thread.join(600)
             gaps = [b - a for times in arrivals for a, b in zip(times, times[1:]) if opened <= a and b <= closed]
-            out.append({"repetition": repetition, "condition": condition, "gaps": gaps, "foreground_ttft": ttfts,
+            out.append({"repetition": repetition, "condition": condition, "gaps": gaps,
+                        "foreground_ttft": [reply["ttft"] for reply in foreground],
+                        "foreground_tokens": [[reply["prompt_tokens"], reply["cached"]] for reply in foreground],
+                        "fallbacks": {reason: n - before.get(reason, 0) for reason, n in after.items()
+                                      if n > before.get(reason, 0)},
                         "window_seconds": closed - opened})
     return out
 
