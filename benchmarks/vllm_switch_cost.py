@@ -36,7 +36,7 @@ def markdown(payload: dict) -> str:
     return "\n".join([
         "# A switch inside vLLM: the streams around it and the adapter's own cache", "",
         f"Server (a) of `benchmarks.vllm_load` (vLLM's CPU build, the connector mapping), started fresh, maps from "
-        f"`{s['maps_shown']}`; {s['threads']} threads.", "",
+        f"`{s['maps']}`; {s['threads']} threads.", "",
         f"## Inter-token latency of streams that do not switch ({s['repetitions']} windows per condition)", "",
         table(["condition", "ITL p50 / p95 / largest (ms)", "foreground TTFT median (s)",
                "foreground prompt tokens cached", "connector fallbacks"],
@@ -80,12 +80,12 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(converted_path(SMOLLM))
     texts = traffic.modules(args.history_chars)
     module = next(t for t in traffic.modules(0) if len(t) > 40000)
-    with vllm_server(args.vllm_python, converted_path(SMOLLM), {"maps": str(args.maps)}, args.log) as url:
+    with vllm_server(args.vllm_python, converted_path(SMOLLM), {"maps": str(args.maps.resolve())}, args.log) as url:
         traffic.warm_up(url)
         windows = traffic.streams(url, texts, args.history_chars, args.repetitions)
         rows = traffic.own_versus_mapped(url, tokenizer, module, args.own_tokens, args.repeats)
     shown = args.maps.resolve().relative_to(ROOT) if args.maps.resolve().is_relative_to(ROOT) else args.maps
-    setup = {"model": SMOLLM, "server": "a", "maps": str(args.maps), "maps_shown": str(shown),
+    setup = {"model": SMOLLM, "server": "a", "maps": str(shown),
              **{k: getattr(args, k) for k in ("repetitions", "own_tokens", "repeats", "threads")}}
     payload = {"setup": setup, "streams": streams_summary(windows), "own_cache": own_summary(rows),
                "raw": {"windows": windows, "own": rows}}
