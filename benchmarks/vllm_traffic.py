@@ -131,10 +131,10 @@ def streams(url: str, texts: list[str], history_chars: int, repetitions: int, ba
                 thread.start()
             time.sleep(2.0)  # the streams are decoding
             before = fallback_counts(url)
-            opened, foreground = time.perf_counter(), []
+            opened, replies = time.perf_counter(), []
             for j, messages in enumerate(histories):
                 model = ADAPTERS[j % len(ADAPTERS)] if condition == "switch" else NAME
-                foreground.append(ask(api, model, messages, 1, logprobs=False))
+                replies.append(ask(api, model, messages, 1, logprobs=False))
                 time.sleep(0.5)
             closed = time.perf_counter()
             after = fallback_counts(url)
@@ -142,8 +142,8 @@ def streams(url: str, texts: list[str], history_chars: int, repetitions: int, ba
                 thread.join(600)
             gaps = [b - a for times in arrivals for a, b in zip(times, times[1:]) if opened <= a and b <= closed]
             out.append({"repetition": repetition, "condition": condition, "gaps": gaps,
-                        "foreground_ttft": [reply["ttft"] for reply in foreground],
-                        "foreground_tokens": [[reply["prompt_tokens"], reply["cached"]] for reply in foreground],
+                        "foreground_ttft": [reply["ttft"] for reply in replies],
+                        "foreground_tokens": [[reply["prompt_tokens"], reply["cached"]] for reply in replies],
                         "fallbacks": {reason: n - before.get(reason, 0) for reason, n in after.items()
                                       if n > before.get(reason, 0)},
                         "window_seconds": closed - opened})
