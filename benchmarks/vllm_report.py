@@ -61,6 +61,11 @@ def _over_runs(values: list) -> dict:
     return mean_interval(values)
 
 
+def summed_counts(counts: list[dict[str, int]]) -> dict[str, int]:
+    """Counts by reason (the connector's fallbacks) added up over runs or windows, reasons sorted."""
+    return dict(sorted(sum((collections.Counter(c) for c in counts), collections.Counter()).items()))
+
+
 def load_summary(phases: dict, loop: str) -> dict:
     """Per server: each figure's mean over runs with its 95% interval; per server against (c): the ratio run by run."""
     runs = sorted({int(name.split("/")[0].split("-")[1]) for name in phases if name.startswith(loop)})
@@ -72,8 +77,7 @@ def load_summary(phases: dict, loop: str) -> dict:
         servers[key]["min_switch_history_tokens"] = min(run["min_switch_history_tokens"] for run in figures)
         servers[key]["cold_switches"] = sum(run["cold_switches"] for run in figures)
         counted = [phases[f"{loop}-{r}/{key}"].get("fallbacks") for r in runs]  # older raw files kept no count
-        servers[key]["fallbacks"] = None if None in counted else dict(sorted(sum(
-            (collections.Counter(c) for c in counted), collections.Counter()).items()))
+        servers[key]["fallbacks"] = None if None in counted else summed_counts(counted)
     ratios = {f"{key}/c": {f: _over_runs([None if None in (mine[f], theirs[f]) else mine[f] / theirs[f]
                                           for mine, theirs in zip(per_run[key], per_run["c"])])
                            for f in RATIO_FIGURES} for key in "ab"}
@@ -97,11 +101,8 @@ def streams_summary(windows: list[dict]) -> dict:
                           "foreground_ttft_median": statistics.median(t for w in chosen for t in w["foreground_ttft"])}
         if all("foreground_tokens" in w for w in chosen):  # recorded since the streams' loss was studied
             tokens = [pair for w in chosen for pair in w["foreground_tokens"]]
-            fallbacks = collections.Counter()
-            for w in chosen:
-                fallbacks.update(w["fallbacks"])
             out[condition].update(prompt_tokens=sum(p for p, _ in tokens), cached_tokens=sum(c for _, c in tokens),
-                                  fallbacks=dict(fallbacks))
+                                  fallbacks=summed_counts([w["fallbacks"] for w in chosen]))
     pairs = zip(*([w for w in windows if w["condition"] == c] for c in ("none", "switch")))
     out["p95_ratio"] = mean_interval([percentile(s["gaps"], 0.95) / percentile(n["gaps"], 0.95) for n, s in pairs])
     return out

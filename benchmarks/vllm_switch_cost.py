@@ -80,11 +80,12 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(converted_path(SMOLLM))
     texts = traffic.modules(args.history_chars)
     module = next(t for t in traffic.modules(0) if len(t) > 40000)
-    with vllm_server(args.vllm_python, converted_path(SMOLLM), {"maps": str(args.maps.resolve())}, args.log) as url:
+    maps = args.maps.resolve()
+    with vllm_server(args.vllm_python, converted_path(SMOLLM), {"maps": str(maps)}, args.log) as url:
         traffic.warm_up(url)
         windows = traffic.streams(url, texts, args.history_chars, args.repetitions)
         rows = traffic.own_versus_mapped(url, tokenizer, module, args.own_tokens, args.repeats)
-    shown = args.maps.resolve().relative_to(ROOT) if args.maps.resolve().is_relative_to(ROOT) else args.maps
+    shown = maps.relative_to(ROOT) if maps.is_relative_to(ROOT) else args.maps  # no machine path for the repo's own
     setup = {"model": SMOLLM, "server": "a", "maps": str(shown),
              **{k: getattr(args, k) for k in ("repetitions", "own_tokens", "repeats", "threads")}}
     payload = {"setup": setup, "streams": streams_summary(windows), "own_cache": own_summary(rows),

@@ -4,6 +4,7 @@ corpus (disjoint from every map's calibration text); every request is greedy."""
 
 from __future__ import annotations
 
+import collections
 import random
 import threading
 import time
@@ -144,8 +145,7 @@ def streams(url: str, texts: list[str], history_chars: int, repetitions: int, ba
             out.append({"repetition": repetition, "condition": condition, "gaps": gaps,
                         "foreground_ttft": [reply["ttft"] for reply in replies],
                         "foreground_tokens": [[reply["prompt_tokens"], reply["cached"]] for reply in replies],
-                        "fallbacks": {reason: n - before.get(reason, 0) for reason, n in after.items()
-                                      if n > before.get(reason, 0)},
+                        "fallbacks": dict(collections.Counter(after) - collections.Counter(before)),
                         "window_seconds": closed - opened})
     return out
 
