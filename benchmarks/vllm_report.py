@@ -88,11 +88,13 @@ def load_summary(phases: dict, loop: str) -> dict:
 
 
 def streams_summary(windows: list[dict]) -> dict:
-    """Inter-token latency of the background streams: p50 / p95 / largest over every gap of a condition, the p95 per
-    window, and the ratio of switch to no-switch p95 window by window; with the foreground requests' prompt tokens
+    """Inter-token latency of the background streams: per condition (`benchmarks.vllm_traffic.STREAM_CONDITIONS`)
+    p50 / p95 / largest over every gap, the p95 per window, and the p95 ratios window by window: switches / none
+    (``p95_ratio``) and, where the run had them, a switch to an adapter's own cache / none (``own_p95_ratio``) and
+    mapped switches / own-cache switches (``switch_to_own_p95_ratio``); with the foreground requests' prompt tokens
     served from cache and the connector's fallbacks where the windows recorded them."""
     out = {}
-    for condition in ("none", "switch"):
+    for condition in dict.fromkeys(w["condition"] for w in windows):
         chosen = [w for w in windows if w["condition"] == condition]
         gaps = [g for w in chosen for g in w["gaps"]]
         out[condition] = {"gaps": len(gaps), "itl_p50": percentile(gaps, 0.5), "itl_p95": percentile(gaps, 0.95),
@@ -103,9 +105,18 @@ def streams_summary(windows: list[dict]) -> dict:
             tokens = [pair for w in chosen for pair in w["foreground_tokens"]]
             out[condition].update(prompt_tokens=sum(p for p, _ in tokens), cached_tokens=sum(c for _, c in tokens),
                                   fallbacks=summed_counts([w["fallbacks"] for w in chosen]))
-    pairs = zip(*([w for w in windows if w["condition"] == c] for c in ("none", "switch")))
-    out["p95_ratio"] = mean_interval([percentile(s["gaps"], 0.95) / percentile(n["gaps"], 0.95) for n, s in pairs])
+    for name, (over, under) in {"p95_ratio": ("switch", "none"), "own_p95_ratio": ("own", "none"),
+                                "switch_to_own_p95_ratio": ("switch", "own")}.items():
+        if over in out and under in out:
+            out[name] = _window_p95_ratio(windows, over, under)
     return out
+
+
+def _window_p95_ratio(windows: list[dict], over: str, under: str) -> dict:
+    """The p95 of condition ``over``'s gaps over ``under``'s, window by window (the same repetition), 95% interval."""
+    per_repetition = {(w["repetition"], w["condition"]): percentile(w["gaps"], 0.95) for w in windows}
+    repetitions = sorted({r for r, c in per_repetition if c == over} & {r for r, c in per_repetition if c == under})
+    return mean_interval([per_repetition[r, over] / per_repetition[r, under] for r in repetitions])
 
 
 def conversation_summary(turns: list[dict], references: list[dict]) -> list[dict]:

@@ -2,9 +2,11 @@
 measurements of `benchmarks.vllm_load` that the connector's step slicing and its allocator setting change, on one
 freshly started server (a) (vLLM's CPU build with the connector mapping; the same setup as `benchmarks.vllm_load`):
 
-1. Streams: the inter-token latency of two long base-model streams while requests arrive on histories the base model
-   computed, switching to adapters or (the same load without switches) to the base model again, ``--repetitions``
-   windows per condition; the per-window p95 ratio switches / none with its 95% t-interval.
+1. Streams: the inter-token latency of two long base-model streams while requests arrive, ``--repetitions`` windows
+   per condition (`benchmarks.vllm_traffic.STREAM_CONDITIONS`): on histories the base model computed, switching to
+   adapters (mapped) or (the same load without switches) to the base model again; and, the control that separates
+   the mapping from the adapter's forward, to adapters on histories they computed themselves (their own prefix
+   cache: the same new tokens through the adapter, nothing mapped). The per-window p95 ratios with 95% t-intervals.
 2. At ``--own-tokens`` of history, ``--repeats`` times: an adapter continuing its own cached prefix, a mapped switch
    and a prefill; mapped / own run by run, and the mapped switch's first-token KL against the prefill.
 
@@ -44,8 +46,12 @@ def markdown(payload: dict) -> str:
                 f"{st[condition]['foreground_ttft_median']:.3f}",
                 f"{st[condition]['cached_tokens']} of {st[condition]['prompt_tokens']}",
                 ", ".join(f"{reason} {n}" for reason, n in sorted(st[condition]["fallbacks"].items())) or "none"]
-               for condition in ("none", "switch")]), "",
-        f"p95 ratio switches / none, window by window: {ci(st['p95_ratio'])}.", "",
+               for condition in traffic.STREAM_CONDITIONS if condition in st]), "",
+        "Conditions: " + "; ".join(f"{c}: {what}" for c, what in traffic.STREAM_CONDITIONS.items() if c in st) + ".",
+        "",
+        f"p95 ratio window by window, switches / none: {ci(st['p95_ratio'])}"
+        + (f"; own-cache switches / none: {ci(st['own_p95_ratio'])}; mapped switches / own-cache switches: "
+           f"{ci(st['switch_to_own_p95_ratio'])}" if "own_p95_ratio" in st else "") + ".", "",
         f"## An adapter's own cache against a mapped switch ({own['prompt_tokens']} prompt tokens, "
         f"{s['repeats']} repeats)", "",
         table(["reply", "TTFT median [min, max] (s)", "cached tokens"],
@@ -83,7 +89,8 @@ def main(argv=None) -> int:
     maps = args.maps.resolve()
     with vllm_server(args.vllm_python, converted_path(SMOLLM), {"maps": str(maps)}, args.log) as url:
         traffic.warm_up(url)
-        windows = traffic.streams(url, texts, args.history_chars, args.repetitions)
+        windows = traffic.streams(url, texts, args.history_chars, args.repetitions,
+                                  conditions=tuple(traffic.STREAM_CONDITIONS))
         rows = traffic.own_versus_mapped(url, tokenizer, module, args.own_tokens, args.repeats)
     shown = maps.relative_to(ROOT) if maps.is_relative_to(ROOT) else args.maps  # no machine path for the repo's own
     setup = {"model": SMOLLM, "server": "a", "maps": str(shown),

@@ -101,23 +101,38 @@ def poisson_starts(count: int, rate: float, seed: int) -> list[float]:
     return out
 
 
+STREAM_CONDITIONS = {
+    "none": "to the base model again, on a history it computed (the same load without switches)",
+    "switch": "to an adapter, on a history the base model computed (a switch: the connector maps it)",
+    "own": "to an adapter, on a history that adapter computed (its own prefix cache: no mapping, the same new tokens "
+           "through the adapter)",
+}
+
+
 def streams(url: str, texts: list[str], history_chars: int, repetitions: int, background: int = 2,
-            background_tokens: int = 384, foreground: int = 3) -> list[dict]:
+            background_tokens: int = 384, foreground: int = 3, conditions: tuple[str, ...] = ("none", "switch")
+            ) -> list[dict]:
     """Inter-token latency of ``background`` long base-model streams while ``foreground`` requests arrive one after
-    another, each on a history the base model computed before the streams began: to an adapter (``switch``) or to the
-    base model again (``none``, the same load without switches), conditions alternating ``repetitions`` times.
-    Returns per window the background streams' token gaps that fell inside it, the foreground TTFTs and cached
-    prompt tokens, and the connector's fallbacks by reason during the window."""
+    another, each on a history computed before the streams began, as each of ``conditions`` says
+    (`STREAM_CONDITIONS`), conditions alternating ``repetitions`` times. Returns per window the background streams'
+    token gaps that fell inside it, the foreground TTFTs and cached prompt tokens, and the connector's fallbacks by
+    reason during the window."""
+    unknown = set(conditions) - set(STREAM_CONDITIONS)
+    if unknown:
+        raise ValueError(f"unknown stream conditions {sorted(unknown)}; known: {sorted(STREAM_CONDITIONS)}")
     api, out, k = client(url), [], 0
     for repetition in range(repetitions):
-        for condition in ("none", "switch"):
-            histories = []
+        for condition in conditions:
+            histories, models = [], []
             for j in range(foreground):
                 text = texts[k % len(texts)]
                 k += 1
+                model = NAME if condition == "none" else ADAPTERS[j % len(ADAPTERS)]
                 history = [{"role": "user", "content": f"Window {repetition}-{condition}-{j}. "
                                                        + turn_messages(text, history_chars)[0]}]
-                ask(api, NAME, history, 1, logprobs=False)  # the base model's history, stored / cached
+                # the history's KV, stored / cached: the base model's, or (own) the adapter's
+                ask(api, model if condition == "own" else NAME, history, 1, logprobs=False)
+                models.append(model)
                 histories.append(history + [{"role": "assistant", "content": "Part of the standard library."},
                                             {"role": "user", "content": turn_messages(text, history_chars)[1]}])
             arrivals: list[list[float]] = []
@@ -133,8 +148,7 @@ def streams(url: str, texts: list[str], history_chars: int, repetitions: int, ba
             time.sleep(2.0)  # the streams are decoding
             before = fallback_counts(url)
             opened, replies = time.perf_counter(), []
-            for j, messages in enumerate(histories):
-                model = ADAPTERS[j % len(ADAPTERS)] if condition == "switch" else NAME
+            for model, messages in zip(models, histories):
                 replies.append(ask(api, model, messages, 1, logprobs=False))
                 time.sleep(0.5)
             closed = time.perf_counter()

@@ -136,15 +136,16 @@ def test_the_load_benchmark_counts_the_connectors_fallbacks_by_reason_from_its_m
 def test_the_streams_summary_pairs_windows_and_adds_up_their_fallbacks_and_cached_tokens():
     from benchmarks.vllm_report import streams_summary
 
-    def window(condition, gaps, tokens, fallbacks):
-        return {"condition": condition, "gaps": gaps, "foreground_ttft": [0.1, 0.2],
+    def window(repetition, condition, gaps, tokens, fallbacks):
+        return {"repetition": repetition, "condition": condition, "gaps": gaps, "foreground_ttft": [0.1, 0.2],
                 "foreground_tokens": tokens, "fallbacks": fallbacks}
 
-    windows = [window("none", [0.05] * 20, [[100, 96]], {}),
-               window("switch", [0.05] * 19 + [1.0], [[100, 64], [50, 0]], {"no_target_sink": 1}),
-               window("none", [0.05] * 20, [[100, 96]], {}),
-               window("switch", [0.10] * 20, [[100, 96]], {"no_target_sink": 2, "load_error": 1})]
+    windows = [window(0, "none", [0.05] * 20, [[100, 96]], {}),
+               window(0, "switch", [0.05] * 19 + [1.0], [[100, 64], [50, 0]], {"no_target_sink": 1}),
+               window(1, "none", [0.05] * 20, [[100, 96]], {}),
+               window(1, "switch", [0.10] * 20, [[100, 96]], {"no_target_sink": 2, "load_error": 1})]
     summary = streams_summary(windows)
+    assert "own" not in summary and "own_p95_ratio" not in summary  # a run without the own-cache control
     assert summary["switch"]["itl_max"] == 1.0 and summary["none"]["itl_max"] == 0.05
     assert (summary["switch"]["prompt_tokens"], summary["switch"]["cached_tokens"]) == (250, 160)
     assert summary["switch"]["fallbacks"] == {"no_target_sink": 3, "load_error": 1}
@@ -153,6 +154,13 @@ def test_the_streams_summary_pairs_windows_and_adds_up_their_fallbacks_and_cache
     assert summary["p95_ratio"]["runs"] == pytest.approx([(0.05 + 0.95 * 0.05) / 0.05, 2.0])
     old = [{k: v for k, v in w.items() if k not in ("foreground_tokens", "fallbacks")} for w in windows]
     assert "fallbacks" not in streams_summary(old)["switch"]  # raw data recorded before these fields still reads
+    # the own-cache control: paired with the none and switch windows of its own repetition, in any order
+    controlled = [window(1, "own", [0.20] * 20, [[100, 96]], {}), window(0, "own", [0.05] * 20, [[100, 96]], {}),
+                  *windows]
+    summary = streams_summary(controlled)
+    assert summary["own_p95_ratio"]["runs"] == pytest.approx([1.0, 4.0])
+    assert summary["switch_to_own_p95_ratio"]["runs"] == pytest.approx([(0.05 + 0.95 * 0.05) / 0.05, 0.5])
+    assert summary["p95_ratio"]["runs"] == pytest.approx([(0.05 + 0.95 * 0.05) / 0.05, 2.0])
 
 
 def test_the_benchmarks_first_token_kl_is_a_lower_bound_from_two_top_lists():
