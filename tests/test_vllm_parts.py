@@ -330,11 +330,25 @@ def test_the_step_slicer_keeps_its_share_of_the_engines_time_and_the_jobs_order(
     now[0] += 0.001  # a step far shorter than a slice still runs one
     slicer.add(job("tiny", 3, 0.002))
     assert slicer.advance() == 1
-    now[0] += 30.0  # the engine idle between requests: not a step's time to take a share of
-    assert slicer.advance() == 1
+    now[0] += 30.0  # a long gap (the engine idle, or a long prefill) counts as a one-second step: a quarter second
+    slicer.add(job("long", 100, 0.004))
+    assert slicer.advance() == 2 + 62  # tiny's last two slices (4 ms), then long's up to 0.25 s (the last overruns)
+    now[0] += 5.0  # a five-second prefill step: the same quarter second, never one slice a step
+    assert slicer.advance() == 38 and slicer.idle  # the rest of long (38 x 4 ms < 0.25 s)
     slicer.add(job("alone", 4, 0.002))
     now[0] += 0.001  # a step that computed no token (the requests wait for their loads): nothing to hold
-    assert slicer.advance(forward=False) == 5 and slicer.idle  # tiny's last slice and all of alone's
+    assert slicer.advance(forward=False) == 4 and slicer.idle  # all of alone's (no request waits for it)
+    # switches arriving together: a step that computed no token runs the queue up to the end of the first load, so
+    # its request computes in the next step; the second load continues within the steps
+    slicer.add(job("save", 2, 0.002))
+    slicer.add(job("load 1", 3, 0.002), waited_on=True)
+    slicer.add(job("load 2", 3, 0.002), waited_on=True)
+    del log[:]
+    now[0] += 0.001
+    assert slicer.advance(forward=False) == 5 and not slicer.idle
+    assert [name for name, _ in log] == ["save"] * 2 + ["load 1"] * 3
+    now[0] += 0.001
+    assert slicer.advance(forward=False) == 3 and slicer.idle
     with pytest.raises(ValueError, match="share"):
         StepSlicer(share=1.0)
 

@@ -218,7 +218,7 @@ class WorkerSide:
 
     def _queue(self, job) -> None:
         if self._slicer is not None:
-            self._slicer.add(self._job_steps(job))
+            self._slicer.add(self._job_steps(job), waited_on=isinstance(job, LoadJob))
         else:
             self._jobs.put(job)
 
