@@ -33,13 +33,15 @@ from .vllm_report import ci, own_summary, streams_summary
 from .vllm_servers import vllm_server
 
 
-def markdown(payload: dict) -> str:
+def markdown(payload: dict, level: int = 1) -> str:
+    """The results as markdown, sections at heading ``level`` + 1 (the README's block: level 3, no title)."""
     s, st, own = payload["setup"], payload["streams"], payload["own_cache"]
-    return "\n".join([
-        "# A switch inside vLLM: the streams around it and the adapter's own cache", "",
+    h = "#" * (level + 1)
+    return "\n".join(([f"{'#' * level} A switch inside vLLM: the streams around it and the adapter's own cache", ""]
+                      if level == 1 else []) + [
         f"Server (a) of `benchmarks.vllm_load` (vLLM's CPU build, the connector mapping), started fresh, maps from "
         f"`{s['maps']}`; {s['threads']} threads.", "",
-        f"## Inter-token latency of streams that do not switch ({s['repetitions']} windows per condition)", "",
+        f"{h} Inter-token latency of streams that do not switch ({s['repetitions']} windows per condition)", "",
         table(["condition", "ITL p50 / p95 / largest (ms)", "foreground TTFT median (s)",
                "foreground prompt tokens cached", "connector fallbacks"],
               [[condition, " / ".join(f"{1e3 * st[condition][k]:.1f}" for k in ("itl_p50", "itl_p95", "itl_max")),
@@ -52,7 +54,7 @@ def markdown(payload: dict) -> str:
         f"p95 ratio window by window, switches / none: {ci(st['p95_ratio'])}"
         + (f"; own-cache switches / none: {ci(st['own_p95_ratio'])}; mapped switches / own-cache switches: "
            f"{ci(st['switch_to_own_p95_ratio'])}" if "own_p95_ratio" in st else "") + ".", "",
-        f"## An adapter's own cache against a mapped switch ({own['prompt_tokens']} prompt tokens, "
+        f"{h} An adapter's own cache against a mapped switch ({own['prompt_tokens']} prompt tokens, "
         f"{s['repeats']} repeats)", "",
         table(["reply", "TTFT median [min, max] (s)", "cached tokens"],
               [[kind, f"{own[kind]['median']:.3f} [{own[kind]['min']:.3f}, {own[kind]['max']:.3f}]",

@@ -10,6 +10,7 @@ from benchmarks.common import read_results as results
 from benchmarks.recipe_report import RECALL
 from benchmarks.tp_shards import markdown as tp_markdown
 from benchmarks.vllm_report import markdown as vllm_markdown
+from benchmarks.vllm_switch_cost import markdown as switch_cost_markdown
 from peft_kvcache import KVMap
 from peft_kvcache.lab.provenance import key_of, lookup
 from peft_kvcache.maps.adapter_maps import folder_name
@@ -19,6 +20,8 @@ HUB_CARDS = ROOT / "hub_cards"
 README_BEGIN, README_END = "<!-- figures:begin (scripts/publish.py writes this table) -->", "<!-- figures:end -->"
 SERVE_BEGIN, SERVE_END = "<!-- serve-figures:begin (scripts/publish.py writes this table) -->", "<!-- serve-figures:end -->"
 VLLM_BEGIN, VLLM_END = "<!-- vllm-figures:begin (scripts/publish.py writes this table) -->", "<!-- vllm-figures:end -->"
+SWITCH_BEGIN, SWITCH_END = ("<!-- vllm-switch-cost:begin (scripts/publish.py writes this table) -->",
+                            "<!-- vllm-switch-cost:end -->")
 TP_BEGIN, TP_END = "<!-- tp-shards:begin (scripts/publish.py writes this table) -->", "<!-- tp-shards:end -->"
 CALIBRATE_BEGIN, CALIBRATE_END = "<!-- calibrate-time:begin (scripts/publish.py writes this line) -->", "<!-- calibrate-time:end -->"
 SERVERS = {"a": "(a) this server", "a'": "(a') this server, base cache kept by reverse maps",
@@ -209,6 +212,12 @@ def vllm_table() -> str:
             + "\n\nFrom `benchmarks/results/vllm-load.json`, written by `python -m benchmarks.vllm_load`.")
 
 
+def switch_cost_table() -> str:
+    """What a switch costs the streams around it inside vLLM (`benchmarks/results/vllm-switch-cost.json`)."""
+    return (switch_cost_markdown(results("vllm-switch-cost"), level=3) + "\n\nFrom "
+            "`benchmarks/results/vllm-switch-cost.json`, written by `python -m benchmarks.vllm_switch_cost`.")
+
+
 def tp_shards_table() -> str:
     """Gather against per-shard maps under tensor parallelism (`benchmarks/results/tp-shards.json`)."""
     text = tp_markdown(results("tp-shards")).split("\n", 2)[2]  # without its title
@@ -233,5 +242,6 @@ def calibrate_time_line() -> str:
 
 # The README's generated blocks: (begin marker, end marker, what renders the table between them).
 README_BLOCKS = ((README_BEGIN, README_END, readme_table), (SERVE_BEGIN, SERVE_END, serve_table),
-                 (VLLM_BEGIN, VLLM_END, vllm_table), (TP_BEGIN, TP_END, tp_shards_table),
+                 (VLLM_BEGIN, VLLM_END, vllm_table), (SWITCH_BEGIN, SWITCH_END, switch_cost_table),
+                 (TP_BEGIN, TP_END, tp_shards_table),
                  (CALIBRATE_BEGIN, CALIBRATE_END, calibrate_time_line))
