@@ -37,8 +37,8 @@ def markdown(payload: dict, level: int = 1) -> str:
     """The results as markdown, sections at heading ``level`` + 1 (the README's block: level 3, no title)."""
     s, st, own = payload["setup"], payload["streams"], payload["own_cache"]
     h = "#" * (level + 1)
-    return "\n".join(([f"{'#' * level} A switch inside vLLM: the streams around it and the adapter's own cache", ""]
-                      if level == 1 else []) + [
+    title = ["# A switch inside vLLM: the streams around it and the adapter's own cache", ""] if level == 1 else []
+    return "\n".join(title + [
         f"Server (a) of `benchmarks.vllm_load` (vLLM's CPU build, the connector mapping), started fresh, maps from "
         f"`{s['maps']}`; {s['threads']} threads.", "",
         f"{h} Inter-token latency of streams that do not switch ({s['repetitions']} windows per condition)", "",
