@@ -94,12 +94,13 @@ def streams_summary(windows: list[dict]) -> dict:
     mapped switches / own-cache switches (``switch_to_own_p95_ratio``); with the foreground requests' prompt tokens
     served from cache and the connector's fallbacks where the windows recorded them."""
     out = {}
+    window_p95 = {(w["repetition"], w["condition"]): percentile(w["gaps"], 0.95) for w in windows}
     for condition in dict.fromkeys(w["condition"] for w in windows):
         chosen = [w for w in windows if w["condition"] == condition]
         gaps = [g for w in chosen for g in w["gaps"]]
         out[condition] = {"gaps": len(gaps), "itl_p50": percentile(gaps, 0.5), "itl_p95": percentile(gaps, 0.95),
                           "itl_max": max(gaps),
-                          "window_p95": mean_interval([percentile(w["gaps"], 0.95) for w in chosen]),
+                          "window_p95": mean_interval([window_p95[w["repetition"], condition] for w in chosen]),
                           "foreground_ttft_median": statistics.median(t for w in chosen for t in w["foreground_ttft"])}
         if all("foreground_tokens" in w for w in chosen):  # recorded since the streams' loss was studied
             tokens = [pair for w in chosen for pair in w["foreground_tokens"]]
@@ -107,16 +108,10 @@ def streams_summary(windows: list[dict]) -> dict:
                                   fallbacks=summed_counts([w["fallbacks"] for w in chosen]))
     for name, (over, under) in {"p95_ratio": ("switch", "none"), "own_p95_ratio": ("own", "none"),
                                 "switch_to_own_p95_ratio": ("switch", "own")}.items():
-        if over in out and under in out:
-            out[name] = _window_p95_ratio(windows, over, under)
+        if over in out and under in out:  # window by window: the two conditions' windows of one repetition
+            repetitions = sorted({r for r, c in window_p95 if c == over} & {r for r, c in window_p95 if c == under})
+            out[name] = mean_interval([window_p95[r, over] / window_p95[r, under] for r in repetitions])
     return out
-
-
-def _window_p95_ratio(windows: list[dict], over: str, under: str) -> dict:
-    """The p95 of condition ``over``'s gaps over ``under``'s, window by window (the same repetition), 95% interval."""
-    per_repetition = {(w["repetition"], w["condition"]): percentile(w["gaps"], 0.95) for w in windows}
-    repetitions = sorted({r for r, c in per_repetition if c == over} & {r for r, c in per_repetition if c == under})
-    return mean_interval([per_repetition[r, over] / per_repetition[r, under] for r in repetitions])
 
 
 def conversation_summary(turns: list[dict], references: list[dict]) -> list[dict]:

@@ -181,6 +181,11 @@ def _recipe_rows(name: str, reported: dict[int, dict]) -> list[list[str]]:
     return out
 
 
+def written_by(stem: str, module: str) -> str:
+    """The line under a generated table naming its results file and the benchmark that wrote it."""
+    return f"\n\nFrom `benchmarks/results/{stem}.json`, written by `python -m benchmarks.{module}`."
+
+
 def serve_table() -> str:
     """The chat server's load benchmark (`benchmarks/results/serve-load.json`): TTFT, throughput and quality against
     no reuse, and the ratios."""
@@ -203,25 +208,24 @@ def serve_table() -> str:
             + table(["server", "TTFT p50", "TTFT p95", "compute TTFT p50 / p95", "tokens/s", "prompt cached",
                      "vs (c): first-token KL / same first token / same reply"], rows) + "\n\n"
             + table(["ratio", "TTFT p50", "TTFT p95", "compute p50", "compute p95", "throughput"], ratios)
-            + "\n\nFrom `benchmarks/results/serve-load.json`, written by `python -m benchmarks.serve_load`.")
+            + written_by("serve-load", "serve_load"))
 
 
 def vllm_table() -> str:
     """The vLLM connector's load benchmark (`benchmarks/results/vllm-load.json`), its tables at the README's level."""
-    return (vllm_markdown(results("vllm-load"), level=3)
-            + "\n\nFrom `benchmarks/results/vllm-load.json`, written by `python -m benchmarks.vllm_load`.")
+    return vllm_markdown(results("vllm-load"), level=3) + written_by("vllm-load", "vllm_load")
 
 
 def switch_cost_table() -> str:
     """What a switch costs the streams around it inside vLLM (`benchmarks/results/vllm-switch-cost.json`)."""
-    return (switch_cost_markdown(results("vllm-switch-cost"), level=3) + "\n\nFrom "
-            "`benchmarks/results/vllm-switch-cost.json`, written by `python -m benchmarks.vllm_switch_cost`.")
+    return (switch_cost_markdown(results("vllm-switch-cost"), level=3)
+            + written_by("vllm-switch-cost", "vllm_switch_cost"))
 
 
 def tp_shards_table() -> str:
     """Gather against per-shard maps under tensor parallelism (`benchmarks/results/tp-shards.json`)."""
     text = tp_markdown(results("tp-shards")).split("\n", 2)[2]  # without its title
-    return text + "\n\nFrom `benchmarks/results/tp-shards.json`, written by `python -m benchmarks.tp_shards`."
+    return text + written_by("tp-shards", "tp_shards")
 
 
 def calibrate_time_line() -> str:
