@@ -6,7 +6,8 @@ freshly started server (a) (vLLM's CPU build with the connector mapping; the sam
    per condition (`benchmarks.vllm_traffic.STREAM_CONDITIONS`): on histories the base model computed, switching to
    adapters (mapped) or (the same load without switches) to the base model again; and, the control that separates
    the mapping from the adapter's forward, to adapters on histories they computed themselves (their own prefix
-   cache: the same new tokens through the adapter, nothing mapped). The per-window p95 ratios with 95% t-intervals.
+   cache: the same new tokens through the adapter, nothing mapped; each of its histories is first a full prefill
+   through the adapter, a few minutes of the run). The per-window p95 ratios with 95% t-intervals.
 2. At ``--own-tokens`` of history, ``--repeats`` times: an adapter continuing its own cached prefix, a mapped switch
    and a prefill; mapped / own run by run, and the mapped switch's first-token KL against the prefill.
 

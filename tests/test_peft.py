@@ -125,6 +125,18 @@ def test_save_and_load_round_trip(peft_pair, tmp_path):
         assert loaded.to_base[a].config.calibration.source.adapter == a
 
 
+def test_the_maps_of_one_capture_pass_say_they_share_its_time(peft_pair):
+    """All four maps come from one pass over the texts: each card says its seconds are the pass's, not its own."""
+    from peft_kvcache.maps.card import calibration_text
+
+    _, maps = peft_pair
+    for _, _, kv_map in maps.all():
+        record = kv_map.config.calibration
+        assert record.maps_in_pass == 4 and record.seconds > 0
+        assert f"{record.seconds:.0f} s (1 process(es), one capture pass fitting 4 maps together)" in \
+            calibration_text(kv_map.config)
+
+
 def test_calibrate_adapters_refuses_a_plain_model():
     from peft_kvcache.errors import CalibrationError
 

@@ -220,7 +220,8 @@ def calibration_text(config: KVMapConfig) -> str:
         lines.append(f"- files: {', '.join(f'`{n}`' for n in train[:6])}{', …' if len(train) > 6 else ''} "
                      "(all names in config.json)")
     if record.seconds is not None:
-        lines.append(f"- calibration time: {record.seconds:.0f} s ({record.processes} process(es))")
+        shared = f", one capture pass fitting {record.maps_in_pass} maps together" if record.maps_in_pass > 1 else ""
+        lines.append(f"- calibration time: {record.seconds:.0f} s ({record.processes} process(es){shared})")
     return "\n".join(lines)
 
 

@@ -46,7 +46,9 @@ class ModelSpec:
 
 @dataclass
 class CalibrationRecord:
-    """How a map was fitted: the options, the data, token counts and how to load both models."""
+    """How a map was fitted: the options, the data, token counts and how to load both models. ``seconds`` is the
+    whole calibration's time; ``maps_in_pass`` maps were fitted from its one capture pass together (the base <->
+    adapter maps of `peft_kvcache.calibration.loop.calibrate_adapters`), so their seconds are shared, not each's."""
 
     options: CalibrationConfig = field(default_factory=CalibrationConfig)
     data: DataRecord = field(default_factory=DataRecord)
@@ -55,6 +57,7 @@ class CalibrationRecord:
     sequences: int = 0
     processes: int = 1
     seconds: float | None = None
+    maps_in_pass: int = 1
     source: ModelSpec | None = None
     target: ModelSpec | None = None
     license: str | None = None
