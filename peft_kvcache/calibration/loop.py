@@ -313,10 +313,11 @@ def calibrate_adapters(model: torch.nn.Module, calibration_data, tokenizer=None,
             maps.to_base[adapter] = build_map(run, adapter, BASE, config, replace(
                 record, source=spec(adapter), target=spec(BASE)), vocab, progress and not config.same_layer)
     seconds = round(earlier + time.perf_counter() - started, 2)  # with a resumed checkpoint's collection
-    for _, _, kv_map in maps.all():  # one capture pass fitted them all: its time is theirs together
+    fitted = [kv_map for _, _, kv_map in maps.all()]
+    for kv_map in fitted:  # one capture pass fitted them all: its time is theirs together
         kv_map.config.calibration.seconds = seconds
-        kv_map.config.calibration.maps_in_pass = len(maps.all())
-    logger.info("calibrated %d adapter maps in %.1fs", len(maps.all()), seconds)
+        kv_map.config.calibration.maps_in_pass = len(fitted)
+    logger.info("calibrated %d adapter maps in %.1fs", len(fitted), seconds)
     return maps
 
 
