@@ -7,7 +7,7 @@ import torch
 from conftest import make_map
 
 from peft_kvcache.errors import NumericalError
-from peft_kvcache.maps.apply import map_cache
+from peft_kvcache.maps.apply import SourceFeatures, _mapped_layers, map_cache
 from peft_kvcache.modeling.layout import KVLayout
 
 
@@ -119,3 +119,15 @@ def test_the_matmul_dtype_follows_the_cpus_bfloat16_support_unless_told(monkeypa
     monkeypatch.setenv(compute.ENVIRONMENT, "fp8")
     with pytest.raises(SettingError, match="float32 or bfloat16"):
         compute.matmul_dtype("cpu")
+
+
+def test_a_source_layers_features_are_dropped_after_the_last_target_layer_reading_them():
+    """A mapping keeps a source layer's position-free features (a float32 copy of its keys) only while a later target
+    layer reads them: a same-shape adapter map holds one source layer at a time, not a copy of every layer's keys."""
+    kv_map = make_map()  # key sources [[0], [1], [0, 1]], value sources [[1], [1], [0]]
+    keys, values, positions = _hand_cache()
+    features = SourceFeatures(keys, values, kv_map.source_rotary, positions, torch.float32)
+    layers = _mapped_layers(kv_map, features, kv_map.target_rotary, positions,
+                            [(torch.device("cpu"), torch.float32)] * 3, torch.float32, False)
+    held = [sorted(features._cache) for _ in layers]
+    assert held == [[("keys", 0), ("values", 1)], [("keys", 0), ("keys", 1)], []]

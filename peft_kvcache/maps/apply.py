@@ -20,8 +20,8 @@ from .compute import matmul_dtype
 
 
 class SourceFeatures:
-    """Position-free features of a source cache, computed lazily per source layer and kept only while a
-    mapping runs (several target layers may read one source layer)."""
+    """Position-free features of a source cache, computed lazily per source layer and kept while a later target
+    layer still reads them (several may read one source layer; `release` drops them after the last)."""
 
     def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], spec: RotarySpec,
                  positions: torch.Tensor, dtype: torch.dtype):
@@ -44,6 +44,11 @@ class SourceFeatures:
                     states[..., : cos.shape[-1]] /= self.spec.attention_scaling**2
             self._cache[key] = states.to(self.dtype).contiguous()
         return self._cache[key].to(device, non_blocking=True)
+
+    def release(self, kind: str, layer: int) -> None:
+        """Drop one source layer's features (no later target layer reads them): the next layer's reuse their memory
+        instead of the mapping taking fresh pages for every source layer."""
+        self._cache.pop((kind, layer), None)
 
     def get(self, kind: str, layer: int, device: torch.device) -> torch.Tensor:
         """``[batch, seq, kv_heads * head_dim]`` features of one source layer (heads side by side), on ``device``."""
@@ -207,11 +212,22 @@ def iter_map_cache(
                           compute_dtype, factored)
 
 
+def last_readers(kv_map) -> dict[tuple[str, int], int]:
+    """``(kind, source layer) -> the last target layer that reads it`` (its features can go after that layer)."""
+    last = {}
+    for t in range(kv_map.config.target_layout.num_layers):
+        for kind in ("keys", "values"):
+            for source in kv_map.source_inputs(kind, t):
+                last[source] = t
+    return last
+
+
 @torch.no_grad()  # inference: a cache is mapped, never trained through (a generator: at every layer it computes)
 def _mapped_layers(kv_map, features: SourceFeatures, target_spec: RotarySpec, target_positions: torch.Tensor,
                    placements: Sequence[tuple[torch.device, torch.dtype]], compute_dtype: torch.dtype,
                    factored: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     heads, head_dim = kv_map.config.target_layout.kv_heads, kv_map.config.target_layout.head_dim
+    last = last_readers(kv_map)
     rotations = {}
     projected = {}  # (kind, device) -> the source through the shared basis, once for every layer placed there
     for t, (device, dtype) in enumerate(placements):
@@ -239,6 +255,9 @@ def _mapped_layers(kv_map, features: SourceFeatures, target_spec: RotarySpec, ta
             if kind == "keys":
                 states = rotate_(states.float(), cos, sin)
             layer.append(_cast_checked(states, dtype, t, kind, dict(zip(sources, inputs))))
+        for source in {s for kind in ("keys", "values") for s in kv_map.source_inputs(kind, t)}:
+            if last[source] == t:
+                features.release(*source)
         yield layer[0], layer[1]
 
 
