@@ -160,8 +160,11 @@ def choose_default(rows: dict[str, dict], budget: int, costs: dict[str, int] | N
     """Among the recipes at the direction's budget that use no oracle, on the published maps or a lever's (a variant
     ``label:recipe``): those whose continuation interval against the window-only control is not below zero, whose
     pooled recall keeps `RECALL_FLOOR`, and whose maps' multiply-adds per token (``costs[label]``) stay within
-    ``cost_limit`` (a lever's maps need both; without a limit only the published maps compete); the best
+    ``cost_limit`` (a lever's maps need both; without a limit only the published maps compete), and that were scored on
+    every example the control was (a run stopped halfway leaves a recipe that cannot be compared yet); the best
     continuation wins. Returns the choice (None if no recipe qualifies) and why each candidate passed or failed."""
+    control = rows.get(f"window@{budget}", {})
+    wanted = {task: control.get(task, {}).get("examples", 0) for task in ("continuation", RECALL)}
     verdicts = {}
     for name, row in rows.items():
         label = row.get("maps", "published")
@@ -173,11 +176,13 @@ def choose_default(rows: dict[str, dict], budget: int, costs: dict[str, int] | N
             continue
         cost = (costs or {}).get(label)
         affordable = cost_limit is None or (cost is not None and cost <= cost_limit)
+        complete = cont["examples"] >= wanted["continuation"] and recall["examples"] >= wanted[RECALL]
         verdicts[name] = {"maps": label, "continuation": cont["normalized"], "minus_control": cont["minus_control"],
                           "interval": cont["minus_control_interval"], "recall": recall["normalized"],
+                          "examples": [cont["examples"], recall["examples"]], "complete": complete,
                           "multiply_adds_per_token": cost, "within_cost": affordable,
                           "qualifies": cont["minus_control_interval"][1] >= 0 and recall["normalized"] >= RECALL_FLOOR
-                          and affordable}
+                          and affordable and complete}
     passing = {n: v for n, v in verdicts.items() if v["qualifies"]}
     best = max(passing, key=lambda n: passing[n]["continuation"]) if passing else None
     return {"default": best, "maps": None if best is None else passing[best]["maps"], "cost_limit": cost_limit,
@@ -356,20 +361,22 @@ def report(role: str, context: int) -> dict:
                                 cells), ""]
         if choice:
             limit = choice["cost_limit"]
-            cells = [[name, f"{v['continuation']:.3f}", f"{v['minus_control']:+.3f} [{v['interval'][0]:+.3f}, "
-                      f"{v['interval'][1]:+.3f}]", f"{v['recall']:.3f}",
+            cells = [[name, "{} / {}".format(*v["examples"]), f"{v['continuation']:.3f}",
+                      f"{v['minus_control']:+.3f} [{v['interval'][0]:+.3f}, {v['interval'][1]:+.3f}]",
+                      f"{v['recall']:.3f}",
                       "-" if v["multiply_adds_per_token"] is None else f"{v['multiply_adds_per_token']:,}",
                       "yes" if v["qualifies"] else "no"]
                      for name, v in sorted(choice["candidates"].items(), key=lambda kv: -kv[1]["continuation"])]
             lines += [f"## {siblings.pair_name(direction)}, the default", "",
                       *([note, ""] if (note := budget_note(runs, direction)) else []),
-                      f"Candidates at the budget: continuation interval against the window-only control not below "
-                      f"zero, pooled recall >= {RECALL_FLOOR}"
+                      f"Candidates at the budget, scored on every example the window-only control was (continuation / "
+                      f"recall examples): continuation interval against the control not below zero, pooled recall >= "
+                      f"{RECALL_FLOOR}"
                       + ("" if limit is None else f", maps within {limit:,} multiply-adds per token (the least of "
                          f"the target's prefill per token at {TTFT_LENGTH} tokens over the {TTFT_GOAL}x TTFT goal and "
                          "the maps the budget's TTFT sweep timed)") + ".", "",
-                      table(["recipe", "continuation", "minus window-only", "recall", "map multiply-adds per token",
-                             "qualifies"], cells), "",
+                      table(["recipe", "examples", "continuation", "minus window-only", "recall",
+                             "map multiply-adds per token", "qualifies"], cells), "",
                       f"Default earned: **{choice['default']}**" if choice["default"] else "No recipe qualifies.", ""]
         elif default:
             lines += [f"Default reported (chosen on the selection texts): **{default}**", ""]

@@ -190,11 +190,11 @@ def test_the_bootstrap_resamples_whole_files():
     assert not torch.equal(weights[:, 0], weights[:, 2])
 
 
-def _row(kind: str, compute: int, continuation: float, interval: tuple, recall: float) -> dict:
+def _row(kind: str, compute: int, continuation: float, interval: tuple, recall: float, examples=(40, 48)) -> dict:
     return {"kind": kind, "compute": compute,
-            "continuation": {"examples": 40, "normalized": continuation, "minus_control": sum(interval) / 2,
+            "continuation": {"examples": examples[0], "normalized": continuation, "minus_control": sum(interval) / 2,
                              "minus_control_interval": list(interval)},
-            recipe_report.RECALL: {"examples": 48, "normalized": recall}}
+            recipe_report.RECALL: {"examples": examples[1], "normalized": recall}}
 
 
 def test_the_default_is_the_best_recipe_not_below_the_control_that_keeps_recall():
@@ -204,10 +204,17 @@ def test_the_default_is_the_best_recipe_not_below_the_control_that_keeps_recall(
             "index@160/p32": _row("index", 160, 0.78, (-0.12, -0.01), 0.99),  # below the control
             "hybrid@160+true-keys": _row("hybrid", 160, 0.95, (0.1, 0.3), 1.0),  # an oracle is no recipe
             "hybrid@320": _row("hybrid", 320, 0.90, (0.1, 0.2), 1.0),  # another budget
-            "attn:refresh@160/p64": {**_row("refresh", 160, 0.9, (0.1, 0.2), 1.0), "maps": "attn"}}  # a lever's maps
+            "attn:refresh@160/p64": {**_row("refresh", 160, 0.9, (0.1, 0.2), 1.0), "maps": "attn"},  # a lever's maps
+            "window@160": _row("window", 160, 0.72, (0, 0), 0.0),  # the control, scored on 40 / 48 examples
+            "refresh@160/p96": _row("refresh", 160, 0.85, (0.05, 0.2), 1.0, examples=(39, 48))}  # one window short
     choice = recipe_report.choose_default(rows, 160)  # no cost limit: a lever's maps do not compete
     assert choice["default"] == "refresh@160/p64" and choice["maps"] == "published"
-    assert set(choice["candidates"]) == {"hybrid@160", "refresh@160/p64", "refresh@160/p128", "index@160/p32"}
+    assert set(choice["candidates"]) == {"hybrid@160", "refresh@160/p64", "refresh@160/p128", "index@160/p32",
+                                         "refresh@160/p96"}
+    assert not choice["candidates"]["refresh@160/p96"]["complete"]  # best on its examples, not yet on all of them
+    rows["refresh@160/p96"]["continuation"]["examples"] = 40
+    assert recipe_report.choose_default(rows, 160)["default"] == "refresh@160/p96"
+    del rows["refresh@160/p96"]
     # with a limit, a lever's maps compete where their multiply-adds per token stay within it
     costs = {"published": 100, "attn": 400}
     choice = recipe_report.choose_default(rows, 160, costs, cost_limit=400)
