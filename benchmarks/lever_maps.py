@@ -6,6 +6,7 @@ and options (`siblings.CONFIG`) with the lever's changes, both directions from o
     python -m benchmarks.lever_maps --label l2048 --max-length 2048
     python -m benchmarks.lever_maps --label joint --joint-kinds
     python -m benchmarks.lever_maps --label distill --distill      # the published maps, distilled
+    python -m benchmarks.lever_maps --label basis512-distill --distill --on basis512   # a lever's maps, distilled
     python -m benchmarks.lever_maps --label nonlinear --nonlinear  # the published maps with nonlinear heads
     python -m benchmarks.recipes run --maps hub_cards --role selection --lever attention=runs/levers/attention
 
@@ -79,13 +80,16 @@ def fit(label: str, changes: dict, files: int, progress: bool = True) -> Path:
 ADDITIONS = {"distill": distill_map, "nonlinear": fit_nonlinear_heads}
 
 
-def add_to_published(label: str, addition: str, options: dict, files: int, progress: bool = True) -> Path:
-    """Both published maps (``hub_cards``) with ``addition`` (`ADDITIONS`: distillation, nonlinear heads) fitted on
-    their own calibration files (the first ``files``: their held-out texts stay held out) into
-    ``runs/levers/<label>``; a direction already done with these options is kept (``lever.json`` beside it says what
-    was done), so a stopped run resumes with the next direction."""
-    folder = LEVERS / label
-    what = {"addition": addition, "options": options, "files": files}
+def add_to_maps(label: str, addition: str, options: dict, files: int, on: str = "published",
+                progress: bool = True) -> Path:
+    """Both maps of ``on`` (``published``: ``hub_cards``; else a lever's, ``runs/levers/<on>``) with ``addition``
+    (`ADDITIONS`: distillation, nonlinear heads) fitted on their own calibration files (the first ``files``: their
+    held-out texts stay held out) into ``runs/levers/<label>``; a direction already done with these options is kept
+    (``lever.json`` beside it says what was done), so a stopped run resumes with the next direction."""
+    folder, base = LEVERS / label, ROOT / "hub_cards" if on == "published" else LEVERS / on
+    if folder == base:
+        raise RecordError(f"--label {label} would write over the maps it adds to: choose another label")
+    what = {"addition": addition, "options": options, "files": files, **({} if on == "published" else {"on": on})}
     models = tokenizer = None
     for direction in siblings.DIRECTIONS:
         out = folder / siblings.pair_name(direction)
@@ -95,14 +99,16 @@ def add_to_published(label: str, addition: str, options: dict, files: int, progr
                 raise RecordError(f"{out} holds a map made otherwise ({done}, not {what}); remove it or choose "
                                   "another label")
             continue
-        published = KVMap.from_pretrained(ROOT / "hub_cards" / siblings.pair_name(direction))
-        if len(published.config.calibration.data.names()) != files:
-            raise RecordError(f"the published {direction} map was fitted on "
-                              f"{len(published.config.calibration.data.names())} files, not {files}: pass --files")
+        if not (base / siblings.pair_name(direction)).is_dir():
+            raise RecordError(f"{base / siblings.pair_name(direction)} holds no map: fit the {on!r} lever first")
+        fitted = KVMap.from_pretrained(base / siblings.pair_name(direction))
+        if len(fitted.config.calibration.data.names()) != files:
+            raise RecordError(f"the {on} {direction} map was fitted on "
+                              f"{len(fitted.config.calibration.data.names())} files, not {files}: pass --files")
         if models is None:
             models, tokenizer = siblings.load_pair()
         source, target = (models[name] for name in siblings.DIRECTIONS[direction])
-        kv_map = ADDITIONS[addition](published, source, target, stdlib_texts("calibration", files), tokenizer,
+        kv_map = ADDITIONS[addition](fitted, source, target, stdlib_texts("calibration", files), tokenizer,
                                      progress=progress, **options)
         kv_map.save_pretrained(out, chart=False)  # lever.json last: a folder without it is not done
         atomic_write(out / "lever.json", lambda tmp: Path(tmp).write_text(json.dumps(what, indent=1)))
@@ -136,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="distill the published maps (peft_kvcache.calibration.distill) instead of fitting new ones")
     parser.add_argument("--nonlinear", action="store_true",
                         help="add nonlinear heads to the published maps (peft_kvcache.calibration.nonlinear)")
+    parser.add_argument("--on", default="published", metavar="LABEL",
+                        help="--distill / --nonlinear: add to this lever's maps (runs/levers/LABEL) instead")
     parser.add_argument("--rank", type=int, default=8, help="--distill: the correction's rank")
     parser.add_argument("--steps", type=int, default=100, help="--distill: Adam steps")
     parser.add_argument("--learning-rate", type=float, default=1e-3, help="--distill: Adam's learning rate")
@@ -159,8 +167,10 @@ def main(argv: list[str] | None = None) -> None:
                               "calibration options")
         addition, options = ("distill", {"rank": args.rank, "steps": args.steps, "learning_rate": args.learning_rate}) \
             if args.distill else ("nonlinear", {})
-        print(add_to_published(args.label, addition, options, files))
+        print(add_to_maps(args.label, addition, options, files, args.on))
     else:
+        if args.on != "published":
+            raise RecordError("--on names the maps --distill or --nonlinear add to; a fit takes no --on")
         print(fit(args.label, changes, files))
 
 

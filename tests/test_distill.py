@@ -5,6 +5,7 @@ where held-out texts say it lowers the KL, and is folded into weights the ordina
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -108,15 +109,26 @@ def test_the_lever_distills_each_published_map_once_and_resumes(tmp_path, monkey
     options = {"rank": 2, "steps": 2, "learning_rate": 1e-3}
     monkeypatch.setitem(lever_maps.ADDITIONS, "distill", lambda *a, **k: distill_map(*a, recent_tokens=RECENT,
                                                                                        scored_tokens=SCORED, **k))
-    folder = lever_maps.add_to_published("distill", "distill", options, files=12, progress=False)
+    folder = lever_maps.add_to_maps("distill", "distill", options, files=12, progress=False)
     for direction in siblings.DIRECTIONS:
         assert KVMap.from_pretrained(folder / siblings.pair_name(direction)).config.distillation.rank == 2
     monkeypatch.setattr(siblings, "load_pair", lambda: pytest.fail("both directions are done: nothing runs again"))
-    assert lever_maps.add_to_published("distill", "distill", options, files=12, progress=False) == folder
+    assert lever_maps.add_to_maps("distill", "distill", options, files=12, progress=False) == folder
     with pytest.raises(RecordError, match="made otherwise"):
-        lever_maps.add_to_published("distill", "distill", {**options, "rank": 4}, files=12, progress=False)
+        lever_maps.add_to_maps("distill", "distill", {**options, "rank": 4}, files=12, progress=False)
     with pytest.raises(RecordError, match="fitted on 12 files, not 5"):
-        lever_maps.add_to_published("other", "distill", options, files=5, progress=False)
+        lever_maps.add_to_maps("other", "distill", options, files=5, progress=False)
+    # on a lever's maps (the distilled ones here): read from runs/levers/<on>, said in lever.json
+    monkeypatch.setattr(siblings, "load_pair", lambda: (models, None))
+    given = []
+    monkeypatch.setitem(lever_maps.ADDITIONS, "distill", lambda kv_map, *a, **k: given.append(kv_map) or kv_map)
+    on_lever = lever_maps.add_to_maps("again", "distill", options, files=12, on="distill", progress=False)
+    assert [m.config.distillation.rank for m in given] == [2, 2]  # the lever's (distilled) maps, not the published
+    assert json.loads((on_lever / siblings.pair_name("up") / "lever.json").read_text())["on"] == "distill"
+    with pytest.raises(RecordError, match="write over"):
+        lever_maps.add_to_maps("distill", "distill", options, files=12, on="distill", progress=False)
+    with pytest.raises(RecordError, match="fit the 'missing' lever first"):
+        lever_maps.add_to_maps("third", "distill", options, files=12, on="missing", progress=False)
 
 
 def test_the_card_says_what_was_distilled_and_what_it_gained(distilled):

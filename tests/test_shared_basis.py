@@ -155,11 +155,29 @@ def test_a_basis_needs_every_source_layer(sibling_pair):
         calibrate(source, target, random_ids(4, 16), top_k=1, basis_rank=3, progress=False)
 
 
-def test_a_basis_map_refuses_additions_that_need_dense_layers(sibling_pair, basis_map):
+def test_a_basis_map_refuses_nonlinear_heads_which_extend_dense_layers(sibling_pair, basis_map):
     source, target = sibling_pair
-    for addition in (distill_map, fit_nonlinear_heads):
-        with pytest.raises(CalibrationError, match="basis"):
-            addition(basis_map, source, target, random_ids(4, 48), progress=False)
+    with pytest.raises(CalibrationError, match="basis"):
+        fit_nonlinear_heads(basis_map, source, target, random_ids(4, 48), progress=False)
+
+
+def test_distilling_a_basis_map_corrects_its_readouts_and_keeps_its_basis(sibling_pair, basis_map):
+    """The correction of a basis map is of each layer's readout (the projection stays as fitted); what training kept
+    is what the mapping path then reads: the held-out KL it recorded is the KL inference measures."""
+    from test_distill import RECENT, SCORED, inference_kl
+
+    source, target = sibling_pair
+    chunk = random_ids(1, 48, seed=7)[0]
+    distilled = distill_map(basis_map, source, target, [chunk] * 12, rank=2, steps=20, batch_size=1,
+                            learning_rate=3e-3, recent_tokens=RECENT, scored_tokens=SCORED, eval_every=10,
+                            progress=False)
+    record = distilled.config.distillation
+    assert record.kept_step > 0
+    assert inference_kl(distilled, source, target, chunk) == pytest.approx(dict(record.heldout_kl)[record.kept_step],
+                                                                           rel=1e-3)
+    assert inference_kl(distilled, source, target, chunk) < inference_kl(basis_map, source, target, chunk) / 2
+    changed = {name for name, t in basis_map.tensors.items() if not torch.equal(distilled.tensors[name], t)}
+    assert changed and all(name.endswith((".weight", ".bias")) for name in changed)
 
 
 def test_a_basis_map_config_reads_one_set_of_source_layers(basis_map):

@@ -13,8 +13,9 @@ judged by what the target does with it. Per calibration chunk of ``n`` tokens::
 which is the hybrid recipe a user runs (the mapped prefix, a recent window computed by the target). Per target layer
 and kind the weight becomes ``W + A @ B`` and the bias ``b + c`` (``A`` ``[inputs, rank]``, ``B`` ``[rank, E]``, ``B``
 and ``c`` zero at the start, so training starts from the ridge map); the target's weights stay frozen and only the
-correction's parameters learn (Adam, a bounded number of steps). Whole calibration texts held out (the map's own
-split) choose the step to keep, starting with step 0 (the ridge map itself: a correction that does not lower the
+correction's parameters learn (Adam, a bounded number of steps). In a map with a shared basis the basis stays as
+fitted and the correction is of each layer's readout (``A`` ``[rank of the basis, rank]``). Whole calibration texts
+held out (the map's own split) choose the step to keep, starting with step 0 (the ridge map itself: a correction that does not lower the
 held-out KL is not kept). The kept correction is folded into the dense weights: the artifact and the mapping path are
 those of any map, its `DistillationRecord` says what was trained and what it gained.
 """
@@ -49,7 +50,9 @@ class _Example:
     the teacher's log-probabilities at the scored positions (float32: the KL is a small difference of large sums)."""
 
     ids: torch.Tensor  # [1, n]
-    features: dict[tuple[str, int], torch.Tensor]  # (kind, source layer) -> [1, mapped_end - sink, width] float32
+    # what each layer's weight multiplies, [1, mapped_end - sink, width] float32: per (kind, source layer) its
+    # features, or in a map with a shared basis per (kind, "basis") the source layers through it (fixed while training)
+    features: dict[tuple[str, int | str], torch.Tensor]
     sink: list[tuple[torch.Tensor, torch.Tensor]]  # per target layer, the target's own KV of the sink
     teacher: torch.Tensor  # [scored, vocab] float32 log-probabilities
     mapped_end: int
@@ -91,8 +94,7 @@ def _mapped_pairs(kv_map: KVMap, correction: Correction, example: _Example, targ
     for t, (device, dtype) in enumerate(placements):
         layer = []
         for k, kind in enumerate(KINDS):
-            inputs = [example.features[source] for source in kv_map.source_inputs(kind, t)]
-            states = map_layer(inputs, *correction.weights(kv_map, kind, t), head_dim)
+            states = map_layer(_layer_inputs(kv_map, example, kind, t), *correction.weights(kv_map, kind, t), head_dim)
             if kind == "keys":
                 states = apply_rotary(states, cos, sin)
             layer.append(torch.cat([example.sink[t][k].float(), states], dim=2).to(device, dtype))
@@ -133,9 +135,13 @@ def _prepare(kv_map: KVMap, source_model, target_model, chunk: torch.Tensor, rec
     states = SourceFeatures(source.keys, source.values, rotary_spec_of(source_model), torch.arange(mapped_end)[None],
                             torch.float32)
     sink, cpu = kv_map.config.sink_tokens, torch.device("cpu")
-    used = {s for kind in KINDS for t in range(kv_map.config.target_layout.num_layers)
-            for s in kv_map.source_inputs(kind, t)}
-    features = {s: states.get(*s, cpu)[:, sink:].contiguous() for s in used}
+    if kv_map.config.basis_rank:  # every layer reads one set of source layers (`KVMapConfig.validate`)
+        features = {(kind, "basis"): torch.cat([states.get(*s, cpu)[:, sink:] for s in kv_map.source_inputs(kind, 0)],
+                                               dim=-1) @ kv_map.tensors[f"{kind}.basis"].float() for kind in KINDS}
+    else:
+        used = {s for kind in KINDS for t in range(kv_map.config.target_layout.num_layers)
+                for s in kv_map.source_inputs(kind, t)}
+        features = {s: states.get(*s, cpu)[:, sink:].contiguous() for s in used}
     out = forward(target_model, ids, None, logits_to_keep=scored)
     teacher = torch.log_softmax(out.logits[0].float(), dim=-1).cpu()
     # copies: a view would keep the teacher's whole cache alive for as long as the example
@@ -144,12 +150,20 @@ def _prepare(kv_map: KVMap, source_model, target_model, chunk: torch.Tensor, rec
     return _Example(ids, features, own, teacher, mapped_end)
 
 
+def _layer_inputs(kv_map: KVMap, example: _Example, kind: str, t: int) -> list[torch.Tensor]:
+    """What the weight of ``kind`` of target layer ``t`` multiplies: its source layers' features, or the projection
+    through the map's shared basis."""
+    if kv_map.config.basis_rank:
+        return [example.features[kind, "basis"]]
+    return [example.features[s] for s in kv_map.source_inputs(kind, t)]
+
+
 def _input_scales(kv_map: KVMap, example: _Example) -> dict[tuple[str, int], float]:
     """The root-mean-square of each layer's input features on one example (scales the correction's start)."""
     scales = {}
     for kind in KINDS:
         for t in range(kv_map.config.target_layout.num_layers):
-            x = torch.cat([example.features[s] for s in kv_map.source_inputs(kind, t)], dim=-1)
+            x = torch.cat(_layer_inputs(kv_map, example, kind, t), dim=-1)
             scales[kind, t] = max(float(x.square().mean().sqrt()), 1e-6)
     return scales
 
@@ -194,10 +208,9 @@ def distill_map(
     if recent_tokens < 0 or scored_tokens < 1:
         raise CalibrationError(f"recent_tokens must be >= 0 and scored_tokens >= 1, got {recent_tokens}, "
                                f"{scored_tokens}")
-    if (kv_map.config.mlp_layers("keys") or kv_map.config.mlp_layers("values") or kv_map.residual_rank
-            or kv_map.config.basis_rank):
-        raise CalibrationError("distillation corrects a map's dense weights; this map has nonlinear heads, runs as "
-                               "the identity plus factors or reads a shared basis (distill a dense map)")
+    if kv_map.config.mlp_layers("keys") or kv_map.config.mlp_layers("values") or kv_map.residual_rank:
+        raise CalibrationError("distillation corrects a map's linear weights; this map has nonlinear heads or runs as "
+                               "the identity plus factors (distill a map without them)")
     kv_map.check_models(source_model, target_model)
     texts = CalibrationTexts.build(calibration_data, tokenizer, options, vocab_size_of(source_model))
     least = options.sink_tokens + recent_tokens + scored_tokens + 1
