@@ -2,7 +2,9 @@
 cosines) of the maps `scripts/publish.py` ships, on calibration-split stdlib files that come after those of any
 fit and are never scored for retention; the published maps carry their gate.
 
-- siblings: the maps of every scale of the data-scaling curve (`benchmarks.scaling`), both directions;
+- siblings: the maps of every scale of the data-scaling curve (`benchmarks.scaling`), both directions, and the maps
+  of a calibration lever (`benchmarks.lever_maps`) where they earned a direction's default (`scripts/publish.py`'s
+  ``lever_gate`` stage; sibling-lever-gates.json/.md);
 - adapters: the base <-> adapter maps of SmolLM2-135M-Instruct, both directions.
 
     python -m benchmarks.gates siblings --maps runs/publish/siblings --scales 8 16 32 64 128
@@ -28,6 +30,7 @@ from peft_kvcache.maps.records import to_json
 
 from . import adapters, scaling, siblings
 from .common import ADAPTERS, SMOLLM, save, start_run, table
+from .recipes import map_fingerprint
 
 FILES, TOKENS = 8, 512 + 16  # the gate's texts: calibration-split files, the first TOKENS tokens of each
 SIBLING_SKIP = max(scaling.SCALES)  # no sibling fit reads beyond the first max(SCALES) calibration files
@@ -45,18 +48,43 @@ def run_siblings(models: dict, tokenizer, maps: dict[str, dict[int, KVMap]], ski
                  progress: bool = True) -> dict:
     """The gate of ``maps[direction][scale]``; writes ``sibling-gates``. Returns ``{"gates": {direction: {scale:
     record}}}``."""
+    texts, gates = _sibling_gates(models, tokenizer, maps, skip, progress)
+    results = {"gates": gates}
+    save("sibling-gates", results, markdown_siblings(results), data={"gate": list(texts)})
+    return results
+
+
+def run_lever_defaults(models: dict, tokenizer, maps: dict[str, tuple[str, Path]], skip: int = SIBLING_SKIP,
+                       progress: bool = True) -> dict:
+    """The gate of each direction's default maps where a calibration lever's maps earned the default (``maps[direction]
+    = (label, folder)``; the capture's maps carry `run_siblings`'s); writes ``sibling-lever-gates``, which records
+    each map's fingerprint so that a card never carries the gate of other maps. Returns ``{"gates": {direction:
+    {label: record}}, "fingerprints": {direction: {label: fingerprint}}}``."""
+    loaded = {d: {label: KVMap.from_pretrained(folder)} for d, (label, folder) in maps.items()}
+    texts, gates = _sibling_gates(models, tokenizer, loaded, skip, progress)
+    results = {"gates": gates, "fingerprints": {d: {label: map_fingerprint(folder)} for d, (label, folder) in
+                                                maps.items()}}
+    rows = [[siblings.pair_name(d), label, f"{g['predicted_retention']:.3f}"]
+            for d, by_label in gates.items() for label, g in by_label.items()]
+    save("sibling-lever-gates", results, "# Quality gate of the sibling maps a calibration lever published\n\n" +
+         (table(["map", "lever", "predicted retention"], rows) if rows else "No lever's maps earned a default."),
+         data={"gate": list(texts)})
+    return results
+
+
+def _sibling_gates(models: dict, tokenizer, maps: dict[str, dict], skip: int,
+                   progress: bool) -> tuple[dict[str, str], dict[str, dict[str, dict]]]:
+    """The gate texts and ``{direction: {key: record}}`` of ``maps[direction][key]``."""
     texts, sequences = gate_texts(tokenizer, skip)
     data = DataRecord(corpus_description("calibration") + f"; files {skip}..{skip + len(texts) - 1}",
                       [TextRecord(name, TOKENS, "gate") for name in texts])
     gates = {}
-    for direction, by_scale in maps.items():
+    for direction, by_key in maps.items():
         source, target = (models[n] for n in siblings.DIRECTIONS[direction])
-        for scale, kv_map in by_scale.items():
+        for key, kv_map in by_key.items():
             record = measure_quality(kv_map, source, target, sequences, data=data, progress=progress)
-            gates.setdefault(direction, {})[str(scale)] = to_json(record)
-    results = {"gates": gates}
-    save("sibling-gates", results, markdown_siblings(results), data={"gate": list(texts)})
-    return results
+            gates.setdefault(direction, {})[str(key)] = to_json(record)
+    return texts, gates
 
 
 def run_adapters(model, base, tokenizer, maps: AdapterMaps, skip: int = ADAPTER_SKIP,

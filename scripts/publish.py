@@ -176,6 +176,31 @@ class Publisher:
         models, tokenizer = self.sibling_models()
         gates.run_siblings(models, tokenizer, self.scale_maps(), progress=self.progress)
 
+    def lever_gate(self) -> None:
+        """The quality gate of the maps a calibration lever publishes where its maps earned a direction's default
+        (`default_maps`); the capture's maps carry the gate stage's."""
+        models, tokenizer = self.sibling_models()
+        levers = {d: (label, self.chosen_folder(d)) for d in siblings.DIRECTIONS
+                  if (label := default_maps(d)) != "published"}
+        gates.run_lever_defaults(models, tokenizer, levers, progress=self.progress)
+
+    def sibling_gate(self, direction: str) -> GateRecord:
+        """The gate a sibling card carries: of the chosen maps, measured by the gate stage (the capture's maps, at the
+        chosen scale) or the lever_gate stage (a lever's maps, the same weights as the chosen folder holds)."""
+        label = default_maps(direction)
+        if label == "published":
+            scale = str(read_results("sibling-scaling")["curve"][direction]["chosen_files"])
+            return from_json(GateRecord, read_results("sibling-gates")["gates"][direction][scale], "sibling-gates.json")
+        try:
+            measured = read_results("sibling-lever-gates")
+        except FileNotFoundError:  # the stage never ran: refused below, as any gate of other maps
+            measured = {}
+        fingerprint = measured.get("fingerprints", {}).get(direction, {}).get(label)
+        if fingerprint != recipes.map_fingerprint(self.chosen_folder(direction)):
+            raise RecordError(f"sibling-lever-gates.json holds no gate of the {label!r} maps now in "
+                              f"{self.chosen_folder(direction)} ({direction}): run the lever_gate stage again")
+        return from_json(GateRecord, measured["gates"][direction][label], "sibling-lever-gates.json")
+
     def recipe(self) -> None:
         """The refresh budget curve on the selection texts; it chooses the recipe each published map records."""
         models, tokenizer = self.sibling_models()
@@ -264,10 +289,8 @@ class Publisher:
         for direction in siblings.DIRECTIONS:
             name = siblings.pair_name(direction)
             kv_map = self.chosen_map(direction)
-            scale = str(read_results("sibling-scaling")["curve"][direction]["chosen_files"])
-            kv_map.config.quality = QualityRecord(
-                gate=from_json(GateRecord, read_results("sibling-gates")["gates"][direction][scale], "sibling-gates.json"),
-                figures=sibling_figures(direction, kv_map.config.refresh))
+            kv_map.config.quality = QualityRecord(gate=self.sibling_gate(direction),
+                                                  figures=sibling_figures(direction, kv_map.config.refresh))
             _publish(kv_map, name, dtypes[name])
 
     def storage(self) -> None:
@@ -482,6 +505,7 @@ STAGES = (
     Stage("siblings", "capture", QWEN, makes=("sibling maps",)),
     Stage("siblings", "scaling", QWEN, ("sibling maps",), ("sibling-scaling",)),
     Stage("siblings", "gate", QWEN, ("sibling maps",), ("sibling-gates",)),
+    Stage("siblings", "lever_gate", QWEN, CHOSEN, ("sibling-lever-gates",)),
     Stage("siblings", "recipe", QWEN, CHOSEN, ("sibling-budget",)),
     Stage("siblings", "levers", QWEN, CHOSEN, ("sibling-levers",)),
     Stage("siblings", "evaluate", QWEN, RECIPE, ("siblings",)),
@@ -493,7 +517,8 @@ STAGES = (
     Stage("adapters", "adapter_reverse", SMOL, ("adapter maps",), (adapters.results_stem(True),)),
     Stage("adapters", "adapter_ttft", SMOL, ("adapter maps",), ADAPTER_TTFT),
     Stage("cards", "storage", QWEN + SMOL, (*CHOSEN, "adapter maps"), ("storage-dtype",)),
-    Stage("cards", "sibling_cards", (), (*RECIPE, "sibling-gates", "siblings", *SIBLING_TTFT, "storage-dtype"),
+    Stage("cards", "sibling_cards", (), (*RECIPE, "sibling-gates", "sibling-lever-gates", "siblings", *SIBLING_TTFT,
+                                         "storage-dtype"),
           ("published sibling maps",)),
     Stage("cards", "adapter_cards", (), ("adapter maps", "adapter-gates", *ADAPTER_RETENTION, *ADAPTER_TTFT,
                                          "storage-dtype"), ("published adapter maps",)),

@@ -12,6 +12,8 @@ import pytest
 from benchmarks import common, recipe_report, recipes, siblings
 from peft_kvcache.errors import RecordError
 from peft_kvcache.lab.provenance import lookup
+from peft_kvcache.maps.config import GateRecord
+from peft_kvcache.maps.records import to_json
 from peft_kvcache.maps.recipe import Refresh
 from scripts import figures, publish
 
@@ -128,3 +130,29 @@ def test_a_default_on_a_levers_maps_publishes_those_maps(results, monkeypatch, t
         publish.Publisher(tmp_path / "work").chosen_folder("up")
     (tmp_path / "levers" / "attn" / UP).mkdir(parents=True)
     assert publish.Publisher(tmp_path / "work").chosen_folder("up") == tmp_path / "levers" / "attn" / UP
+
+
+def test_a_levers_maps_carry_their_own_gate_never_the_captures(results, monkeypatch, tmp_path):
+    """The card of a default on a lever's maps carries the gate the lever_gate stage measured on those very weights;
+    the capture's maps (the published default elsewhere) carry the gate stage's at the chosen scale."""
+    monkeypatch.setattr(publish, "default_maps", lambda direction: "attn" if direction == "up" else "published")
+    monkeypatch.setattr(publish.lever_maps, "LEVERS", tmp_path / "levers")
+    for stem in ("sibling-scaling", "sibling-gates"):
+        shutil.copy(common.ROOT / "benchmarks" / "results" / f"{stem}.json", results)
+    folder = tmp_path / "levers" / "attn" / UP
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"the lever's weights")
+    publisher = publish.Publisher(tmp_path / "work")
+    with pytest.raises(RecordError, match="run the lever_gate stage"):
+        publisher.sibling_gate("up")  # no gate of the lever's maps measured yet
+    gate = GateRecord(0.42, [0.9], [0.1], 8, 16)
+    measured = {"gates": {"up": {"attn": to_json(gate)}}, "fingerprints": {"up": {"attn": "another map's"}}}
+    (results / "sibling-lever-gates.json").write_text(json.dumps(measured))
+    with pytest.raises(RecordError, match="run the lever_gate stage"):
+        publisher.sibling_gate("up")  # measured on other weights (the lever refitted since)
+    measured["fingerprints"]["up"]["attn"] = recipes.map_fingerprint(folder)
+    (results / "sibling-lever-gates.json").write_text(json.dumps(measured))
+    assert publisher.sibling_gate("up").predicted_retention == 0.42
+    scale = str(common.read_results("sibling-scaling")["curve"]["down"]["chosen_files"])
+    assert publisher.sibling_gate("down").predicted_retention == \
+        common.read_results("sibling-gates")["gates"]["down"][scale]["predicted_retention"]
