@@ -99,9 +99,9 @@ def add_to_maps(label: str, addition: str, options: dict, files: int, on: str = 
                 raise RecordError(f"{out} holds a map made otherwise ({done}, not {what}); remove it or choose "
                                   "another label")
             continue
-        if not (base / siblings.pair_name(direction)).is_dir():
-            raise RecordError(f"{base / siblings.pair_name(direction)} holds no map: fit the {on!r} lever first")
-        fitted = KVMap.from_pretrained(base / siblings.pair_name(direction))
+        if not (base / out.name).is_dir():
+            raise RecordError(f"{base / out.name} holds no map: fit the {on!r} lever first")
+        fitted = KVMap.from_pretrained(base / out.name)
         if len(fitted.config.calibration.data.names()) != files:
             raise RecordError(f"the {on} {direction} map was fitted on "
                               f"{len(fitted.config.calibration.data.names())} files, not {files}: pass --files")

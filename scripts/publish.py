@@ -195,10 +195,10 @@ class Publisher:
             measured = read_results("sibling-lever-gates")
         except FileNotFoundError:  # the stage never ran: refused below, as any gate of other maps
             measured = {}
-        fingerprint = measured.get("fingerprints", {}).get(direction, {}).get(label)
-        if fingerprint != recipes.map_fingerprint(self.chosen_folder(direction)):
-            raise RecordError(f"sibling-lever-gates.json holds no gate of the {label!r} maps now in "
-                              f"{self.chosen_folder(direction)} ({direction}): run the lever_gate stage again")
+        fingerprint, folder = measured.get("fingerprints", {}).get(direction, {}).get(label), self.chosen_folder(direction)
+        if fingerprint != recipes.map_fingerprint(folder):
+            raise RecordError(f"sibling-lever-gates.json holds no gate of the {label!r} maps now in {folder} "
+                              f"({direction}): run the lever_gate stage again")
         return from_json(GateRecord, measured["gates"][direction][label], "sibling-lever-gates.json")
 
     def recipe(self) -> None:

@@ -32,12 +32,12 @@ from tqdm.auto import tqdm
 from transformers.cache_utils import DynamicCache
 
 from ..errors import CalibrationError
-from ..maps.apply import SourceFeatures, map_layer
+from ..maps.apply import SourceFeatures, map_layer, project_basis
 from ..maps.config import KINDS, DistillationRecord, QualityRecord
 from ..maps.kvmap import KVMap
 from ..modeling._compat import fill_cache, output_cache
 from ..modeling.capture import cache_states, forward, run_with_cache
-from ..modeling.layout import layer_placements, vocab_size_of
+from ..modeling.layout import layer_features, layer_placements, vocab_size_of
 from ..modeling.positions import apply_rotary, rotary_cos_sin, rotary_spec_of
 from .texts import CalibrationTexts
 
@@ -135,9 +135,11 @@ def _prepare(kv_map: KVMap, source_model, target_model, chunk: torch.Tensor, rec
     states = SourceFeatures(source.keys, source.values, rotary_spec_of(source_model), torch.arange(mapped_end)[None],
                             torch.float32)
     sink, cpu = kv_map.config.sink_tokens, torch.device("cpu")
-    if kv_map.config.basis_rank:  # every layer reads one set of source layers (`KVMapConfig.validate`)
-        features = {(kind, "basis"): torch.cat([states.get(*s, cpu)[:, sink:] for s in kv_map.source_inputs(kind, 0)],
-                                               dim=-1) @ kv_map.tensors[f"{kind}.basis"].float() for kind in KINDS}
+    if kv_map.config.basis_rank:  # every layer reads one set of source layers (`KVMapConfig.validate`): inference's
+        # own projection of them, once per kind
+        features = {(kind, "basis"): layer_features(project_basis(
+            [states.heads(*s, cpu)[:, :, sink:] for s in kv_map.source_inputs(kind, 0)],
+            kv_map.tensors[f"{kind}.basis"].float())) for kind in KINDS}
     else:
         used = {s for kind in KINDS for t in range(kv_map.config.target_layout.num_layers)
                 for s in kv_map.source_inputs(kind, t)}
