@@ -195,7 +195,8 @@ class Publisher:
             measured = read_results("sibling-lever-gates")
         except FileNotFoundError:  # the stage never ran: refused below, as any gate of other maps
             measured = {}
-        fingerprint, folder = measured.get("fingerprints", {}).get(direction, {}).get(label), self.chosen_folder(direction)
+        fingerprint = measured.get("fingerprints", {}).get(direction, {}).get(label)
+        folder = self.chosen_folder(direction)
         if fingerprint != recipes.map_fingerprint(folder):
             raise RecordError(f"sibling-lever-gates.json holds no gate of the {label!r} maps now in {folder} "
                               f"({direction}): run the lever_gate stage again")
