@@ -1,6 +1,7 @@
 """Whether a published map may store its weights in bfloat16: the plain switch's KL with float32 and with bfloat16
 weights on the same held-out examples, paired; bfloat16 where the 95% interval of the difference stays within
-`TOLERANCE` of the float32 KL. Cases: both sibling maps (selection texts) and the base -> adapter maps
+`TOLERANCE` of the float32 KL. Both variants multiply in float32 (`score`), whatever the CPU: where maps multiply in
+bfloat16 (`peft_kvcache.maps.compute`) both would round their weights alike and compare a map with itself. Cases: both sibling maps (selection texts) and the base -> adapter maps
 (calibration-split files after the fit's and the blend's).
 
     python -m benchmarks.storage --maps hub_cards
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from peft_kvcache import AdapterMaps, KVMap
 from peft_kvcache.lab.corpus import stdlib_texts
 from peft_kvcache import load_model
 from peft_kvcache.maps.adapter_maps import folder_name
+from peft_kvcache.maps.compute import ENVIRONMENT
 from peft_kvcache.maps.config import weights_dtype
 
 from . import adapters, scaling, siblings
@@ -56,19 +59,33 @@ def adapter_cases(model, base, tokenizer, maps: AdapterMaps, skip: int = ADAPTER
             yield folder_name(adapters.PREFIX, adapter, False), (base, model, kv_map, examples, ADAPTER_CONTEXT)
 
 
+def score(source, target, kv_map: KVMap, examples, context: int, progress: bool = True):
+    """The plain switch of ``kv_map`` with its weights as stored (``float32``, where the fit is at hand) and rounded to
+    bfloat16 (``bfloat16``), both multiplied in float32 so that only the stored rounding differs."""
+    variants = {"float32": kv_map, "bfloat16": kv_map.with_weights_dtype(torch.bfloat16)}
+    chosen = os.environ.get(ENVIRONMENT)
+    os.environ[ENVIRONMENT] = "float32"  # what `MappedCache.from_source` multiplies in, in this process
+    try:
+        return siblings.score_maps(source, target, variants, examples, context, CONTINUATION, progress)
+    finally:
+        if chosen is None:
+            os.environ.pop(ENVIRONMENT)
+        else:
+            os.environ[ENVIRONMENT] = chosen
+
+
 def run(cases: Iterable[Case], progress: bool = True) -> dict:
     """Score every case in float32 and bfloat16 and choose the dtype; writes ``storage-dtype``. Returns
     ``{"maps": {name: rows, difference, choice}, "choice": {name: dtype}}``."""
     choice, out = {}, {}
-    for name, (source, target, kv_map, examples, context) in cases:
-        variants = {"float32": kv_map, "bfloat16": kv_map.with_weights_dtype(torch.bfloat16)}
-        report = siblings.score_maps(source, target, variants, examples, context, CONTINUATION, progress)
+    for name, case in cases:
+        report = score(*case, progress=progress)
         diff = report.paired_difference("bfloat16", "float32", metric="kl")
         base = next(r["kl"] for r in report.rows() if r["variant"] == "float32")
         choice[name] = "bfloat16" if max(abs(diff["low"]), abs(diff["high"])) < TOLERANCE * base else "float32"
         out[name] = {"rows": report.rows(), "kl_bfloat16_minus_float32": diff, "choice": choice[name],
-                     "weights_read_as": weights_dtype(kv_map.tensors)}
-    results = {"maps": out, "choice": choice}
+                     "weights_read_as": weights_dtype(case[2].tensors)}
+    results = {"maps": out, "choice": choice, "multiplied_in": "float32"}
     save("storage-dtype", results, markdown(results))
     return results
 
@@ -80,7 +97,10 @@ def markdown(results: dict) -> str:
         rows.append([name, read_as, f"{next(r['kl'] for r in o['rows'] if r['variant'] == 'float32'):.5f}",
                      f"{diff['difference']:+.6f} [{diff['low']:+.6f}, {diff['high']:+.6f}]", o["choice"]])
         vacuous += [name] if read_as == "bfloat16" else []
-    text = "# Storing map weights in bfloat16\n\n" + table(
+    text = "# Storing map weights in bfloat16\n\n"
+    if results.get("multiplied_in"):  # older files compared in the CPU's matmul dtype
+        text += f"Both variants multiply in {results['multiplied_in']}: only the stored weights' rounding differs.\n\n"
+    text += table(
         ["map", "weights read as", "KL float32", "KL bfloat16 - float32 [95% CI]", "stored as"], rows)
     if vacuous:  # the "float32" variant holds the same bfloat16 values: the row cannot tell what rounding costs
         text += (f"\n\n{', '.join(vacuous)}: read from files already stored in bfloat16 (no float32 fit at hand), so "

@@ -1,11 +1,14 @@
-"""The storage-dtype benchmark's table: a map read from a file already stored in bfloat16 is said to compare
-bfloat16 with itself (its zero difference is no evidence about rounding)."""
+"""The storage-dtype benchmark: its two variants differ by the stored weights' rounding alone, on any CPU; its table
+says when a map read from a file already stored in bfloat16 compares bfloat16 with itself (its zero difference is no
+evidence about rounding)."""
 
 from __future__ import annotations
 
 import torch
+from conftest import random_ids
 
 from benchmarks import storage
+from peft_kvcache.maps.compute import ENVIRONMENT
 from peft_kvcache.maps.config import weights_dtype
 
 
@@ -23,3 +26,15 @@ def test_a_map_read_in_bfloat16_is_flagged_and_one_read_in_float32_is_not(siblin
     assert "| published | bfloat16 |" in text and "| fitted | float32 |" in text
     assert "published: read from files already stored in bfloat16" in text
     assert "already stored" not in storage.markdown(_results({"fitted": "float32"}))
+
+
+def test_the_variants_differ_by_rounding_where_maps_multiply_in_bfloat16(sibling_pair, sibling_map, monkeypatch):
+    # a CPU with native bfloat16 dot products multiplies maps in bfloat16, which rounds a float32 map's weights
+    # exactly as storing them would: the check multiplies in float32 there too, and leaves the setting as it was
+    monkeypatch.setenv(ENVIRONMENT, "bfloat16")
+    report = storage.score(*sibling_pair, sibling_map, random_ids(3, 16 + storage.CONTINUATION), 16, progress=False)
+    kl = {r["variant"]: r["kl"] for r in report.rows()}
+    assert kl["bfloat16"] != kl["float32"]
+    difference = report.paired_difference("bfloat16", "float32", metric="kl")
+    assert abs(difference["difference"]) < 0.05 * kl["float32"]
+    assert storage.os.environ[ENVIRONMENT] == "bfloat16"
