@@ -137,12 +137,13 @@ class RecipeTimer:
 
 @torch.no_grad()
 def measure(source_run, target, kv_map, ids: torch.Tensor, repeats: int = 5, recipe: bool = True,
-            full: dict | None = None) -> dict:
+            full: dict | None = None, maps: str = "published") -> dict:
     """TTFT at ``ids``' length: ``source_run(ids) -> source cache`` (untimed: the source holds it at a switch), the
     target's full prefill (unless its timing ``full`` is given), the target continuing its own cache, and the switch
     cold, warm and with the map's recipe; medians with min and max. All are timed in rounds (`rounds`), so each
     speedup and the warm switch over the own cache are read round by round (a given ``full`` was timed apart: its
-    speedups are ratios of medians)."""
+    speedups are ratios of medians). ``maps``: the label of ``kv_map`` (a calibration lever's, or ``published``),
+    which names the recipe as the recipes benchmark does (``label:recipe``)."""
     length = ids.shape[1]
     context, last = ids[:, :-1], ids[:, -1:]
     timer = RecipeTimer(source_run(context), target, kv_map, context, last)
@@ -160,7 +161,8 @@ def measure(source_run, target, kv_map, ids: torch.Tensor, repeats: int = 5, rec
     row = {"context": length, "full": full or spread(runs["full"]), **{name: spread(runs[name]) for name in runs}}
     if with_recipe:
         row["recipe_passes"] = timer.median_passes(None, repeats)
-        row["recipe_name"] = kv_map.config.refresh.name  # what "recipe" timed
+        name = kv_map.config.refresh.name  # what "recipe" timed, on which maps
+        row["recipe_name"] = name if maps == "published" else f"{maps}:{name}"
     for name in ("cold", "warm", "recipe"):
         if name in row:
             row[f"speedup_{name}"] = (row["full"]["median"] / row[name]["median"] if full is not None
@@ -282,13 +284,14 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def run(name: str, source_run, target, kv_map, lengths, repeats: int, device: torch.device, dtype: torch.dtype,
-        vocab_low: int = 100, vocab_high: int = 20000) -> dict:
-    """Measure every length and write ``benchmarks/results/ttft-<name>``; returns the payload."""
+        vocab_low: int = 100, vocab_high: int = 20000, maps: str = "published") -> dict:
+    """Measure every length and write ``benchmarks/results/ttft-<name>`` (``maps``: ``kv_map``'s label, see
+    `measure`); returns the payload."""
     generator = torch.Generator().manual_seed(0)
     machine = floors(device, dtype)
     rows = [measure(source_run, target, kv_map, torch.randint(vocab_low, vocab_high, (1, n), generator=generator),
-                    repeats) for n in lengths]
-    payload = {"name": name, "repeats": repeats, "machine_floors": machine, "rows": rows}
+                    repeats, maps=maps) for n in lengths]
+    payload = {"name": name, "maps": maps, "repeats": repeats, "machine_floors": machine, "rows": rows}
     save(f"ttft-{name}", payload, markdown(name, rows, machine), seeds={"ids": 0})
     plot(rows, RESULTS / f"ttft-{name}.png", f"TTFT after a switch: {name}")
     return payload
@@ -343,7 +346,8 @@ def main() -> None:
         save(stem, payload, sweep_markdown(f"{name} ({payload['maps']} maps)", payload), seeds={"ids": 0})
         return
     name += f"-{args.label}" if args.label else ""
-    run(name, lambda ids: run_with_cache(source, ids), target, kv_map, args.lengths, args.repeats, device, dtype)
+    run(name, lambda ids: run_with_cache(source, ids), target, kv_map, args.lengths, args.repeats, device, dtype,
+        maps=args.label or "published")
 
 
 if __name__ == "__main__":

@@ -280,7 +280,8 @@ class Publisher:
         for direction in siblings.DIRECTIONS:
             source, target = (models[n] for n in siblings.DIRECTIONS[direction])
             ttft.run(siblings.pair_name(direction), lambda ids, s=source: run_with_cache(s, ids), target,
-                     self.chosen_map(direction), TTFT_LENGTHS, TTFT_REPEATS, torch.device("cpu"), torch.float32)
+                     self.chosen_map(direction), TTFT_LENGTHS, TTFT_REPEATS, torch.device("cpu"), torch.float32,
+                     maps=default_maps(direction))
 
 
     def sibling_cards(self) -> None:
