@@ -1,8 +1,9 @@
 """Whether a published map may store its weights in bfloat16: the plain switch's KL with float32 and with bfloat16
 weights on the same held-out examples, paired; bfloat16 where the 95% interval of the difference stays within
 `TOLERANCE` of the float32 KL. Both variants multiply in float32 (`score`), whatever the CPU: where maps multiply in
-bfloat16 (`peft_kvcache.maps.compute`) both would round their weights alike and compare a map with itself. Cases: both sibling maps (selection texts) and the base -> adapter maps
-(calibration-split files after the fit's and the blend's).
+bfloat16 (`peft_kvcache.maps.compute`) both would round their weights alike and compare a map with itself. Cases:
+both sibling maps (selection texts) and the base -> adapter maps (calibration-split files after the fit's and the
+blend's).
 
     python -m benchmarks.storage --maps hub_cards
 

@@ -4,6 +4,8 @@ evidence about rounding)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 from conftest import random_ids
 
@@ -37,4 +39,4 @@ def test_the_variants_differ_by_rounding_where_maps_multiply_in_bfloat16(sibling
     assert kl["bfloat16"] != kl["float32"]
     difference = report.paired_difference("bfloat16", "float32", metric="kl")
     assert abs(difference["difference"]) < 0.05 * kl["float32"]
-    assert storage.os.environ[ENVIRONMENT] == "bfloat16"
+    assert os.environ[ENVIRONMENT] == "bfloat16"
