@@ -4,15 +4,18 @@ table formatting."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from peft_kvcache.calibration.bootstrap import bootstrap_interval
 from peft_kvcache.lab.provenance import code_state, write_results
+from peft_kvcache.maps.compute import ENVIRONMENT
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SMALL, LARGE = "gguf:qwen2.5-coder-0.5b-instruct", "gguf:qwen2.5-coder-1.5b-instruct"
@@ -65,6 +68,21 @@ def ratio(numerators: list[float], denominators: list[float]) -> dict:
 def spread(values: list[float]) -> dict:
     """Median, min, max and every value (what `timed` returns)."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+@contextmanager
+def matmuls_in(dtype: str) -> Iterator[None]:
+    """Maps multiply in ``dtype`` (``float32`` or ``bfloat16``) in this process while inside, whatever the CPU
+    (`peft_kvcache.maps.compute`); the setting is restored after."""
+    chosen = os.environ.get(ENVIRONMENT)
+    os.environ[ENVIRONMENT] = dtype
+    try:
+        yield
+    finally:
+        if chosen is None:
+            os.environ.pop(ENVIRONMENT)
+        else:
+            os.environ[ENVIRONMENT] = chosen
 
 
 def synchronize() -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -24,11 +23,10 @@ from peft_kvcache import AdapterMaps, KVMap
 from peft_kvcache.lab.corpus import stdlib_texts
 from peft_kvcache import load_model
 from peft_kvcache.maps.adapter_maps import folder_name
-from peft_kvcache.maps.compute import ENVIRONMENT
 from peft_kvcache.maps.config import weights_dtype
 
 from . import adapters, scaling, siblings
-from .common import ADAPTERS, ROOT, SMOLLM, save, start_run, table
+from .common import ADAPTERS, ROOT, SMOLLM, matmuls_in, save, start_run, table
 from .tasks import continuation_examples
 
 FILES, CONTEXT = 4, scaling.CONTEXT  # the sibling maps' examples: selection texts
@@ -64,15 +62,8 @@ def score(source, target, kv_map: KVMap, examples, context: int, progress: bool 
     """The plain switch of ``kv_map`` with its weights as stored (``float32``, where the fit is at hand) and rounded to
     bfloat16 (``bfloat16``), both multiplied in float32 so that only the stored rounding differs."""
     variants = {"float32": kv_map, "bfloat16": kv_map.with_weights_dtype(torch.bfloat16)}
-    chosen = os.environ.get(ENVIRONMENT)
-    os.environ[ENVIRONMENT] = "float32"  # what `MappedCache.from_source` multiplies in, in this process
-    try:
+    with matmuls_in("float32"):
         return siblings.score_maps(source, target, variants, examples, context, CONTINUATION, progress)
-    finally:
-        if chosen is None:
-            os.environ.pop(ENVIRONMENT)
-        else:
-            os.environ[ENVIRONMENT] = chosen
 
 
 def run(cases: Iterable[Case], progress: bool = True) -> dict:
