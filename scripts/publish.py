@@ -58,6 +58,7 @@ from peft_kvcache.modeling.fixtures import fixture_available, load_model
 from peft_kvcache.maps.adapter_maps import folder_name
 from peft_kvcache.maps.config import GateRecord, QualityRecord, Refresh
 from peft_kvcache.maps.records import from_json
+from peft_kvcache.maps.storage import WEIGHTS_NAME
 from peft_kvcache.modeling.adapters import adapter_active
 from peft_kvcache.modeling.capture import run_with_cache
 from scripts import figures
@@ -76,6 +77,8 @@ FINAL_CONTEXT, FINAL_FILES, FINAL_RECALL = 1024, 12, 2  # the goal table (recall
 TTFT_LENGTHS, TTFT_REPEATS = (2048, 4096, 8192), 5  # the sibling defaults: TTFT >= 10x at 2k and >= 30x at 8k
 ADAPTER_CONTEXT, ADAPTER_CONTINUATION, ADAPTER_EXAMPLES = 512, 64, 48  # the adapter maps' retention (both ways)
 ADAPTER_TTFT_LENGTHS = (1024, 2048, 4096)
+# bytes: a map's weights file larger than this goes to the Hub only, never into git (.gitignore names it)
+GIT_WEIGHTS_LIMIT = 20 * 10**6
 
 
 class Publisher:
@@ -478,6 +481,10 @@ def _publish(kv_map: KVMap, name: str, dtype: str) -> None:
     kv_map.with_weights_dtype(getattr(torch, dtype)).save_pretrained(HUB_CARDS / name, repo_id=f"hub_cards/{name}",
                                                                      overwrite=True)
     logger.info("published %s (%s)", name, dtype)
+    size = (HUB_CARDS / name / WEIGHTS_NAME).stat().st_size
+    if size > GIT_WEIGHTS_LIMIT:
+        logger.warning("hub_cards/%s/%s is %s bytes, over the %s kept in git: .gitignore must name it (the Hub "
+                       "holds it)", name, WEIGHTS_NAME, f"{size:,}", f"{GIT_WEIGHTS_LIMIT:,}")
 
 
 # ----- the stages and what each needs -----

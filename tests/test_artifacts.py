@@ -6,9 +6,11 @@ or the new one), with ordinary permissions, through symlinks, and never over a f
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,8 @@ from safetensors.torch import load_file, save_file
 
 import peft_kvcache
 from peft_kvcache import ArtifactError, KVMap
+from peft_kvcache.maps.registry import MapRegistry
+from peft_kvcache.maps.storage import load_config
 
 
 @pytest.fixture
@@ -254,6 +258,19 @@ def test_a_folder_without_the_map_files(tmp_path, saved):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "config.json is missing" in _load_error(empty)
+
+
+def test_a_folder_of_maps_passes_over_a_card_without_weights_and_says_which(tmp_path, saved, caplog):
+    maps = tmp_path / "maps"
+    shutil.copytree(saved, maps / "whole")
+    shutil.copytree(saved, maps / "card-only")  # what git holds of a map whose weights are on the Hub only
+    (maps / "card-only" / "model.safetensors").unlink()
+    with caplog.at_level(logging.WARNING, logger="peft_kvcache.maps.registry"):
+        registry = MapRegistry(maps)
+    assert list(registry.configs) == [str(maps / "whole")]
+    assert "card-only has no model.safetensors" in caplog.text
+    assert "published to the Hub only" in _load_error(maps / "card-only")
+    assert load_config(maps / "card-only").to_dict() == make_map().config.to_dict()  # the card alone still reads
 
 
 def test_a_huge_config_file_is_refused_unread(saved, monkeypatch):

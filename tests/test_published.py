@@ -1,18 +1,23 @@
 """The published maps (hub_cards/) and the README's figures: every figure in a card's config.json equals the value in
 the results file it cites, which records its provenance; calibration data is described truthfully; every map
-carries a finite predicted retention; the README's table is the one the results files give."""
+carries a finite predicted retention; the README's table is the one the results files give. The cards are read from
+their config.json: a map whose weights are over git's limit keeps them on the Hub only (and here, where they were
+fitted), and every weights file present loads with its config."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from peft_kvcache import KVMap
 from peft_kvcache.lab.provenance import lookup
+from peft_kvcache.maps.config import KVMapConfig
+from peft_kvcache.maps.storage import WEIGHTS_NAME, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CARDS = sorted(p for p in (ROOT / "hub_cards").iterdir() if p.is_dir())
@@ -20,20 +25,40 @@ PROVENANCE = {"commit", "dirty", "command", "date", "machine", "cpu", "cores", "
 
 
 @pytest.fixture(params=CARDS, ids=lambda p: p.name)
-def card(request) -> tuple[Path, KVMap]:
-    return request.param, KVMap.from_pretrained(request.param)
+def card(request) -> tuple[Path, KVMapConfig]:
+    return request.param, load_config(request.param)
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=False)
+
+
+def test_weights_over_the_git_limit_stay_out_of_git_on_purpose_and_every_present_file_loads():
+    from scripts.publish import GIT_WEIGHTS_LIMIT
+
+    listed = _git("ls-files", "-z", "hub_cards")
+    if listed.returncode:
+        pytest.skip("not a git checkout")
+    tracked = set(listed.stdout.split("\0")) - {""}
+    assert all((ROOT / path).stat().st_size <= GIT_WEIGHTS_LIMIT for path in tracked)
+    for folder in CARDS:
+        weights = (folder / WEIGHTS_NAME).relative_to(ROOT).as_posix()
+        if weights not in tracked:  # left out on purpose (.gitignore names it), never forgotten
+            assert _git("check-ignore", "-q", "--no-index", weights).returncode == 0, weights
+        if (folder / WEIGHTS_NAME).is_file():
+            assert KVMap.from_pretrained(folder).config.to_dict() == load_config(folder).to_dict()
 
 
 def test_there_are_published_maps_of_both_kinds():
-    kinds = {KVMap.from_pretrained(p).config.pair_kind for p in CARDS}
+    kinds = {load_config(p).pair_kind for p in CARDS}
     from benchmarks.common import ADAPTERS
 
     assert kinds == {"same_shape", "cross_shape"} and len(CARDS) == 2 + 2 * len(ADAPTERS)  # both ways per adapter
 
 
 def test_every_figure_equals_the_results_file_it_cites(card):
-    folder, kv_map = card
-    figures = kv_map.config.quality.figures
+    folder, config = card
+    figures = config.quality.figures
     assert figures, "a published map carries measured figures"
     for name, figure in figures.items():
         results = json.loads((ROOT / figure.results).read_text())
@@ -43,29 +68,29 @@ def test_every_figure_equals_the_results_file_it_cites(card):
 
 
 def test_every_map_carries_a_finite_prediction_from_texts_it_was_not_fitted_on(card):
-    _, kv_map = card
-    gate = kv_map.config.quality.gate
+    _, config = card
+    gate = config.quality.gate
     assert gate is not None and math.isfinite(gate.predicted_retention)
-    assert set(gate.data.names()).isdisjoint(kv_map.config.calibration.data.names())
+    assert set(gate.data.names()).isdisjoint(config.calibration.data.names())
 
 
 def test_calibration_data_is_described_truthfully(card):
-    _, kv_map = card
-    record = kv_map.config.calibration
+    _, config = card
+    record = config.calibration
     names = record.data.names()
     assert len(names) == len(set(names)), "every text is named once"
     files = [n for n in names if not n.startswith("chat:")]
     match = re.search(r"(\d+) distinct files", record.data.description)
     assert match and int(match.group(1)) == len(files)
     assert sum(t.tokens for t in record.data.texts) >= record.train_tokens + record.heldout_tokens
-    if kv_map.config.pair_kind == "cross_shape":
+    if config.pair_kind == "cross_shape":
         assert len(files) >= 64 and record.train_tokens + record.heldout_tokens >= 32_000
 
 
 def test_the_card_shows_the_configs_figures(card):
-    folder, kv_map = card
+    folder, config = card
     text = (folder / "README.md").read_text()
-    for name, figure in kv_map.config.quality.figures.items():
+    for name, figure in config.quality.figures.items():
         assert f"| {name} | {figure.value:.4g} | `{figure.results}` |" in text
 
 

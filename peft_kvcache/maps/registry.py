@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -30,7 +29,7 @@ from ..modeling.layout import KVLayout
 from ..modeling.positions import RotarySpec, rotary_spec_of, rotary_spec_of_config, same_rotary
 from .config import KVMapConfig
 from .kvmap import KVMap, rotary_of_record
-from .storage import CONFIG_NAME, WEIGHTS_NAME, is_map_folder, resolve_map_folder
+from .storage import WEIGHTS_NAME, is_map_folder, load_config, resolve_map_folder
 
 logger = logging.getLogger(__name__)
 
@@ -105,15 +104,17 @@ class MapRegistry:
                 for folder in sorted(path.iterdir()):
                     if is_map_folder(folder, complete=True):
                         self._add(folder, spec, strict=False)
+                    elif is_map_folder(folder):
+                        logger.warning("map folder %s has no %s (a card whose weights are on the Hub only): "
+                                       "skipped; put its weights there to use it", folder, WEIGHTS_NAME)
             else:
                 self.singles.append(spec)
                 self._add(resolve_map_folder(spec), spec, strict=True)
 
     def _add(self, folder: Path, spec: str, strict: bool) -> None:
         try:
-            data = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
-            config = KVMapConfig.from_dict(data, str(folder / CONFIG_NAME))
-        except (PeftKVCacheError, OSError, ValueError) as err:
+            config = load_config(folder)
+        except PeftKVCacheError as err:
             if strict:
                 raise ArtifactError(f"map {spec!r} cannot be read: {err}") from None
             logger.warning("map folder %s is not usable and is skipped: %s", folder, err)

@@ -77,18 +77,26 @@ def load_map(path_or_repo_id: str | os.PathLike, *, revision: str | None = None,
     """The validated config and tensors of the map in a local folder or a Hub repo (`KVMap.from_pretrained` says
     what is checked); ``hub_options`` go to ``snapshot_download`` (`resolve_map_folder`)."""
     folder = resolve_map_folder(path_or_repo_id, revision=revision, **hub_options)
-    config_path, weights_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise ArtifactError(f"{folder} is not a KV map: {path.name} is missing")
+    weights_path = folder / WEIGHTS_NAME
+    if (folder / CONFIG_NAME).is_file() and not weights_path.is_file():
+        raise ArtifactError(f"{folder} is not a KV map: {WEIGHTS_NAME} is missing (a card whose weights are "
+                            "published to the Hub only holds its config.json and README.md)")
+    config = load_config(folder)
+    return config, _read_tensors(weights_path, expected_shapes(config))
+
+
+def load_config(folder: Path) -> KVMapConfig:
+    """The validated config of the map in a local ``folder``, its weights not read (nor needed)."""
+    config_path = folder / CONFIG_NAME
+    if not config_path.is_file():
+        raise ArtifactError(f"{folder} is not a KV map: {CONFIG_NAME} is missing")
     if config_path.stat().st_size > _MAX_CONFIG_BYTES:
         raise ArtifactError(f"{config_path} is {config_path.stat().st_size:,} bytes, too large for a map config")
     try:
         data = json.loads(config_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, OSError) as err:
         raise ArtifactError(f"{config_path} is not valid JSON: {err}") from None
-    config = KVMapConfig.from_dict(data, where=str(config_path))
-    return config, _read_tensors(weights_path, expected_shapes(config))
+    return KVMapConfig.from_dict(data, where=str(config_path))
 
 
 def _read_tensors(weights_path: Path, expected: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
