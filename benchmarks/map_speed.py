@@ -19,7 +19,6 @@ Writes benchmarks/results/map-speed.json and .md.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -29,11 +28,11 @@ from peft_kvcache import AdapterMaps, KVMap
 from peft_kvcache.calibration.retention import evaluate_retention
 from peft_kvcache.maps.apply import map_cache
 from peft_kvcache.lab.provenance import write_results
-from peft_kvcache.maps.compute import ENVIRONMENT, matmul_dtype, native_bf16_cpu
+from peft_kvcache.maps.compute import matmul_dtype, native_bf16_cpu
 from peft_kvcache.modeling.fixtures import fixture_available, load_model
 
 from . import adapters
-from .common import ADAPTERS, RESULTS, ROOT, SMOLLM, bootstrap_mean, start_run, table, timed
+from .common import ADAPTERS, RESULTS, ROOT, SMOLLM, bootstrap_mean, matmuls_in, start_run, table, timed
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CONTEXT, CONTINUATION = 512, 64  # the adapter maps' published retention (scripts/publish.py)
@@ -74,17 +73,16 @@ def quality(examples: int) -> dict:
     sequences, names = adapters.held_out_examples(tokenizer, CONTEXT, CONTINUATION, examples)
     kls: dict[str, dict[str, list[float]]] = {}
     for name in DTYPES:
-        os.environ[ENVIRONMENT] = name  # what MappedCache.from_source multiplies in, in this process
-        for adapter in ADAPTERS:
-            model.set_adapter(adapter)
-            for reverse in (False, True):
-                source, target, kv_map = ((model, base, maps.to_base[adapter]) if reverse else
-                                          (base, model, maps.to_adapter[adapter]))
-                report = evaluate_retention(source, target, kv_map, sequences, CONTEXT, CONTINUATION,
-                                            window_control=False, naive_reuse=False, progress=False)
-                kls.setdefault(f"{adapter} -> base" if reverse else f"base -> {adapter}", {})[name] = [
-                    float(kl.mean()) for kl in report.scores["mapped@1"].kl]
-    os.environ.pop(ENVIRONMENT)
+        with matmuls_in(name):  # what MappedCache.from_source multiplies in, in this process
+            for adapter in ADAPTERS:
+                model.set_adapter(adapter)
+                for reverse in (False, True):
+                    source, target, kv_map = ((model, base, maps.to_base[adapter]) if reverse else
+                                              (base, model, maps.to_adapter[adapter]))
+                    report = evaluate_retention(source, target, kv_map, sequences, CONTEXT, CONTINUATION,
+                                                window_control=False, naive_reuse=False, progress=False)
+                    kls.setdefault(f"{adapter} -> base" if reverse else f"base -> {adapter}", {})[name] = [
+                        float(kl.mean()) for kl in report.scores["mapped@1"].kl]
     rows = {key: {"float32": bootstrap_mean(v["float32"]), "bfloat16": bootstrap_mean(v["bfloat16"]),
                   "difference": bootstrap_mean([b - a for a, b in zip(v["float32"], v["bfloat16"])]), "kls": v}
             for key, v in kls.items()}
