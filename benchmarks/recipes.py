@@ -18,14 +18,22 @@ tokens (the probe) on the mapped cache, recomputes the P positions its last toke
 the last ``B - 16 - P`` tokens (the probe included) exactly: ``refresh@B/p(B-32)`` is the published recipe;
 ``index@B/pP`` is the same with the mapped middle dropped (the map used only to choose positions).
 
-    python -m benchmarks.recipes run --maps hub_cards --role selection --context 2048
+``--maps`` names the run's base maps (the records call them ``published``: the rows without a label); each
+``--lever LABEL=FOLDER`` adds a lever's maps, whose rows are named ``LABEL:recipe``. The recorded runs took as base
+maps the capture's top-2 fit, kept in ``runs/levers/capture-top2`` since the levers' maps replaced it in
+``hub_cards/`` (a run on other base maps would start the unlabelled rows over):
+
+    python -m benchmarks.recipes run --maps runs/levers/capture-top2 --role selection --context 2048 \
+        --lever basis512=runs/levers/basis512 --lever top4=runs/levers/top4
     python -m benchmarks.recipes report --role selection --context 2048
 
 Selection texts choose the default recipes (the full grid of variants); final texts report them
 (`benchmarks.siblings.ROLES`): there a run measures the controls, the hybrid, today's refresh and the default the
-selection report chose per direction (`chosen_defaults`), with the oracle swaps:
+selection report chose per direction (`chosen_defaults`), with the oracle swaps, and each lever's hybrid, refresh
+and default (a plain switch on the base maps only); a default on a lever's maps needs that lever given:
 
-    python -m benchmarks.recipes run --maps hub_cards --role final --context 2048
+    python -m benchmarks.recipes run --maps runs/levers/capture-top2 --role final --context 4096 \
+        --lever basis512=runs/levers/basis512 --lever top4=runs/levers/top4
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ from benchmarks.recipe_report import RECALL
 from benchmarks.tp_shards import markdown as tp_markdown
 from benchmarks.vllm_report import markdown as vllm_markdown
 from benchmarks.vllm_switch_cost import markdown as switch_cost_markdown
-from peft_kvcache import KVMap
 from peft_kvcache.lab.provenance import key_of, lookup
 from peft_kvcache.maps.adapter_maps import folder_name
 from peft_kvcache.maps.config import Figure, Refresh
+from peft_kvcache.maps.storage import load_config
 
 HUB_CARDS = ROOT / "hub_cards"
 README_BEGIN, README_END = "<!-- figures:begin (scripts/publish.py writes this table) -->", "<!-- figures:end -->"
@@ -47,6 +47,7 @@ def task_figures(stem: str, prefix: str, refresh: Refresh | None) -> dict[str, F
 
 
 FINAL_CONTEXTS = (2048, 4096)  # the contexts the final texts report the sibling maps' default recipes at
+PLAIN_ON_BASE_MAPS = " (base maps)"  # a plain switch the final run measured on its base maps, not the default's
 
 
 def final_recipe_reports(direction: str) -> dict[int, dict]:
@@ -129,8 +130,7 @@ def readme_table() -> str:
         if reported:  # the default recipe, on the final texts of the recipes benchmark
             rows += _recipe_rows(name, reported)
             continue
-        kv_map = KVMap.from_pretrained(HUB_CARDS / name)
-        recipe = kv_map.config.refresh
+        recipe = load_config(HUB_CARDS / name).refresh
         variant = f"mapped@{recipe.probe_tokens}+r{recipe.tokens}" if recipe else "mapped@1"
         control = f"window@{2 * recipe.probe_tokens + recipe.tokens}" if recipe else "window@1"
         ttft_rows = {r["context"]: r for r in results(f"ttft-{name}")["rows"]}
@@ -156,7 +156,10 @@ def readme_table() -> str:
         "inside), written by "
         "`python -m scripts.publish`" + (
             "; a sibling map's default recipe on the final texts from `sibling-recipes-final-<context>.json` "
-            "(`python -m benchmarks.recipes`, the default chosen on the selection texts)." if recipes else "."))
+            "(`python -m benchmarks.recipes`, the default chosen on the selection texts)." if recipes else ".") + (
+            " A plain switch marked (base maps), and its KL, ran on the final run's base maps (its `--maps`), not on "
+            "the maps the default recipe runs on, which that run did not switch plainly." if any(PLAIN_ON_BASE_MAPS in r[2] for r in
+                                                                                   rows) else ""))
 
 
 def _recipe_rows(name: str, reported: dict[int, dict]) -> list[list[str]]:
@@ -168,13 +171,17 @@ def _recipe_rows(name: str, reported: dict[int, dict]) -> list[list[str]]:
     for context, report in reported.items():
         rows, default = report["rows"], report["default"]
         control = f"window@{rows[default]['compute']}"
+        label = default.rpartition(":")[0]  # the maps the default runs on: a lever's, or the run's own
+        own_plain = f"{label}:plain" if label else "plain"
         for task in ("continuation", RECALL):
-            plain, recipe, window = (rows[v][task] for v in ("plain", default, control))
+            plain, recipe, window = (rows[v][task] for v in (own_plain if own_plain in rows else "plain", default,
+                                                               control))
+            marked = "" if own_plain in rows else PLAIN_ON_BASE_MAPS
             versus = (f"; {recipe['minus_control']:+.3f} [{recipe['minus_control_interval'][0]:+.3f}, "
                       f"{recipe['minus_control_interval'][1]:+.3f}] vs the control")
             speed = ttft.get(context, {})
             timed_recipe = speed.get("recipe_name") == default  # a TTFT row of another recipe is not this one's
-            out.append([name, f"{task} at {context} ({recipe['examples']})", fmt(plain),
+            out.append([name, f"{task} at {context} ({recipe['examples']})", fmt(plain) + marked,
                         f"`{default}` {fmt(recipe)}{versus}", fmt(window), f"{plain['kl']:.3f} / {recipe['kl']:.3f}",
                         f"{speed['speedup_cold']:.0f}x" + (f" / {speed['speedup_recipe']:.0f}x" if timed_recipe else "")
                         if task == "continuation" and speed else ""])

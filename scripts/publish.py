@@ -1,5 +1,8 @@
-"""Regenerate every published map and figure: calibrate, measure the quality gate, evaluate, time, and write
-``hub_cards/*`` and ``benchmarks/results/*``. This is the only code that writes hub_cards/.
+"""Regenerate the published maps and their figures: calibrate, measure the quality gate, evaluate, time, and write
+``hub_cards/*`` and the results files of its stages. This is the only code that writes hub_cards/. Two inputs come
+from benchmarks it does not run: a sibling default on a lever's maps takes them from ``runs/levers/<label>``
+(`benchmarks.lever_maps`), and the recipe columns of the README from the final texts' records
+(`benchmarks.recipes`); the serving and vLLM benchmarks write their own tables' results files.
 
     python -m scripts.publish                      # everything (several hours on 2 CPU cores)
     python -m scripts.publish --only siblings      # one family: siblings (Qwen2.5-Coder 0.5B <-> 1.5B) or adapters
@@ -10,7 +13,8 @@ Long stages resume: calibration checkpoints its statistics and every stage keeps
 cards and the README only from the results files the stages wrote (with their provenance).
 
 This script only orchestrates: the measurements are the benchmarks' (`benchmarks.scaling`, `gates`, `budget`,
-`levers`, `siblings`, `ttft`, `nonlinear`, `adapters`, `storage`, `gate_correlation`, `serve_load`). Every stage
+`levers`, `siblings`, `ttft`, `nonlinear`, `adapters`, `storage`, `gate_correlation`, `serve_load`, and the
+`recipes` reports it reads). Every stage
 declares what it needs (`Stage`: the fixture models it loads, the results files and workdir artifacts it reads);
 before anything runs, what the chosen stages need and neither exists nor is made by an earlier chosen stage is
 listed with the stage that makes it, and the run stops there (exit status 2).

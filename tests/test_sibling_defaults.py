@@ -156,3 +156,19 @@ def test_a_levers_maps_carry_their_own_gate_never_the_captures(results, monkeypa
     scale = str(common.read_results("sibling-scaling")["curve"]["down"]["chosen_files"])
     assert publisher.sibling_gate("down").predicted_retention == \
         common.read_results("sibling-gates")["gates"]["down"][scale]["predicted_retention"]
+
+
+def test_the_readmes_plain_switch_is_on_the_default_recipes_maps_or_says_whose_it_is(monkeypatch):
+    monkeypatch.setattr(figures, "results", lambda stem: {"rows": []})  # no TTFT rows
+
+    def row(normalized: float) -> dict:
+        cell = {"normalized": normalized, "interval": [normalized, normalized], "kl": 1 - normalized, "examples": 4,
+                "minus_control": 0.1, "minus_control_interval": [0.0, 0.2]}
+        return {"compute": 64, "continuation": cell, recipe_report.RECALL: cell}
+
+    rows = {"plain": row(0.11), "window@64": row(0.5), "attn:refresh@64/p32": row(0.7)}
+    reported = {2048: {"rows": rows, "default": "attn:refresh@64/p32"}}
+    cells = [r[2] for r in figures._recipe_rows("pair", reported)]
+    assert cells == ["0.11 [0.11, 0.11] (base maps)"] * 2  # the run's base maps, said so
+    rows["attn:plain"] = row(0.33)
+    assert [r[2] for r in figures._recipe_rows("pair", reported)] == ["0.33 [0.33, 0.33]"] * 2  # the default's maps

@@ -40,3 +40,24 @@ def test_the_variants_differ_by_rounding_where_maps_multiply_in_bfloat16(sibling
     difference = report.paired_difference("bfloat16", "float32", metric="kl")
     assert abs(difference["difference"]) < 0.05 * kl["float32"]
     assert os.environ[ENVIRONMENT] == "bfloat16"
+
+
+def test_the_first_candidate_within_tolerance_is_chosen_and_float32_where_none_is():
+    def within(kl: float) -> dict:
+        return {"difference": kl, "low": kl / 2, "high": kl}
+
+    assert storage.choose(1.0, {"bfloat16": within(0.005), "float16": within(0.001)}) == "bfloat16"
+    assert storage.choose(1.0, {"bfloat16": within(0.02), "float16": within(0.001)}) == "float16"
+    assert storage.choose(1.0, {"bfloat16": within(0.02), "float16": within(0.02)}) == "float32"
+    assert storage.choose(1.0, {"bfloat16": within(0.02)}) == "float32"  # float16 left out: a weight out of its range
+
+
+def test_float16_rounds_less_than_bfloat16_and_a_weight_out_of_its_range_leaves_it_out(sibling_pair, sibling_map):
+    examples = random_ids(3, 16 + storage.CONTINUATION)
+    kl = {r["variant"]: r["kl"] for r in storage.score(*sibling_pair, sibling_map, examples, 16, progress=False).rows()}
+    assert {"float32", "bfloat16", "float16"} <= set(kl)
+    assert abs(kl["float16"] - kl["float32"]) < abs(kl["bfloat16"] - kl["float32"])  # three more bits per weight
+    huge = sibling_map.with_weights_dtype(torch.float32)
+    huge.tensors["keys.0.weight"] = huge.tensors["keys.0.weight"] * 1e6
+    scored = {r["variant"] for r in storage.score(*sibling_pair, huge, examples, 16, progress=False).rows()}
+    assert {"float32", "bfloat16"} <= scored and "float16" not in scored
