@@ -66,10 +66,11 @@ def score(source, target, kv_map: KVMap, examples, context: int, progress: bool 
     each candidate dtype its range holds (a weight float16 cannot hold would be infinite: that variant is left out),
     all multiplied in float32 so that only the stored rounding differs."""
     variants = {"float32": kv_map}
-    largest = max(float(t.abs().max()) for name, t in kv_map.tensors.items() if is_weight(name))
+    largest = max(float(t.abs().max()) for key, t in kv_map.tensors.items() if is_weight(key))
     for name in CANDIDATES:
-        if largest < torch.finfo(getattr(torch, name)).max:
-            variants[name] = kv_map.with_weights_dtype(getattr(torch, name))
+        dtype = getattr(torch, name)
+        if largest < torch.finfo(dtype).max:
+            variants[name] = kv_map.with_weights_dtype(dtype)
     with matmuls_in("float32"):
         return siblings.score_maps(source, target, variants, examples, context, CONTINUATION, progress)
 

@@ -150,6 +150,7 @@ def readme_table() -> str:
                      fmt(by["mapped@1"]), "-", f"naive reuse {fmt(by['naive@1'])}",
                      f"{by['mapped@1']['kl']:.3f} (naive {by['naive@1']['kl']:.3f})", speed])
     recipes = any(reports.values())
+    plain_on_base_maps = any(PLAIN_ON_BASE_MAPS in row[2] for row in rows)
     return table(["map", "task (examples)", "plain switch: normalized [95% CI]", "with the recipe", "control at equal "
                   "compute", "KL plain / recipe", "TTFT vs re-prefill, cold sink: plain / recipe"], rows) + (
         "\n\nFrom `benchmarks/results/siblings.json`, `adapters.json`, `adapters-reverse.json` and `ttft-*.json` (provenance "
@@ -158,8 +159,7 @@ def readme_table() -> str:
             "; a sibling map's default recipe on the final texts from `sibling-recipes-final-<context>.json` "
             "(`python -m benchmarks.recipes`, the default chosen on the selection texts)." if recipes else ".") + (
             " A plain switch marked (base maps), and its KL, ran on the final run's base maps (its `--maps`), not on "
-            "the maps the default recipe runs on, which that run did not switch plainly." if any(PLAIN_ON_BASE_MAPS in r[2] for r in
-                                                                                   rows) else ""))
+            "the maps the default recipe runs on, which that run did not switch plainly." if plain_on_base_maps else ""))
 
 
 def _recipe_rows(name: str, reported: dict[int, dict]) -> list[list[str]]:

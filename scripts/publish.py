@@ -14,10 +14,9 @@ cards and the README only from the results files the stages wrote (with their pr
 
 This script only orchestrates: the measurements are the benchmarks' (`benchmarks.scaling`, `gates`, `budget`,
 `levers`, `siblings`, `ttft`, `nonlinear`, `adapters`, `storage`, `gate_correlation`, `serve_load`, and the
-`recipes` reports it reads). Every stage
-declares what it needs (`Stage`: the fixture models it loads, the results files and workdir artifacts it reads);
-before anything runs, what the chosen stages need and neither exists nor is made by an earlier chosen stage is
-listed with the stage that makes it, and the run stops there (exit status 2).
+`recipes` reports it reads). Every stage declares what it needs (`Stage`: the fixture models it loads, the results
+files and workdir artifacts it reads); before anything runs, what the chosen stages need and neither exists nor is
+made by an earlier chosen stage is listed with the stage that makes it, and the run stops there (exit status 2).
 """
 
 from __future__ import annotations

@@ -94,7 +94,9 @@ def load_config(folder: Path) -> KVMapConfig:
         raise ArtifactError(f"{config_path} is {config_path.stat().st_size:,} bytes, too large for a map config")
     try:
         data = json.loads(config_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, OSError) as err:
+    except OSError as err:
+        raise ArtifactError(f"{config_path} cannot be read: {err}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
         raise ArtifactError(f"{config_path} is not valid JSON: {err}") from None
     return KVMapConfig.from_dict(data, where=str(config_path))
 
