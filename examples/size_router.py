@@ -7,7 +7,7 @@ Rule: a turn that asks to write or fix code goes to the 1.5B, anything else to t
 model's cache of the history is mapped with the published map (hub_cards/), which applies its recommended refresh
 by default (the new turn probes the mapped cache and the target recomputes the history positions it needs). Per
 switch it prints the time to first token against a full re-prefill and whether their first tokens agree. A map
-whose weights are not here (the 0.5B -> 1.5B map's file is over the size kept in git: the Hub holds it) is named
+whose weights are not here (the 0.5B -> 1.5B map's file is over the size kept in git: see the README) is named
 once, and its switches re-run prefill.
 """
 
@@ -53,7 +53,7 @@ def main() -> None:
     maps = {pair: KVMap.from_pretrained(CARDS / name) for pair, name in MAPS.items()
             if (CARDS / name / "model.safetensors").is_file()}
     for pair in MAPS.keys() - maps.keys():
-        print(f"{MAPS[pair]}: no weights in {CARDS / MAPS[pair]} (on the Hub only); {pair[0]} -> {pair[1]} re-prefills")
+        print(f"{MAPS[pair]}: no weights in {CARDS / MAPS[pair]} (kept out of git); {pair[0]} -> {pair[1]} re-prefills")
     messages, previous = [], None
     for turn, text in enumerate(TURNS, 1):
         messages.append({"role": "user", "content": text})

@@ -80,7 +80,7 @@ FINAL_CONTEXT, FINAL_FILES, FINAL_RECALL = 1024, 12, 2  # the goal table (recall
 TTFT_LENGTHS, TTFT_REPEATS = (2048, 4096, 8192), 5  # the sibling defaults: TTFT >= 10x at 2k and >= 30x at 8k
 ADAPTER_CONTEXT, ADAPTER_CONTINUATION, ADAPTER_EXAMPLES = 512, 64, 48  # the adapter maps' retention (both ways)
 ADAPTER_TTFT_LENGTHS = (1024, 2048, 4096)
-# bytes: a map's weights file larger than this goes to the Hub only, never into git (.gitignore names it)
+# bytes: a map's weights file larger than this stays out of git (.gitignore names it; it belongs on the Hub)
 GIT_WEIGHTS_LIMIT = 20 * 10**6
 
 

@@ -263,13 +263,13 @@ def test_a_folder_without_the_map_files(tmp_path, saved):
 def test_a_folder_of_maps_passes_over_a_card_without_weights_and_says_which(tmp_path, saved, caplog):
     maps = tmp_path / "maps"
     shutil.copytree(saved, maps / "whole")
-    shutil.copytree(saved, maps / "card-only")  # what git holds of a map whose weights are on the Hub only
+    shutil.copytree(saved, maps / "card-only")  # what git holds of a map whose weights stay out of it
     (maps / "card-only" / "model.safetensors").unlink()
     with caplog.at_level(logging.WARNING, logger="peft_kvcache.maps.registry"):
         registry = MapRegistry(maps)
     assert list(registry.configs) == [str(maps / "whole")]
     assert "card-only has no model.safetensors" in caplog.text
-    assert "published to the Hub only" in _load_error(maps / "card-only")
+    assert "kept out of git" in _load_error(maps / "card-only")
     assert load_config(maps / "card-only").to_dict() == make_map().config.to_dict()  # the card alone still reads
 
 

@@ -1,7 +1,7 @@
 """The published maps (hub_cards/) and the README's figures: every figure in a card's config.json equals the value in
 the results file it cites, which records its provenance; calibration data is described truthfully; every map
 carries a finite predicted retention; the README's table is the one the results files give. The cards are read from
-their config.json: a map whose weights are over git's limit keeps them on the Hub only (and here, where they were
+their config.json: a map whose weights are over git's limit keeps them out of git (they are here where they were
 fitted), and every weights file present loads with its config."""
 
 from __future__ import annotations

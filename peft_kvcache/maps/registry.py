@@ -105,7 +105,7 @@ class MapRegistry:
                     if is_map_folder(folder, complete=True):
                         self._add(folder, spec, strict=False)
                     elif is_map_folder(folder):
-                        logger.warning("map folder %s has no %s (a card whose weights are on the Hub only): "
+                        logger.warning("map folder %s has no %s (a card whose weights are kept out of git): "
                                        "skipped; put its weights there to use it", folder, WEIGHTS_NAME)
             else:
                 self.singles.append(spec)

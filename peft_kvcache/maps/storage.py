@@ -79,8 +79,8 @@ def load_map(path_or_repo_id: str | os.PathLike, *, revision: str | None = None,
     folder = resolve_map_folder(path_or_repo_id, revision=revision, **hub_options)
     weights_path = folder / WEIGHTS_NAME
     if (folder / CONFIG_NAME).is_file() and not weights_path.is_file():
-        raise ArtifactError(f"{folder} is not a KV map: {WEIGHTS_NAME} is missing (a card whose weights are "
-                            "published to the Hub only holds its config.json and README.md)")
+        raise ArtifactError(f"{folder} is not a KV map: {WEIGHTS_NAME} is missing (a card whose weights are kept "
+                            "out of git holds its config.json and README.md: load the map from where it was published)")
     config = load_config(folder)
     return config, _read_tensors(weights_path, expected_shapes(config))
 
