@@ -22,9 +22,12 @@ from .ttft import prefill_multiply_adds_per_token
 from peft_kvcache.errors import RecordError
 
 from .recipe_budget import TTFT_GOALS
-from .recipes import chosen_defaults, read_records, records_path
+from .recipes import check_chosen_maps, chosen_defaults, read_records, records_path
 
 BOOTSTRAP, SEED = 2000, 0
+# normalized retention divides by full - no context: resamples whose gap is below MIN_GAP (mean accuracy) make the
+# ratio meaningless; past DEGENERATE_SHARE of them an interval is not given (NaN), however the others fall
+MIN_GAP, DEGENERATE_SHARE = 0.01, 0.01
 RECALL_FLOOR = 0.95  # a default keeps at least this normalized far-fact recall
 TTFT_LENGTH = max(TTFT_GOALS)  # the goal at the longest context bounds the maps' cost
 TTFT_GOAL = TTFT_GOALS[TTFT_LENGTH]
@@ -46,12 +49,17 @@ class Scores:
         return sorted(set.intersection(*sets))
 
 
+def current_maps(records: list[dict], direction: str) -> dict[str, str]:
+    """``{map set label: fingerprint}``: the map each set held in its latest record of ``direction``."""
+    return {r["maps"]: r["map"] for r in records if r["direction"] == direction and r.get("map") is not None}
+
+
 def group(records: list[dict], direction: str) -> dict[str, Scores]:
     """``{task: Scores}`` for one direction, and every recall task pooled under `RECALL`. A record measured again
     (same example, variant and map) counts once: the latest. Of a map set (``maps``) only the records of the map it
     held last count (its fingerprint in the latest record): examples measured with maps since replaced are dropped,
     never mixed with the new ones."""
-    current = {r["maps"]: r["map"] for r in records if r["direction"] == direction and r.get("map") is not None}
+    current = current_maps(records, direction)
     by_task: dict[str, Scores] = defaultdict(lambda: Scores(defaultdict(dict), defaultdict(dict), {}))
     for r in records:
         if r["direction"] != direction or (r.get("map") is not None and r["map"] != current[r["maps"]]):
@@ -74,14 +82,16 @@ def cluster_weights(files: list[str], count: int = BOOTSTRAP, seed: int = SEED) 
     return per_file[:, cluster]
 
 
+def mean_accuracy(scores: Scores, name: str, examples: list[str], weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean accuracy of ``name`` over ``examples`` (a scalar, or one per resample of ``weights``)."""
+    values = torch.tensor([scores.accuracy[name][e] for e in examples], dtype=torch.float64)
+    return values.mean() if weights is None else (weights.double() @ values) / weights.sum(1).double()
+
+
 def normalized(scores: Scores, variant: str, examples: list[str], weights: torch.Tensor | None = None) -> torch.Tensor:
     """(variant - no context) / (full - no context) of mean accuracy over ``examples`` (weighted per resample)."""
-    def mean(name: str) -> torch.Tensor:
-        values = torch.tensor([scores.accuracy[name][e] for e in examples], dtype=torch.float64)
-        return values.mean() if weights is None else (weights.double() @ values) / weights.sum(1).double()
-
-    full, none = mean("full"), mean("no_context")
-    return (mean(variant) - none) / (full - none)
+    full, none = mean_accuracy(scores, "full", examples, weights), mean_accuracy(scores, "no_context", examples, weights)
+    return (mean_accuracy(scores, variant, examples, weights) - none) / (full - none)
 
 
 def summary(scores: Scores, variant: str, control: str | None) -> dict:
@@ -91,12 +101,17 @@ def summary(scores: Scores, variant: str, control: str | None) -> dict:
     if not examples:
         return {"examples": 0}
     weights = cluster_weights([scores.files[e] for e in examples])
+    gap = mean_accuracy(scores, "full", examples, weights) - mean_accuracy(scores, "no_context", examples, weights)
+    degenerate = int((gap < MIN_GAP).sum())  # resamples where the context barely helps the full prefill itself
 
     def bounds(values: torch.Tensor) -> list[float]:
-        values = values[torch.isfinite(values)]
-        return [float(values.quantile(0.025)), float(values.quantile(0.975))] if values.numel() else [float("nan")] * 2
+        values = values[gap >= MIN_GAP]
+        if degenerate > DEGENERATE_SHARE * len(gap) or not values.numel():
+            return [float("nan")] * 2
+        return [float(values.quantile(0.025)), float(values.quantile(0.975))]
 
     out = {"examples": len(examples), "files": len({scores.files[e] for e in examples}),
+           "degenerate_resamples": degenerate,
            "normalized": float(normalized(scores, variant, examples)),
            "interval": bounds(normalized(scores, variant, examples, weights)),
            "kl": sum(scores.kl[variant][e] for e in examples) / len(examples)}
@@ -316,11 +331,17 @@ def report(role: str, context: int) -> dict:
             levers_compete = any(row.get("maps", "published") != "published" for row in rows.values())
             choice = choose_default(rows, budget, {label: f["multiply_adds_per_token"] for label, f in facts.items()},
                                     cost_limit(runs, direction) if levers_compete else None)
-        # the default these texts choose (selection) or report (final: the one the selection texts chose)
+        # the default these texts choose (selection) or report (final: the one the selection texts chose, on the
+        # very maps they chose it on)
+        fingerprints = current_maps(records, direction)
+        if choice and choice["default"]:
+            choice["fingerprint"] = fingerprints.get(choice["maps"])
         default = choice["default"] if choice else chosen_defaults().get(direction)
         if default is not None and default not in rows:
             raise RecordError(f"the final records of {direction} hold no {default!r}, the default the selection texts "
                               "chose: run `python -m benchmarks.recipes run --role final` again")
+        if role == "final" and default is not None:
+            check_chosen_maps(direction, default, fingerprints.get(rows[default]["maps"]))
         levers = lever_gains(tasks["continuation"], budget)
         for entry in levers:
             known = facts.get(entry["lever"])

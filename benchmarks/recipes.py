@@ -296,6 +296,17 @@ def chosen_defaults(context: int = SELECTION_CONTEXT) -> dict[str, str]:
     return {d: row["choice"]["default"] for d, row in directions.items() if (row.get("choice") or {}).get("default")}
 
 
+def check_chosen_maps(direction: str, default: str, fingerprint: str | None, context: int = SELECTION_CONTEXT) -> None:
+    """Refuse (`RecordError`) final texts that would report ``default`` on other maps (``fingerprint``) than the ones
+    the selection texts chose it on (reports written before choices recorded their maps pass)."""
+    path = RESULTS / f"sibling-recipes-selection-{context}.json"
+    choice = json.loads(path.read_text())["directions"][direction].get("choice") or {}
+    chosen = choice.get("fingerprint")
+    if chosen is not None and choice.get("default") == default and fingerprint != chosen:
+        raise RecordError(f"{direction}: the selection texts chose {default!r} on maps {chosen}, the final texts run "
+                          f"{fingerprint}: fit the maps as they were (or choose again on the selection texts)")
+
+
 def budget_sources(role: str, directions) -> dict[str, dict]:
     """Where each direction's budget comes from: on selection texts its TTFT sweep (`recipe_budget.direction_budget`),
     on final texts the selection report's (the default was chosen at that budget; its controls run at the same)."""
@@ -388,6 +399,9 @@ def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str
             missed = " (no swept budget meets the TTFT goals)" if source else ""
             source.update(budget=maps[d]["published"].config.refresh.compute, **{"from": "the published recipe" + missed})
     budgets = {d: source["budget"] for d, source in sources.items()}
+    for d, name in chosen.items():
+        if d in directions:
+            check_chosen_maps(d, name, prints[d][Variant.recipe(name).maps])
     append(path.with_name("runs.jsonl"), {"run": run_id, "role": role, "context": context, "budgets": budgets,
                                           "budget_sources": sources,
                                           **provenance(),

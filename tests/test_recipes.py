@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import json
+import math
+from collections import defaultdict
 from dataclasses import replace
 
 import pytest
@@ -188,6 +190,34 @@ def test_the_bootstrap_resamples_whole_files():
     assert torch.equal(weights[:, 0], weights[:, 1]) and torch.equal(weights[:, 3], weights[:, 5])
     assert torch.equal(weights[:, [0, 2, 3]].sum(1), torch.full((200,), 3.0))  # three files drawn per resample
     assert not torch.equal(weights[:, 0], weights[:, 2])
+
+
+def _scores(gaps: dict[str, float]) -> recipe_report.Scores:
+    """One example per file, full - no context = ``gaps[file]``, the variant and the control halfway and a quarter."""
+    scores = recipe_report.Scores(defaultdict(dict), defaultdict(dict), {})
+    for file, gap in gaps.items():
+        for name, accuracy in (("full", 0.2 + gap), ("no_context", 0.2), ("mapped", 0.2 + gap / 2),
+                               ("window", 0.2 + gap / 4)):
+            scores.accuracy[name][file], scores.kl[name][file] = accuracy, 0.0
+        scores.files[file] = file
+    return scores
+
+
+def test_resamples_where_the_context_does_not_help_the_full_prefill_void_the_interval_instead_of_dropping_out():
+    healthy = recipe_report.summary(_scores({f"f{i}": 0.3 for i in range(8)}), "mapped", "window")
+    assert healthy["degenerate_resamples"] == 0 and healthy["interval"] == pytest.approx([0.5, 0.5])
+    # two files of eight without any gap: a resample drawing only those (1 in 4^8) is rare; half of them, often
+    shaky = recipe_report.summary(_scores({**{f"f{i}": 0.3 for i in range(4)}, **{f"z{i}": 0.0 for i in range(4)}}),
+                                  "mapped", "window")
+    assert shaky["degenerate_resamples"] > 0
+    rare = recipe_report.summary(_scores({**{f"f{i}": 0.3 for i in range(6)}, "z0": 0.0, "z1": 0.0}), "mapped", "window")
+    assert rare["degenerate_resamples"] <= recipe_report.DEGENERATE_SHARE * recipe_report.BOOTSTRAP
+    assert rare["interval"] == pytest.approx([0.5, 0.5])  # the ratio holds wherever the gap does
+    tiny = _scores({f"z{i}": 0.001 for i in range(8)})  # a gap of a tenth of a point: any ratio is noise
+    tiny.accuracy["mapped"] = {e: 0.21 for e in tiny.files}  # ten times the gap, a finite and meaningless 10.0
+    none = recipe_report.summary(tiny, "mapped", "window")
+    assert none["degenerate_resamples"] == recipe_report.BOOTSTRAP and all(map(math.isnan, none["interval"]))
+    assert all(map(math.isnan, none["minus_control_interval"]))
 
 
 def _row(kind: str, compute: int, continuation: float, interval: tuple, recall: float, examples=(40, 48)) -> dict:

@@ -38,7 +38,7 @@ def results(tmp_path, monkeypatch):
     return root
 
 
-def _records(role: str, accuracy: dict[str, float]) -> list[dict]:
+def _records(role: str, accuracy: dict[str, float], map_print: str | None = None) -> list[dict]:
     out = []
     for task, files in (("continuation", 6), ("recall-code-top", 4)):
         for i in range(files):
@@ -50,13 +50,14 @@ def _records(role: str, accuracy: dict[str, float]) -> list[dict]:
                 correct = round(tokens * min(1.0, rate + 0.02 * (i % 3)))
                 out.append({"example": f"{task}/{i}", "file": f"f{i}.py", "task": task, "direction": "up",
                             "context": 2048, "variant": variant, "kind": kind, "compute": compute, "budget": budget,
-                            "maps": "published", "correct": correct, "tokens": tokens, "kl": 1 - accuracy[variant]})
+                            "maps": "published", "correct": correct, "tokens": tokens, "kl": 1 - accuracy[variant],
+                            "map": map_print if kind in ("plain", "hybrid", "refresh", "index") else None})
     return out
 
 
-def _report(root, role: str, accuracy: dict[str, float]) -> dict:
+def _report(root, role: str, accuracy: dict[str, float], map_print: str | None = None) -> dict:
     records = root / "sibling-recipes" / f"{role}-2048.jsonl"
-    records.write_text("".join(json.dumps(r) + "\n" for r in _records(role, accuracy)))
+    records.write_text("".join(json.dumps(r) + "\n" for r in _records(role, accuracy, map_print)))
     (root / "sibling-recipes" / "runs.jsonl").write_text(json.dumps({"role": role, "context": 2048}) + "\n")
     return recipe_report.report(role, 2048)
 
@@ -172,3 +173,13 @@ def test_the_readmes_plain_switch_is_on_the_default_recipes_maps_or_says_whose_i
     assert cells == ["0.11 [0.11, 0.11] (base maps)"] * 2  # the run's base maps, said so
     rows["attn:plain"] = row(0.33)
     assert [r[2] for r in figures._recipe_rows("pair", reported)] == ["0.33 [0.33, 0.33]"] * 2  # the default's maps
+
+
+def test_the_final_texts_report_a_default_only_on_the_maps_the_selection_texts_chose_it_on(results):
+    selection = _report(results, "selection", ACCURACY, map_print="m1")
+    assert selection["directions"]["up"]["choice"]["fingerprint"] == "m1"
+    assert _report(results, "final", ACCURACY, map_print="m1")["directions"]["up"]["default"] == "index@160/p40"
+    with pytest.raises(RecordError, match="chose 'index@160/p40' on maps m1, the final texts run m2"):
+        _report(results, "final", ACCURACY, map_print="m2")  # the maps were refitted in between
+    with pytest.raises(RecordError, match="on maps m1"):  # and a final run refuses before computing anything
+        recipes.check_chosen_maps("up", "index@160/p40", "m2")
