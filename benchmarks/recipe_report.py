@@ -57,12 +57,14 @@ def current_maps(records: list[dict], direction: str) -> dict[str, str]:
 def group(records: list[dict], direction: str) -> dict[str, Scores]:
     """``{task: Scores}`` for one direction, and every recall task pooled under `RECALL`. A record measured again
     (same example, variant and map) counts once: the latest. Of a map set (``maps``) only the records of the map it
-    held last count (its fingerprint in the latest record): examples measured with maps since replaced are dropped,
-    never mixed with the new ones."""
+    held last count (its fingerprint in the latest record), and of the models' dtypes the latest: examples measured
+    with maps since replaced, or with the models in another dtype, are dropped, never mixed with the new ones."""
     current = current_maps(records, direction)
+    dtype = next((r["dtype"] for r in reversed(records) if r["direction"] == direction), None)
     by_task: dict[str, Scores] = defaultdict(lambda: Scores(defaultdict(dict), defaultdict(dict), {}))
     for r in records:
-        if r["direction"] != direction or (r.get("map") is not None and r["map"] != current[r["maps"]]):
+        if r["direction"] != direction or r["dtype"] != dtype or (r.get("map") is not None
+                                                                   and r["map"] != current[r["maps"]]):
             continue
         for task in (r["task"], RECALL) if r["task"].startswith("recall-") else (r["task"],):
             scores = by_task[task]
@@ -291,14 +293,17 @@ def plot_trade_off(payload: dict, path) -> None:
     plt.close(fig)
 
 
-def latest_map_facts(runs: list[dict], direction: str) -> dict[str, dict]:
+def latest_map_facts(runs: list[dict], direction: str, current: dict[str, str] | None = None) -> dict[str, dict]:
     """Each map set's facts in ``direction`` (`recipes.map_facts`) as the latest run that used it recorded them (older
-    runs recorded none)."""
+    runs recorded none); with ``current`` (label -> the fingerprint its records hold), only a run of those maps counts
+    (a run that stopped before its first record may have held others)."""
     out = {}
     for run in runs:
         for label, by_direction in run.get("map_sets", {}).items():
-            if direction in by_direction:
-                out[label] = by_direction[direction]
+            facts = by_direction.get(direction)
+            if facts is not None and (current is None or label not in current
+                                      or facts.get("fingerprint") == current[label]):
+                out[label] = facts
     return out
 
 
@@ -325,7 +330,8 @@ def report(role: str, context: int) -> dict:
                 info = meta[variant]
                 rows.setdefault(variant, dict(info))[task] = summary(scores, variant,
                                                                      control_of(variant, info["compute"]))
-        facts = latest_map_facts(runs, direction)
+        fingerprints = current_maps(records, direction)
+        facts = latest_map_facts(runs, direction, fingerprints)
         choice = None
         if role == "selection":
             levers_compete = any(row.get("maps", "published") != "published" for row in rows.values())
@@ -333,7 +339,6 @@ def report(role: str, context: int) -> dict:
                                     cost_limit(runs, direction) if levers_compete else None)
         # the default these texts choose (selection) or report (final: the one the selection texts chose, on the
         # very maps they chose it on)
-        fingerprints = current_maps(records, direction)
         if choice and choice["default"]:
             choice["fingerprint"] = fingerprints.get(choice["maps"])
         default = choice["default"] if choice else chosen_defaults().get(direction)

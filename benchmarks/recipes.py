@@ -334,8 +334,9 @@ def read_records(path: Path) -> list[dict]:
     return out
 
 
-def record_key(example_id: str, direction: str, variant: str, fingerprint: str | None) -> tuple:
-    return example_id, direction, variant, fingerprint
+def record_key(example_id: str, direction: str, variant: str, fingerprint: str | None, dtype: str) -> tuple:
+    """What makes a record done: a run with the models in another dtype measures it again."""
+    return example_id, direction, variant, fingerprint, dtype
 
 
 def drop_partial_line(path: Path) -> None:
@@ -413,15 +414,15 @@ def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str
     for d in directions:
         plan[d] = [v for v in variants_for(budgets[d], levers, role == "final", chosen.get(d))
                    if not only or any(text in v.name for text in only) or v.kind in ("full", "no_context")]
-    done = {record_key(r["example"], r["direction"], r["variant"], r["map"]) for r in read_records(path)}
     dtype = str(next(models["large"].parameters()).dtype).removeprefix("torch.")
+    done = {record_key(r["example"], r["direction"], r["variant"], r["map"], r["dtype"]) for r in read_records(path)}
 
     def fingerprint(d: str, v: Variant) -> str | None:
         return prints[d][v.maps] if v.uses_map else None
 
     items = examples(tokenizer, role, context, windows, per_file, recall_cases)
     for example in tqdm(items, desc=f"{role} @{context}", disable=not progress):
-        todo = {d: [v for v in plan[d] if record_key(example.id, d, v.name, fingerprint(d, v)) not in done]
+        todo = {d: [v for v in plan[d] if record_key(example.id, d, v.name, fingerprint(d, v), dtype) not in done]
                 for d in directions}
         if not any(todo.values()):
             continue

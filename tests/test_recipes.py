@@ -414,9 +414,10 @@ def test_a_lever_is_paired_with_the_published_maps_and_credited_with_the_oracle_
 
 
 def test_records_of_maps_since_replaced_are_dropped_not_mixed_with_the_new_ones():
-    def record(example, variant, maps, fingerprint, correct):
+    def record(example, variant, maps, fingerprint, correct, dtype="float32"):
         return {"direction": "up", "example": example, "file": f"{example}.py", "task": "continuation",
-                "variant": variant, "maps": maps, "map": fingerprint, "correct": correct, "tokens": 4, "kl": 0.0}
+                "variant": variant, "maps": maps, "map": fingerprint, "correct": correct, "tokens": 4, "kl": 0.0,
+                "dtype": dtype}
 
     records = [record("e0", "window@160", "published", None, 1), record("e0", "attn:hybrid@160", "attn", "old", 1),
                record("e1", "attn:hybrid@160", "attn", "old", 2), record("e0", "hybrid@160", "published", "p", 3),
@@ -424,6 +425,11 @@ def test_records_of_maps_since_replaced_are_dropped_not_mixed_with_the_new_ones(
     scores = recipe_report.group(records, "up")["continuation"]
     assert scores.accuracy["attn:hybrid@160"] == {"e0": 1.0}  # e1 was measured with the old maps only
     assert scores.accuracy["hybrid@160"] == {"e0": 0.75} and scores.accuracy["window@160"] == {"e0": 0.25}
+    records.append(record("e1", "window@160", "published", None, 2, dtype="bfloat16"))  # the models in bfloat16
+    scores = recipe_report.group(records, "up")["continuation"]
+    assert scores.accuracy == {"window@160": {"e1": 0.5}}  # the float32 records are not mixed in
+    assert recipes.record_key("e1", "up", "window@160", None, "bfloat16") != \
+        recipes.record_key("e1", "up", "window@160", None, "float32")  # a run in another dtype measures again
 
 
 def test_the_ttft_budget_is_the_largest_refresh_budget_meeting_every_goal():
@@ -522,3 +528,10 @@ def test_a_defaults_maps_cost_no_more_than_the_maps_its_budgets_sweep_timed(monk
     assert recipe_report.cost_limit([timed], "down") == 1000
     timed["budget_sources"]["up"]["multiply_adds_per_token"] = 5000
     assert recipe_report.cost_limit([timed], "up") == 1000  # the TTFT goal's own bound still holds
+
+
+def test_map_facts_come_from_a_run_of_the_maps_the_records_hold():
+    runs = [{"map_sets": {"attn": {"up": {"fingerprint": "a1", "parameters": 10}}}},
+            {"map_sets": {"attn": {"up": {"fingerprint": "a2", "parameters": 20}}}}]  # stopped before any record
+    assert recipe_report.latest_map_facts(runs, "up")["attn"]["parameters"] == 20
+    assert recipe_report.latest_map_facts(runs, "up", {"attn": "a1"})["attn"]["parameters"] == 10

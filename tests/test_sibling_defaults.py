@@ -50,7 +50,7 @@ def _records(role: str, accuracy: dict[str, float], map_print: str | None = None
                 correct = round(tokens * min(1.0, rate + 0.02 * (i % 3)))
                 out.append({"example": f"{task}/{i}", "file": f"f{i}.py", "task": task, "direction": "up",
                             "context": 2048, "variant": variant, "kind": kind, "compute": compute, "budget": budget,
-                            "maps": "published", "correct": correct, "tokens": tokens, "kl": 1 - accuracy[variant],
+                            "maps": "published", "correct": correct, "tokens": tokens, "kl": 1 - accuracy[variant], "dtype": "float32",
                             "map": map_print if kind in ("plain", "hybrid", "refresh", "index") else None})
     return out
 
