@@ -21,7 +21,10 @@ the last ``B - 16 - P`` tokens (the probe included) exactly: ``refresh@B/p(B-32)
 ``--maps`` names the run's base maps (the records call them ``published``: the rows without a label); each
 ``--lever LABEL=FOLDER`` adds a lever's maps, whose rows are named ``LABEL:recipe``. The recorded runs took as base
 maps the capture's top-2 fit, kept in ``runs/levers/capture-top2`` since the levers' maps replaced it in
-``hub_cards/`` (a run on other base maps would start the unlabelled rows over):
+``hub_cards/`` (a run on other base maps would start the unlabelled rows over); git holds them at 009d39d
+(``git show 009d39d:hub_cards/<pair>/model.safetensors``, the same bytes). A lever's maps fitted again on another
+machine need not be the same bytes (a fresh fit of basis512 and top4 was not), so records are keyed by the maps'
+fingerprint and a run on refitted maps starts those rows over:
 
     python -m benchmarks.recipes run --maps runs/levers/capture-top2 --role selection --context 2048 \
         --lever basis512=runs/levers/basis512 --lever top4=runs/levers/top4
