@@ -66,7 +66,9 @@ def test_training_lowers_the_kl_inference_measures_and_the_kept_step_is_folded_i
     curve = dict(record.heldout_kl)
     before, after = inference_kl(sibling_map, source, target, chunk), inference_kl(kv_map, source, target, chunk)
     assert curve[0] == pytest.approx(before, rel=1e-4)  # step 0 is the ridge map, measured as inference runs it
-    assert record.kept_step == 30 and after == pytest.approx(curve[30], rel=1e-4)  # the best step, folded as trained
+    # the best step, folded as trained: folding rounds in float32 (a few 1e-4 of a KL this small on some CPUs), far
+    # less than a step of training moves it
+    assert record.kept_step == 30 and after == pytest.approx(curve[30], abs=before * 1e-3)
     assert after < before / 5
     assert record.train_chunks + record.heldout_chunks == 12
     assert all(p.requires_grad for p in target.parameters())  # frozen only while training
