@@ -32,14 +32,18 @@ def matmul_dtype(device: torch.device | str) -> torch.dtype:
 
 
 @lru_cache(maxsize=1)
-def native_bf16_cpu() -> bool:
-    """Whether this CPU reports AVX512-BF16 or AMX-BF16 (Linux's /proc/cpuinfo; False where it cannot be read)."""
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux's /proc/cpuinfo; empty where it cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+        return frozenset()
+    return frozenset(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
 
 
-__all__ = ["ENVIRONMENT", "matmul_dtype", "native_bf16_cpu"]
+def native_bf16_cpu() -> bool:
+    """Whether this CPU reports AVX512-BF16 or AMX-BF16 (False where /proc/cpuinfo cannot be read)."""
+    return any(flag in cpu_flags() for flag in NATIVE_BF16_FLAGS)
+
+
+__all__ = ["ENVIRONMENT", "cpu_flags", "matmul_dtype", "native_bf16_cpu"]

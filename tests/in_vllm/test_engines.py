@@ -3,10 +3,9 @@ that fails, naive mode, the store's bound, a restart, a quantized cache, preempt
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from peft_kvcache.maps.compute import cpu_flags
 from conftest import ADAPTERS, SYSTEM, engine, reset, run, source_of
 
 pytest.importorskip("vllm")
@@ -128,17 +127,9 @@ def test_an_engine_restart_loses_only_the_store(model_folder, maps_folder, promp
             assert source_of(run(llm, prompt(1), "shout")) == "mapped:smollm2"
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        return set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                        if line.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
-        return set()
-
-
 # vLLM's CPU build cannot start an engine with an fp8 KV cache without AVX-512 or AMX ("FP8 KV cache on CPU requires
 # x86 with AVX-512 or AMX"): there is no quantized cache to refuse on such a CPU.
-@pytest.mark.skipif(not _cpu_flags() & {"avx512f", "amx_bf16"}, reason="vLLM's fp8 KV cache needs AVX-512 or AMX")
+@pytest.mark.skipif(not cpu_flags() & {"avx512f", "amx_bf16"}, reason="vLLM's fp8 KV cache needs AVX-512 or AMX")
 def test_a_quantized_kv_cache_is_refused_by_the_worker_and_served_by_prefill(model_folder, maps_folder, prompt):
     """An fp8 cache packs blocks in no layout the connector knows: it maps nothing, and every request is the
     engine's own prefill."""
