@@ -192,3 +192,13 @@ def test_a_basis_map_config_reads_one_set_of_source_layers(basis_map):
 def test_basis_rank_is_checked(options, message):
     with pytest.raises(RecordError, match=message):
         CalibrationConfig(**options)
+
+
+def test_a_fit_is_the_same_bytes_every_time(sibling_pair, basis_map):
+    """Two calibrations of the same models on the same texts write the same tensors, bit for bit (a map's fingerprint
+    is its file's hash: the sibling recipes' records resume only on maps fit as they were)."""
+    source, target = sibling_pair
+    again = calibrate(source, target, random_ids(8, 48), top_k=source.config.num_hidden_layers, basis_rank=3,
+                      progress=False)
+    assert again.tensors.keys() == basis_map.tensors.keys()
+    assert all(torch.equal(again.tensors[name], t) for name, t in basis_map.tensors.items())
