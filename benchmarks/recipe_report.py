@@ -74,6 +74,79 @@ def group(records: list[dict], direction: str) -> dict[str, Scores]:
     return dict(by_task)
 
 
+def refits(records: list[dict], direction: str) -> dict[str, tuple[str, str]]:
+    """``{map set label: (previous fingerprint, current fingerprint)}`` for the map sets of ``direction`` fitted again
+    (the same label and options, so the same calibration texts): the current map and the one it replaced (the last
+    other fingerprint its records hold)."""
+    current = current_maps(records, direction)
+    out = {}
+    for label, now in current.items():
+        before = [r["map"] for r in records if r["direction"] == direction and r["maps"] == label
+                  and r.get("map") not in (None, now)]
+        if before:
+            out[label] = (before[-1], now)
+    return out
+
+
+def refit_scores(records: list[dict], direction: str, label: str, fingerprints: tuple[str, str]) -> dict[str, Scores]:
+    """``{task: Scores}`` of one map set's two fits: its variants named ``variant@fingerprint`` (both fits), beside the
+    references (full, no context) in the models' latest dtype, so that `summary` pairs the two fits example by
+    example."""
+    dtype = next((r["dtype"] for r in reversed(records) if r["direction"] == direction), None)
+    by_task: dict[str, Scores] = defaultdict(lambda: Scores(defaultdict(dict), defaultdict(dict), {}))
+    for r in records:
+        if r["direction"] != direction or r["dtype"] != dtype:
+            continue
+        if r["variant"] in ("full", "no_context"):
+            name = r["variant"]
+        elif r["maps"] == label and r.get("map") in fingerprints:
+            name = f"{r['variant']}@{r['map']}"
+        else:
+            continue
+        for task in (r["task"], RECALL) if r["task"].startswith("recall-") else (r["task"],):
+            scores = by_task[task]
+            scores.accuracy[name][r["example"]] = r["correct"] / r["tokens"]
+            scores.kl[name][r["example"]] = r["kl"]
+            scores.files[r["example"]] = r["file"]
+    return dict(by_task)
+
+
+def refit_differences(records: list[dict], direction: str) -> list[dict]:
+    """For each map set fitted again (`refits`) and each of its recipes measured with both fits: the current fit
+    minus the previous one, paired on the same examples, per task (continuation and pooled recall): how much a lever's
+    row moves when nothing but the fit is redone, to weigh the lever table's differences against."""
+    out = []
+    for label, (before, now) in sorted(refits(records, direction).items()):
+        tasks = refit_scores(records, direction, label, (before, now))
+        recipes = sorted({name.rsplit("@", 1)[0] for scores in tasks.values() for name in scores.accuracy
+                          if name.endswith(f"@{now}")})
+        for variant in recipes:
+            entry = {"maps": label, "variant": variant, "previous": before, "current": now}
+            for task in ("continuation", RECALL):
+                scores = tasks.get(task)
+                if scores is None or f"{variant}@{before}" not in scores.accuracy:
+                    continue
+                paired = summary(scores, f"{variant}@{now}", f"{variant}@{before}")
+                if paired["examples"]:
+                    previous = summary(scores, f"{variant}@{before}", None)
+                    entry[task] = {"examples": paired["examples"], "previous": previous["normalized"],
+                                   "current": paired["normalized"], "difference": paired["minus_control"],
+                                   "interval": paired["minus_control_interval"], "kl_previous": previous["kl"],
+                                   "kl_current": paired["kl"]}
+            if "continuation" in entry or RECALL in entry:
+                out.append(entry)
+    return out
+
+
+def refit_cell(entry: dict, task: str) -> str:
+    """One task's cell of the refit table: previous -> current normalized, their difference [interval] (examples)."""
+    if task not in entry:
+        return "-"
+    t = entry[task]
+    return (f"{t['previous']:.3f} -> {t['current']:.3f}: {t['difference']:+.3f} "
+            f"[{t['interval'][0]:+.3f}, {t['interval'][1]:+.3f}] ({t['examples']})")
+
+
 def cluster_weights(files: list[str], count: int = BOOTSTRAP, seed: int = SEED) -> torch.Tensor:
     """``[count, examples]``: how often each example is drawn when whole files are resampled with replacement."""
     names = sorted(set(files))
@@ -352,9 +425,10 @@ def report(role: str, context: int) -> dict:
             known = facts.get(entry["lever"])
             entry["map"] = None if known is None else {k: known[k] for k in
                                                        ("parameters", "multiply_adds_per_token", "options", "distilled")}
+        refitted = refit_differences(records, direction)
         payload["directions"][direction] = {"budget": budget, "rows": rows, "choice": choice, "default": default,
                                             "pair": siblings.pair_name(direction), "trade_off": trade_off(rows),
-                                            "levers": levers}
+                                            "levers": levers, "refits": refitted}
         order = sorted(rows, key=lambda v: (rows[v]["compute"], v))
         for task in ["continuation", RECALL, *sorted(t for t in tasks if t.startswith("recall-"))]:
             if task not in tasks:
@@ -385,6 +459,15 @@ def report(role: str, context: int) -> dict:
                       "", table(["lever", "recipe", "examples", "normalized", "minus the published maps",
                                  "oracle gap closed: keys / values", "map parameters / multiply-adds per token"],
                                 cells), ""]
+        if refitted:
+            cells = [[e["maps"], e["variant"], f"{e['previous']} -> {e['current']}", refit_cell(e, "continuation"),
+                      refit_cell(e, RECALL)] for e in refitted]
+            lines += [f"## {siblings.pair_name(direction)}, maps fitted again", "",
+                      "A lever's maps fitted a second time with the same options and calibration texts, each recipe "
+                      "measured with both fits on the same examples: the current fit minus the previous one, normalized "
+                      "[95% interval, files resampled] (examples). Only the current fit counts in the tables above; "
+                      "this says how far a row moves when nothing but the fit is redone.", "",
+                      table(["maps", "recipe", "fingerprints", "continuation", "recall (pooled)"], cells), ""]
         if choice:
             limit = choice["cost_limit"]
             cells = [[name, "{} / {}".format(*v["examples"]), f"{v['continuation']:.3f}",

@@ -432,6 +432,30 @@ def test_records_of_maps_since_replaced_are_dropped_not_mixed_with_the_new_ones(
         recipes.record_key("e1", "up", "window@160", None, "float32")  # a run in another dtype measures again
 
 
+def test_a_lever_fitted_again_is_compared_with_its_previous_fit_on_the_same_examples():
+    def record(example, variant, maps, fingerprint, correct, task="continuation"):
+        return {"direction": "up", "example": f"{task}/{example}", "file": f"{example}.py", "task": task,
+                "variant": variant, "maps": maps, "map": fingerprint, "correct": correct, "tokens": 4, "kl": 0.0,
+                "dtype": "float32"}
+
+    examples = [f"e{i}" for i in range(6)]
+    records = [r for e in examples for r in (record(e, "full", "published", None, 4),
+                                             record(e, "no_context", "published", None, 0),
+                                             record(e, "hybrid@64", "published", "p", 2),
+                                             record(e, "attn:hybrid@64", "attn", "old", 3))]
+    assert recipe_report.refit_differences(records, "up") == []  # fitted once: nothing to compare
+    records += [record(e, "attn:hybrid@64", "attn", "new", 2) for e in examples[:4]]  # fitted again, 4 examples so far
+    (entry,) = recipe_report.refit_differences(records, "up")
+    assert (entry["maps"], entry["variant"], entry["previous"], entry["current"]) == \
+        ("attn", "attn:hybrid@64", "old", "new")
+    moved = entry["continuation"]
+    assert moved["examples"] == 4  # paired: only the examples both fits were measured on
+    assert (moved["previous"], moved["current"], moved["difference"]) == pytest.approx((0.75, 0.5, -0.25))
+    assert "recall (pooled)" not in entry
+    assert recipe_report.group(records, "up")["continuation"].accuracy["attn:hybrid@64"] == dict.fromkeys(
+        [f"continuation/{e}" for e in examples[:4]], 0.5)  # the tables count the current fit only
+
+
 def test_the_ttft_budget_is_the_largest_refresh_budget_meeting_every_goal():
     def row(context, full, times):
         return {"context": context, "full": {"median": full},
