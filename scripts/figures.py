@@ -7,7 +7,7 @@ from benchmarks import siblings
 from benchmarks.adapters import PREFIX, results_stem
 from benchmarks.common import ADAPTERS, RESULTS, ROOT, table
 from benchmarks.common import read_results as results
-from benchmarks.recipe_report import RECALL
+from benchmarks.recipe_scores import RECALL
 from benchmarks.tp_shards import markdown as tp_markdown
 from benchmarks.vllm_report import markdown as vllm_markdown
 from benchmarks.vllm_switch_cost import markdown as switch_cost_markdown

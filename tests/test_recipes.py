@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import random_ids
 
-from benchmarks import pass_store, recipe_budget, recipe_report, recipes
+from benchmarks import pass_store, recipe_budget, recipe_report, recipe_scores, recipes
 from benchmarks.pass_store import PassStore, full_pass
 from benchmarks.recipes import PROBE, Example, ExampleRun, Variant
 from peft_kvcache import MappedCache
@@ -186,15 +186,15 @@ def test_a_kept_pass_is_read_back_bit_for_bit_and_never_for_other_weights_or_tex
 
 
 def test_the_bootstrap_resamples_whole_files():
-    weights = recipe_report.cluster_weights(["a", "a", "b", "c", "c", "c"], count=200)
+    weights = recipe_scores.cluster_weights(["a", "a", "b", "c", "c", "c"], count=200)
     assert torch.equal(weights[:, 0], weights[:, 1]) and torch.equal(weights[:, 3], weights[:, 5])
     assert torch.equal(weights[:, [0, 2, 3]].sum(1), torch.full((200,), 3.0))  # three files drawn per resample
     assert not torch.equal(weights[:, 0], weights[:, 2])
 
 
-def _scores(gaps: dict[str, float]) -> recipe_report.Scores:
+def _scores(gaps: dict[str, float]) -> recipe_scores.Scores:
     """One example per file, full - no context = ``gaps[file]``, the variant and the control halfway and a quarter."""
-    scores = recipe_report.Scores(defaultdict(dict), defaultdict(dict), {})
+    scores = recipe_scores.Scores(defaultdict(dict), defaultdict(dict), {})
     for file, gap in gaps.items():
         for name, accuracy in (("full", 0.2 + gap), ("no_context", 0.2), ("mapped", 0.2 + gap / 2),
                                ("window", 0.2 + gap / 4)):
@@ -204,19 +204,19 @@ def _scores(gaps: dict[str, float]) -> recipe_report.Scores:
 
 
 def test_resamples_where_the_context_does_not_help_the_full_prefill_void_the_interval_instead_of_dropping_out():
-    healthy = recipe_report.summary(_scores({f"f{i}": 0.3 for i in range(8)}), "mapped", "window")
+    healthy = recipe_scores.summary(_scores({f"f{i}": 0.3 for i in range(8)}), "mapped", "window")
     assert healthy["degenerate_resamples"] == 0 and healthy["interval"] == pytest.approx([0.5, 0.5])
     # two files of eight without any gap: a resample drawing only those (1 in 4^8) is rare; half of them, often
-    shaky = recipe_report.summary(_scores({**{f"f{i}": 0.3 for i in range(4)}, **{f"z{i}": 0.0 for i in range(4)}}),
+    shaky = recipe_scores.summary(_scores({**{f"f{i}": 0.3 for i in range(4)}, **{f"z{i}": 0.0 for i in range(4)}}),
                                   "mapped", "window")
     assert shaky["degenerate_resamples"] > 0
-    rare = recipe_report.summary(_scores({**{f"f{i}": 0.3 for i in range(6)}, "z0": 0.0, "z1": 0.0}), "mapped", "window")
-    assert rare["degenerate_resamples"] <= recipe_report.DEGENERATE_SHARE * recipe_report.BOOTSTRAP
+    rare = recipe_scores.summary(_scores({**{f"f{i}": 0.3 for i in range(6)}, "z0": 0.0, "z1": 0.0}), "mapped", "window")
+    assert rare["degenerate_resamples"] <= recipe_scores.DEGENERATE_SHARE * recipe_scores.BOOTSTRAP
     assert rare["interval"] == pytest.approx([0.5, 0.5])  # the ratio holds wherever the gap does
     tiny = _scores({f"z{i}": 0.001 for i in range(8)})  # a gap of a tenth of a point: any ratio is noise
     tiny.accuracy["mapped"] = {e: 0.21 for e in tiny.files}  # ten times the gap, a finite and meaningless 10.0
-    none = recipe_report.summary(tiny, "mapped", "window")
-    assert none["degenerate_resamples"] == recipe_report.BOOTSTRAP and all(map(math.isnan, none["interval"]))
+    none = recipe_scores.summary(tiny, "mapped", "window")
+    assert none["degenerate_resamples"] == recipe_scores.BOOTSTRAP and all(map(math.isnan, none["interval"]))
     assert all(map(math.isnan, none["minus_control_interval"]))
 
 
@@ -224,7 +224,7 @@ def _row(kind: str, compute: int, continuation: float, interval: tuple, recall: 
     return {"kind": kind, "compute": compute,
             "continuation": {"examples": examples[0], "normalized": continuation, "minus_control": sum(interval) / 2,
                              "minus_control_interval": list(interval)},
-            recipe_report.RECALL: {"examples": examples[1], "normalized": recall}}
+            recipe_scores.RECALL: {"examples": examples[1], "normalized": recall}}
 
 
 def test_the_default_is_the_best_recipe_not_below_the_control_that_keeps_recall():
@@ -401,7 +401,7 @@ def test_a_lever_is_paired_with_the_published_maps_and_credited_with_the_oracle_
                 "hybrid@160+true-values": 0.6, "attn:hybrid@160": 0.7, "attn:plain": 0.3, "plain": 0.2}
     examples = [f"e{i}" for i in range(6)]
     jitter = {e: 0.01 * i for i, e in enumerate(examples)}  # the same for every variant: paired differences are exact
-    scores = recipe_report.Scores({v: {e: a * (1 - jitter[e]) + jitter[e] * (v == "full") for e in examples}
+    scores = recipe_scores.Scores({v: {e: a * (1 - jitter[e]) + jitter[e] * (v == "full") for e in examples}
                                    for v, a in accuracy.items()},
                                   {v: dict.fromkeys(examples, 0.1) for v in accuracy}, {e: f"{e}.py" for e in examples})
     gains = {g["recipe"]: g for g in recipe_report.lever_gains(scores, 160)}
@@ -422,11 +422,11 @@ def test_records_of_maps_since_replaced_are_dropped_not_mixed_with_the_new_ones(
     records = [record("e0", "window@160", "published", None, 1), record("e0", "attn:hybrid@160", "attn", "old", 1),
                record("e1", "attn:hybrid@160", "attn", "old", 2), record("e0", "hybrid@160", "published", "p", 3),
                record("e0", "attn:hybrid@160", "attn", "new", 4)]  # the lever's maps were fitted again
-    scores = recipe_report.group(records, "up")["continuation"]
+    scores = recipe_scores.group(records, "up")["continuation"]
     assert scores.accuracy["attn:hybrid@160"] == {"e0": 1.0}  # e1 was measured with the old maps only
     assert scores.accuracy["hybrid@160"] == {"e0": 0.75} and scores.accuracy["window@160"] == {"e0": 0.25}
     records.append(record("e1", "window@160", "published", None, 2, dtype="bfloat16"))  # the models in bfloat16
-    scores = recipe_report.group(records, "up")["continuation"]
+    scores = recipe_scores.group(records, "up")["continuation"]
     assert scores.accuracy == {"window@160": {"e1": 0.5}}  # the float32 records are not mixed in
     assert recipes.record_key("e1", "up", "window@160", None, "bfloat16") != \
         recipes.record_key("e1", "up", "window@160", None, "float32")  # a run in another dtype measures again
@@ -443,16 +443,16 @@ def test_a_lever_fitted_again_is_compared_with_its_previous_fit_on_the_same_exam
                                              record(e, "no_context", "published", None, 0),
                                              record(e, "hybrid@64", "published", "p", 2),
                                              record(e, "attn:hybrid@64", "attn", "old", 3))]
-    assert recipe_report.refit_differences(records, "up") == []  # fitted once: nothing to compare
+    assert recipe_scores.refit_differences(records, "up") == []  # fitted once: nothing to compare
     records += [record(e, "attn:hybrid@64", "attn", "new", 2) for e in examples[:4]]  # fitted again, 4 examples so far
-    (entry,) = recipe_report.refit_differences(records, "up")
+    (entry,) = recipe_scores.refit_differences(records, "up")
     assert (entry["maps"], entry["variant"], entry["previous"], entry["current"]) == \
         ("attn", "attn:hybrid@64", "old", "new")
     moved = entry["continuation"]
     assert moved["examples"] == 4  # paired: only the examples both fits were measured on
     assert (moved["previous"], moved["current"], moved["difference"]) == pytest.approx((0.75, 0.5, -0.25))
     assert "recall (pooled)" not in entry
-    assert recipe_report.group(records, "up")["continuation"].accuracy["attn:hybrid@64"] == dict.fromkeys(
+    assert recipe_scores.group(records, "up")["continuation"].accuracy["attn:hybrid@64"] == dict.fromkeys(
         [f"continuation/{e}" for e in examples[:4]], 0.5)  # the tables count the current fit only
 
 

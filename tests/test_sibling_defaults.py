@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from benchmarks import common, recipe_report, recipes, siblings
+from benchmarks import common, recipe_report, recipe_scores, recipes, siblings
 from peft_kvcache.errors import RecordError
 from peft_kvcache.lab.provenance import lookup
 from peft_kvcache.maps.config import GateRecord
@@ -165,7 +165,7 @@ def test_the_readmes_plain_switch_is_on_the_default_recipes_maps_or_says_whose_i
     def row(normalized: float) -> dict:
         cell = {"normalized": normalized, "interval": [normalized, normalized], "kl": 1 - normalized, "examples": 4,
                 "minus_control": 0.1, "minus_control_interval": [0.0, 0.2]}
-        return {"compute": 64, "continuation": cell, recipe_report.RECALL: cell}
+        return {"compute": 64, "continuation": cell, recipe_scores.RECALL: cell}
 
     rows = {"plain": row(0.11), "window@64": row(0.5), "attn:refresh@64/p32": row(0.7)}
     reported = {2048: {"rows": rows, "default": "attn:refresh@64/p32"}}

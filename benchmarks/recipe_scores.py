@@ -1,0 +1,171 @@
+"""Per-example scores of the sibling recipes' records (`benchmarks.recipes`) and their statistics: normalized
+retention over a set of examples, paired differences, and 95% intervals from a bootstrap over files (all windows of a
+resampled file move together); and the same lever's two fits compared example by example. `benchmarks.recipe_report`
+builds its tables on them."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+BOOTSTRAP, SEED = 2000, 0
+# normalized retention divides by full - no context: resamples whose gap is below MIN_GAP (mean accuracy) make the
+# ratio meaningless; past DEGENERATE_SHARE of them an interval is not given (NaN), however the others fall
+MIN_GAP, DEGENERATE_SHARE = 0.01, 0.01
+RECALL = "recall (pooled)"
+
+
+@dataclass
+class Scores:
+    """Per-example accuracy of every variant on one direction and task (only examples scored by both of a pair
+    count in a paired comparison), with each example's file."""
+
+    accuracy: dict[str, dict[str, float]]  # variant -> example -> accuracy over its scored tokens
+    kl: dict[str, dict[str, float]]
+    files: dict[str, str]
+
+    def common(self, *variants: str) -> list[str]:
+        """The examples every one of ``variants`` (and full, no_context) was scored on, in a fixed order."""
+        sets = [set(self.accuracy.get(v, {})) for v in ("full", "no_context", *variants)]
+        return sorted(set.intersection(*sets))
+
+
+def current_maps(records: list[dict], direction: str) -> dict[str, str]:
+    """``{map set label: fingerprint}``: the map each set held in its latest record of ``direction``."""
+    return {r["maps"]: r["map"] for r in records if r["direction"] == direction and r.get("map") is not None}
+
+
+def group(records: list[dict], direction: str) -> dict[str, Scores]:
+    """``{task: Scores}`` for one direction, and every recall task pooled under `RECALL`. A record measured again
+    (same example, variant and map) counts once: the latest. Of a map set (``maps``) only the records of the map it
+    held last count (its fingerprint in the latest record), and of the models' dtypes the latest: examples measured
+    with maps since replaced, or with the models in another dtype, are dropped, never mixed with the new ones."""
+    current = current_maps(records, direction)
+    dtype = next((r["dtype"] for r in reversed(records) if r["direction"] == direction), None)
+    by_task: dict[str, Scores] = defaultdict(lambda: Scores(defaultdict(dict), defaultdict(dict), {}))
+    for r in records:
+        if r["direction"] != direction or r["dtype"] != dtype or (r.get("map") is not None
+                                                                   and r["map"] != current[r["maps"]]):
+            continue
+        for task in (r["task"], RECALL) if r["task"].startswith("recall-") else (r["task"],):
+            scores = by_task[task]
+            scores.accuracy[r["variant"]][r["example"]] = r["correct"] / r["tokens"]
+            scores.kl[r["variant"]][r["example"]] = r["kl"]
+            scores.files[r["example"]] = r["file"]
+    return dict(by_task)
+
+
+def refits(records: list[dict], direction: str) -> dict[str, tuple[str, str]]:
+    """``{map set label: (previous fingerprint, current fingerprint)}`` for the map sets of ``direction`` fitted again
+    (the same label and options, so the same calibration texts): the current map and the one it replaced (the last
+    other fingerprint its records hold)."""
+    current = current_maps(records, direction)
+    out = {}
+    for label, now in current.items():
+        before = [r["map"] for r in records if r["direction"] == direction and r["maps"] == label
+                  and r.get("map") not in (None, now)]
+        if before:
+            out[label] = (before[-1], now)
+    return out
+
+
+def refit_scores(records: list[dict], direction: str, label: str, fingerprints: tuple[str, str]) -> dict[str, Scores]:
+    """``{task: Scores}`` of one map set's two fits: its variants named ``variant@fingerprint`` (both fits), beside the
+    references (full, no context) in the models' latest dtype, so that `summary` pairs the two fits example by
+    example."""
+    dtype = next((r["dtype"] for r in reversed(records) if r["direction"] == direction), None)
+    by_task: dict[str, Scores] = defaultdict(lambda: Scores(defaultdict(dict), defaultdict(dict), {}))
+    for r in records:
+        if r["direction"] != direction or r["dtype"] != dtype:
+            continue
+        if r["variant"] in ("full", "no_context"):
+            name = r["variant"]
+        elif r["maps"] == label and r.get("map") in fingerprints:
+            name = f"{r['variant']}@{r['map']}"
+        else:
+            continue
+        for task in (r["task"], RECALL) if r["task"].startswith("recall-") else (r["task"],):
+            scores = by_task[task]
+            scores.accuracy[name][r["example"]] = r["correct"] / r["tokens"]
+            scores.kl[name][r["example"]] = r["kl"]
+            scores.files[r["example"]] = r["file"]
+    return dict(by_task)
+
+
+def refit_differences(records: list[dict], direction: str) -> list[dict]:
+    """For each map set fitted again (`refits`) and each of its recipes measured with both fits: the current fit
+    minus the previous one, paired on the same examples, per task (continuation and pooled recall): how much a lever's
+    row moves when nothing but the fit is redone, to weigh the lever table's differences against."""
+    out = []
+    for label, (before, now) in sorted(refits(records, direction).items()):
+        tasks = refit_scores(records, direction, label, (before, now))
+        recipes = sorted({name.rsplit("@", 1)[0] for scores in tasks.values() for name in scores.accuracy
+                          if name.endswith(f"@{now}")})
+        for variant in recipes:
+            entry = {"maps": label, "variant": variant, "previous": before, "current": now}
+            for task in ("continuation", RECALL):
+                scores = tasks.get(task)
+                if scores is None or f"{variant}@{before}" not in scores.accuracy:
+                    continue
+                paired = summary(scores, f"{variant}@{now}", f"{variant}@{before}")
+                if paired["examples"]:
+                    previous = summary(scores, f"{variant}@{before}", None)
+                    entry[task] = {"examples": paired["examples"], "previous": previous["normalized"],
+                                   "current": paired["normalized"], "difference": paired["minus_control"],
+                                   "interval": paired["minus_control_interval"], "kl_previous": previous["kl"],
+                                   "kl_current": paired["kl"]}
+            if "continuation" in entry or RECALL in entry:
+                out.append(entry)
+    return out
+
+
+def cluster_weights(files: list[str], count: int = BOOTSTRAP, seed: int = SEED) -> torch.Tensor:
+    """``[count, examples]``: how often each example is drawn when whole files are resampled with replacement."""
+    names = sorted(set(files))
+    cluster = torch.tensor([names.index(f) for f in files])
+    generator = torch.Generator().manual_seed(seed)
+    draws = torch.randint(0, len(names), (count, len(names)), generator=generator)
+    per_file = torch.zeros(count, len(names)).scatter_add_(1, draws, torch.ones(count, len(names)))
+    return per_file[:, cluster]
+
+
+def mean_accuracy(scores: Scores, name: str, examples: list[str], weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean accuracy of ``name`` over ``examples`` (a scalar, or one per resample of ``weights``)."""
+    values = torch.tensor([scores.accuracy[name][e] for e in examples], dtype=torch.float64)
+    return values.mean() if weights is None else (weights.double() @ values) / weights.sum(1).double()
+
+
+def normalized(scores: Scores, variant: str, examples: list[str], weights: torch.Tensor | None = None) -> torch.Tensor:
+    """(variant - no context) / (full - no context) of mean accuracy over ``examples`` (weighted per resample)."""
+    full, none = mean_accuracy(scores, "full", examples, weights), mean_accuracy(scores, "no_context", examples, weights)
+    return (mean_accuracy(scores, variant, examples, weights) - none) / (full - none)
+
+
+def summary(scores: Scores, variant: str, control: str | None) -> dict:
+    """Normalized retention of ``variant`` with its interval, its mean KL, and its paired difference from ``control``
+    (None: no control row), on the examples both were scored on."""
+    examples = scores.common(variant, *([control] if control else []))
+    if not examples:
+        return {"examples": 0}
+    weights = cluster_weights([scores.files[e] for e in examples])
+    gap = mean_accuracy(scores, "full", examples, weights) - mean_accuracy(scores, "no_context", examples, weights)
+    degenerate = int((gap < MIN_GAP).sum())  # resamples where the context barely helps the full prefill itself
+
+    def bounds(values: torch.Tensor) -> list[float]:
+        values = values[gap >= MIN_GAP]
+        if degenerate > DEGENERATE_SHARE * len(gap) or not values.numel():
+            return [float("nan")] * 2
+        return [float(values.quantile(0.025)), float(values.quantile(0.975))]
+
+    out = {"examples": len(examples), "files": len({scores.files[e] for e in examples}),
+           "degenerate_resamples": degenerate,
+           "normalized": float(normalized(scores, variant, examples)),
+           "interval": bounds(normalized(scores, variant, examples, weights)),
+           "kl": sum(scores.kl[variant][e] for e in examples) / len(examples)}
+    if control:
+        difference = normalized(scores, variant, examples) - normalized(scores, control, examples)
+        resampled = normalized(scores, variant, examples, weights) - normalized(scores, control, examples, weights)
+        out.update({"control": control, "minus_control": float(difference), "minus_control_interval": bounds(resampled)})
+    return out
