@@ -109,12 +109,15 @@ def refit_differences(records: list[dict], direction: str) -> list[dict]:
                 scores = tasks.get(task)
                 if scores is None or f"{variant}@{before}" not in scores.accuracy:
                     continue
-                paired = summary(scores, f"{variant}@{now}", f"{variant}@{before}")
-                if paired["examples"]:
-                    previous = summary(scores, f"{variant}@{before}", None)
-                    entry[task] = {"examples": paired["examples"], "previous": previous["normalized"],
+                current, previous = f"{variant}@{now}", f"{variant}@{before}"
+                paired = summary(scores, current, previous)
+                if paired["examples"]:  # both fits on the examples both were measured on
+                    examples = scores.common(current, previous)
+                    entry[task] = {"examples": paired["examples"],
+                                   "previous": float(normalized(scores, previous, examples)),
                                    "current": paired["normalized"], "difference": paired["minus_control"],
-                                   "interval": paired["minus_control_interval"], "kl_previous": previous["kl"],
+                                   "interval": paired["minus_control_interval"],
+                                   "kl_previous": sum(scores.kl[previous][e] for e in examples) / len(examples),
                                    "kl_current": paired["kl"]}
             if "continuation" in entry or RECALL in entry:
                 out.append(entry)

@@ -444,6 +444,7 @@ def test_a_lever_fitted_again_is_compared_with_its_previous_fit_on_the_same_exam
                                              record(e, "hybrid@64", "published", "p", 2),
                                              record(e, "attn:hybrid@64", "attn", "old", 3))]
     assert recipe_scores.refit_differences(records, "up") == []  # fitted once: nothing to compare
+    records[-1]["correct"] = 1  # the previous fit's last example, which the new fit has not reached: not compared
     records += [record(e, "attn:hybrid@64", "attn", "new", 2) for e in examples[:4]]  # fitted again, 4 examples so far
     (entry,) = recipe_scores.refit_differences(records, "up")
     assert (entry["maps"], entry["variant"], entry["previous"], entry["current"]) == \
