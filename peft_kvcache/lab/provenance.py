@@ -1,5 +1,6 @@
 """Where a figure comes from: every results file records the commit (and whether the tree was dirty), the exact
-command line, the date, the machine, the torch threads, the library versions, the seeds and the data."""
+command line, the date, the machine (and the CPU features its kernels depend on), the torch threads, the library
+versions, the seeds and the data."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from .._cpu import speed_flags
 from .._files import atomic_write
 
 PACKAGES = ("torch", "transformers", "peft", "huggingface_hub", "accelerate", "safetensors", "peft-kvcache")
@@ -83,6 +85,7 @@ def provenance(seeds: dict[str, int] | None = None, data: Any = None, cwd: str |
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.machine(),
         "cpu": cpu_model(),
+        "cpu_features": speed_flags(),  # one model name may run other kernels
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),

@@ -7,11 +7,10 @@ above bfloat16's rounding (benchmarks/map_speed.py measures both on held-out tex
 from __future__ import annotations
 
 import os
-from functools import lru_cache
-from pathlib import Path
 
 import torch
 
+from .._cpu import cpu_flags
 from ..errors import SettingError
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -31,19 +30,9 @@ def matmul_dtype(device: torch.device | str) -> torch.dtype:
     return torch.float32
 
 
-@lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux's /proc/cpuinfo; empty where it cannot be read)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    return frozenset(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-
-
 def native_bf16_cpu() -> bool:
     """Whether this CPU reports AVX512-BF16 or AMX-BF16 (False where /proc/cpuinfo cannot be read)."""
     return any(flag in cpu_flags() for flag in NATIVE_BF16_FLAGS)
 
 
-__all__ = ["ENVIRONMENT", "cpu_flags", "matmul_dtype", "native_bf16_cpu"]
+__all__ = ["ENVIRONMENT", "matmul_dtype", "native_bf16_cpu"]

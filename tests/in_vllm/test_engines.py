@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft_kvcache.maps.compute import cpu_flags
+from peft_kvcache._cpu import cpu_flags
 from conftest import ADAPTERS, SYSTEM, engine, reset, run, source_of
 
 pytest.importorskip("vllm")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from peft_kvcache.errors import CacheMismatchError
-from peft_kvcache.maps.compute import cpu_flags
+from peft_kvcache._cpu import cpu_flags
 from peft_kvcache.vllm.layout import CpuLayout
 
 pytest.importorskip("vllm")
