@@ -80,8 +80,9 @@ def choose_default(rows: dict[str, dict], budget: int, costs: dict[str, int] | N
     ``label:recipe``): those whose continuation interval against the window-only control is not below zero, whose
     pooled recall keeps `RECALL_FLOOR`, and whose maps' multiply-adds per token (``costs[label]``) stay within
     ``cost_limit`` (a lever's maps need both; without a limit only the published maps compete), and that were scored on
-    every example the control was (a run stopped halfway leaves a recipe that cannot be compared yet); the best
-    continuation wins. Returns the choice (None if no recipe qualifies) and why each candidate passed or failed."""
+    every example the control was; the best continuation wins. While a candidate that may compete is scored on fewer
+    examples (a run stopped halfway, a lever's maps fitted again), nothing is chosen: it is ``waiting``. Returns the
+    choice (None if no recipe qualifies or one is waited for) and why each candidate passed or failed."""
     control = rows.get(f"window@{budget}", {})
     wanted = {task: control.get(task, {}).get("examples", 0) for task in ("continuation", RECALL)}
     verdicts = {}
@@ -91,21 +92,27 @@ def choose_default(rows: dict[str, dict], budget: int, costs: dict[str, int] | N
                 or (label != "published" and cost_limit is None):
             continue
         cont, recall = row.get("continuation", {}), row.get(RECALL, {})
-        if not cont.get("examples") or not recall.get("examples"):
+        counts = [cont.get("examples", 0), recall.get("examples", 0)]
+        if not any(counts):
             continue
         cost = (costs or {}).get(label)
         affordable = cost_limit is None or (cost is not None and cost <= cost_limit)
-        complete = cont["examples"] >= wanted["continuation"] and recall["examples"] >= wanted[RECALL]
-        verdicts[name] = {"maps": label, "continuation": cont["normalized"], "minus_control": cont["minus_control"],
-                          "interval": cont["minus_control_interval"], "recall": recall["normalized"],
-                          "examples": [cont["examples"], recall["examples"]], "complete": complete,
+        complete = counts[0] >= wanted["continuation"] and counts[1] >= wanted[RECALL]
+        nan = float("nan")  # a task not scored yet (an incomplete candidate never qualifies)
+        interval = cont.get("minus_control_interval", [nan, nan])
+        verdicts[name] = {"maps": label, "continuation": cont.get("normalized", nan),
+                          "minus_control": cont.get("minus_control", nan), "interval": interval,
+                          "recall": recall.get("normalized", nan), "examples": counts, "complete": complete,
                           "multiply_adds_per_token": cost, "within_cost": affordable,
-                          "qualifies": cont["minus_control_interval"][1] >= 0 and recall["normalized"] >= RECALL_FLOOR
-                          and affordable and complete}
+                          "qualifies": complete and affordable and interval[1] >= 0
+                          and recall["normalized"] >= RECALL_FLOOR}
+    # a candidate that may compete but is not yet scored on every example (a run under way, maps fitted again) could
+    # still win: the choice waits for it instead of falling to the runner-up
+    waiting = sorted(n for n, v in verdicts.items() if v["within_cost"] and not v["complete"])
     passing = {n: v for n, v in verdicts.items() if v["qualifies"]}
-    best = max(passing, key=lambda n: passing[n]["continuation"]) if passing else None
+    best = max(passing, key=lambda n: passing[n]["continuation"]) if passing and not waiting else None
     return {"default": best, "maps": None if best is None else passing[best]["maps"], "cost_limit": cost_limit,
-            "candidates": verdicts}
+            "waiting": waiting, "candidates": verdicts}
 
 
 def map_cost_limit(direction: str) -> int:
@@ -250,6 +257,10 @@ def report(role: str, context: int) -> dict:
                                     cost_limit(runs, direction) if levers_compete else None)
         # the default these texts choose (selection) or report (final: the one the selection texts chose, on the
         # very maps they chose it on)
+        if choice and choice["waiting"]:
+            raise RecordError(f"{direction}: the default cannot be chosen while {', '.join(choice['waiting'])} "
+                              "are scored on fewer examples than the control; finish `python -m benchmarks.recipes "
+                              "run --role selection` first (the selection report on disk is left as it was)")
         if choice and choice["default"]:
             choice["fingerprint"] = fingerprints.get(choice["maps"])
         default = choice["default"] if choice else chosen_defaults().get(direction)

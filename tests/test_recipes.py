@@ -238,13 +238,15 @@ def test_the_default_is_the_best_recipe_not_below_the_control_that_keeps_recall(
             "window@160": _row("window", 160, 0.72, (0, 0), 0.0),  # the control, scored on 40 / 48 examples
             "refresh@160/p96": _row("refresh", 160, 0.85, (0.05, 0.2), 1.0, examples=(39, 48))}  # one window short
     choice = recipe_report.choose_default(rows, 160)  # no cost limit: a lever's maps do not compete
-    assert choice["default"] == "refresh@160/p64" and choice["maps"] == "published"
     assert set(choice["candidates"]) == {"hybrid@160", "refresh@160/p64", "refresh@160/p128", "index@160/p32",
                                          "refresh@160/p96"}
     assert not choice["candidates"]["refresh@160/p96"]["complete"]  # best on its examples, not yet on all of them
+    assert choice["default"] is None and choice["waiting"] == ["refresh@160/p96"]  # no runner-up meanwhile
     rows["refresh@160/p96"]["continuation"]["examples"] = 40
     assert recipe_report.choose_default(rows, 160)["default"] == "refresh@160/p96"
     del rows["refresh@160/p96"]
+    choice = recipe_report.choose_default(rows, 160)
+    assert choice["default"] == "refresh@160/p64" and choice["maps"] == "published" and choice["waiting"] == []
     # with a limit, a lever's maps compete where their multiply-adds per token stay within it
     costs = {"published": 100, "attn": 400}
     choice = recipe_report.choose_default(rows, 160, costs, cost_limit=400)

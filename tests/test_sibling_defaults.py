@@ -108,6 +108,19 @@ def test_the_lever_table_states_each_lever_maps_size_as_its_run_recorded_it(resu
     assert candidate["multiply_adds_per_token"] == 890 and candidate["within_cost"]
     assert payload["directions"]["up"]["choice"]["cost_limit"] == 1000
 
+    # the lever's maps fitted again: while its rows are measured again, the report refuses to choose (the runner-up
+    # would win meanwhile) and leaves the report on disk as it was
+    written = (results / "sibling-recipes-selection-2048.json").read_text()
+    again = [{**r, "map": "a2"} for r in records if r["maps"] == "attn"][:3]
+    with open(results / "sibling-recipes" / "selection-2048.jsonl", "a") as out:
+        out.write("".join(json.dumps(r) + "\n" for r in again))
+    with open(results / "sibling-recipes" / "runs.jsonl", "a") as out:
+        out.write(json.dumps({"role": "selection", "context": 2048,
+                              "map_sets": {"attn": {"up": {**facts, "fingerprint": "a2"}}}}) + "\n")
+    with pytest.raises(RecordError, match="attn:hybrid@160 are scored on fewer examples"):
+        recipe_report.report("selection", 2048)
+    assert (results / "sibling-recipes-selection-2048.json").read_text() == written
+
 
 def test_a_default_on_a_levers_maps_publishes_those_maps(results, monkeypatch, tmp_path):
     monkeypatch.setattr(recipe_report, "map_cost_limit", lambda direction: 1000)
