@@ -162,13 +162,17 @@ def summary(scores: Scores, variant: str, control: str | None) -> dict:
             return [float("nan")] * 2
         return [float(values.quantile(0.025)), float(values.quantile(0.975))]
 
+    def point(value: torch.Tensor) -> float:  # the examples' own ratio, void where their gap is (as a resample's)
+        full_gap = mean_accuracy(scores, "full", examples) - mean_accuracy(scores, "no_context", examples)
+        return float(value) if full_gap >= MIN_GAP else float("nan")
+
     out = {"examples": len(examples), "files": len({scores.files[e] for e in examples}),
            "degenerate_resamples": degenerate,
-           "normalized": float(normalized(scores, variant, examples)),
+           "normalized": point(normalized(scores, variant, examples)),
            "interval": bounds(normalized(scores, variant, examples, weights)),
            "kl": sum(scores.kl[variant][e] for e in examples) / len(examples)}
     if control:
-        difference = normalized(scores, variant, examples) - normalized(scores, control, examples)
+        difference = point(normalized(scores, variant, examples) - normalized(scores, control, examples))
         resampled = normalized(scores, variant, examples, weights) - normalized(scores, control, examples, weights)
         out.update({"control": control, "minus_control": float(difference), "minus_control_interval": bounds(resampled)})
     return out

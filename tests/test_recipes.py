@@ -218,6 +218,7 @@ def test_resamples_where_the_context_does_not_help_the_full_prefill_void_the_int
     none = recipe_scores.summary(tiny, "mapped", "window")
     assert none["degenerate_resamples"] == recipe_scores.BOOTSTRAP and all(map(math.isnan, none["interval"]))
     assert all(map(math.isnan, none["minus_control_interval"]))
+    assert math.isnan(none["normalized"]) and math.isnan(none["minus_control"])  # the point estimate too
 
 
 def _row(kind: str, compute: int, continuation: float, interval: tuple, recall: float, examples=(40, 48)) -> dict:
