@@ -20,8 +20,8 @@ TTFT_GOALS = {2048: 10, 8192: 30}  # the sibling defaults' TTFT speedup goals by
 
 def ttft_budget(sweep: dict, goals: dict[int, int] = TTFT_GOALS) -> dict:
     """The budget a sweep's payload leaves (None if its smallest refresh already misses a goal), per swept budget the
-    slowest refresh's speedup at each length with a goal and whether it met them all, the lengths checked and the
-    goals' lengths the sweep did not time."""
+    slowest refresh's speedup at each length with a goal, the checked lengths it was not timed at and whether it met
+    every goal (timed at each checked length), the lengths checked and the goals' lengths the sweep did not time."""
     verdicts: dict[int, dict] = {}
     for row in sweep["rows"]:
         goal = goals.get(row["context"])
@@ -31,14 +31,18 @@ def ttft_budget(sweep: dict, goals: dict[int, int] = TTFT_GOALS) -> dict:
             verdict = verdicts.setdefault(r["budget"], {"speedups": {}, "meets": True})
             verdict["speedups"][row["context"]] = min(r["speedup"], verdict["speedups"].get(row["context"], r["speedup"]))
             verdict["meets"] &= r["speedup"] >= goal
+    swept = sorted({row["context"] for row in sweep["rows"]})
+    checked = [n for n in swept if n in goals]
+    for verdict in verdicts.values():  # a budget some checked length never timed has not shown it meets that goal
+        verdict["untimed"] = [n for n in checked if n not in verdict["speedups"]]
+        verdict["meets"] &= not verdict["untimed"]
     budget = None
     for candidate, verdict in sorted(verdicts.items()):
         if not verdict["meets"]:
             break
         budget = candidate
-    swept = sorted({row["context"] for row in sweep["rows"]})
     return {"budget": budget, "goals": goals, "budgets": dict(sorted(verdicts.items())),
-            "checked": [n for n in swept if n in goals], "unchecked": sorted(set(goals) - set(swept))}
+            "checked": checked, "unchecked": sorted(set(goals) - set(swept))}
 
 
 def same_maps(run: dict, other: dict) -> bool:

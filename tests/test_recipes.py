@@ -472,7 +472,8 @@ def test_the_ttft_budget_is_the_largest_refresh_budget_meeting_every_goal():
                       row(4096, 90.0, {"refresh@96/p64": (96, 90.0)})]}  # no goal at 4k: not a constraint
     choice = recipe_budget.ttft_budget(sweep, {2048: 10, 8192: 30})
     assert choice["budget"] == 96  # 128 misses 10x at 2k; the hybrid (no probe pass) is no refresh
-    assert choice["budgets"][128] == {"speedups": {2048: 50.0 / 5.5, 8192: 240.0 / 7.0}, "meets": False}
+    assert choice["budgets"][128] == {"speedups": {2048: 50.0 / 5.5, 8192: 240.0 / 7.0}, "untimed": [],
+                                      "meets": False}
     assert (choice["checked"], choice["unchecked"]) == ([2048, 8192], [])
     assert recipe_budget.ttft_budget(sweep, {2048: 13})["budget"] is None
     sweep["rows"][0]["recipes"]["refresh@160/p128"] = {"budget": 160, "speedup": 10.5}  # above a miss: noise
@@ -481,6 +482,10 @@ def test_the_ttft_budget_is_the_largest_refresh_budget_meeting_every_goal():
     choice = recipe_budget.ttft_budget(sweep, {2048: 10, 16384: 60})
     assert choice["budget"] == 64 and choice["budgets"][96]["speedups"][2048] == 9.0
     assert choice["unchecked"] == [16384]  # a goal at a length the sweep did not time is said, not met
+    untimed = {"rows": [row(2048, 50.0, {"refresh@64/p32": (64, 4.0), "refresh@96/p64": (96, 4.5)}),
+                        row(8192, 240.0, {"refresh@64/p32": (64, 7.0)})]}  # 96 never timed at 8k
+    choice = recipe_budget.ttft_budget(untimed, {2048: 10, 8192: 30})
+    assert choice["budget"] == 64 and choice["budgets"][96]["untimed"] == [8192]
 
 
 def test_a_direction_s_budget_comes_from_its_sweep_and_is_refused_without_one(tmp_path, monkeypatch):
