@@ -4,8 +4,8 @@ context tokens, against the window-only control at equal target compute, with th
 keys, or values, in place of the mapped middle) as standing diagnostics.
 
 Every (example, direction, variant) result is appended to ``benchmarks/results/sibling-recipes/<role>-<context>.jsonl``
-as soon as it is computed (one JSON line: the example and its text, the variant, its target compute, the map's
-fingerprint, dtype, commit and run), so a run stops anywhere and the next one computes only what is missing, however
+as soon as it is computed (one JSON line: the example and a digest of its tokens, the variant, its target compute, the
+map's fingerprint, dtype, commit and run), so a run stops anywhere and the next one computes only what is missing, however
 many sessions it takes. ``report`` makes the tables from whatever is there: normalized retention and paired
 differences with 95% intervals from a bootstrap that resamples whole files (windows of one file move together).
 The models' full passes over each example, most of its time, are kept under ``runs/passes`` (`benchmarks.pass_store`),
@@ -169,6 +169,11 @@ class Example:
     task: str
     ids: torch.Tensor
     continuation: int
+
+    @property
+    def digest(self) -> str:
+        """What its records carry of its tokens: a resumed run refuses records of the same id on other tokens."""
+        return hashlib.sha256(self.ids.to(torch.int64).numpy().tobytes()).hexdigest()[:16]
 
 
 def examples(tokenizer, role: str, context: int, windows: int, per_file: int, recall_cases: int) -> list[Example]:
@@ -418,12 +423,19 @@ def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str
         plan[d] = [v for v in variants_for(budgets[d], levers, role == "final", chosen.get(d))
                    if not only or any(text in v.name for text in only) or v.kind in ("full", "no_context")]
     dtype = str(next(models["large"].parameters()).dtype).removeprefix("torch.")
-    done = {record_key(r["example"], r["direction"], r["variant"], r["map"], r["dtype"]) for r in read_records(path)}
+    earlier = read_records(path)
+    done = {record_key(r["example"], r["direction"], r["variant"], r["map"], r["dtype"]) for r in earlier}
+    digests = {r["example"]: r["digest"] for r in earlier if "digest" in r}  # records before digests carry none
 
     def fingerprint(d: str, v: Variant) -> str | None:
         return prints[d][v.maps] if v.uses_map else None
 
     items = examples(tokenizer, role, context, windows, per_file, recall_cases)
+    for example in items:  # before any model runs
+        if digests.get(example.id, example.digest) != example.digest:
+            raise RecordError(f"{path.name} holds records of {example.id} on other tokens than this run builds (the "
+                              "corpus, the tokenizer or the recall construction changed): records of other texts must "
+                              "not mix; write them to a new records file")
     for example in tqdm(items, desc=f"{role} @{context}", disable=not progress):
         todo = {d: [v for v in plan[d] if record_key(example.id, d, v.name, fingerprint(d, v), dtype) not in done]
                 for d in directions}
@@ -442,7 +454,8 @@ def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str
             for v in todo[d]:
                 started = time.perf_counter()
                 scores = state.score(v)
-                append(path, {"example": example.id, "file": example.file, "task": example.task, "direction": d,
+                append(path, {"example": example.id, "digest": example.digest, "file": example.file,
+                              "task": example.task, "direction": d,
                               "context": context, "variant": v.name, **{k: val for k, val in asdict(v).items()},
                               "compute": v.compute, "map": fingerprint(d, v), "dtype": dtype, "commit": commit,
                               "run": run_id, "tokens": example.continuation, **scores,

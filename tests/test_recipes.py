@@ -144,6 +144,12 @@ def test_records_resume_where_a_run_stopped(tmp_path, sibling_pair, sibling_map,
     assert len(again) == 3 * len(plan)
     # recomputed exactly as before, from the passes the first run kept
     assert [(r["correct"], r["kl"]) for r in again] == [(r["correct"], r["kl"]) for r in first]
+    assert {r["digest"] for r in again if r["example"] == items[0].id} == {items[0].digest}
+    items[0] = replace(items[0], ids=random_ids(1, CONTEXT + CONTINUATION, seed=10)[0])  # the text changed under its id
+    with pytest.raises(RecordError, match="other tokens"):
+        run()
+    assert recipes.read_records(path) == again  # refused before any record
+    items[0] = replace(items[0], ids=ids[0])
     for given, budget, said in (({"budget": 40, "from": "the TTFT sweep"}, 40, "the TTFT sweep"),
                                 ({"budget": None, "sweep": "ttft-x-sweep"}, sibling_map.config.refresh.compute,
                                  "the published recipe (no swept budget meets the TTFT goals)")):
