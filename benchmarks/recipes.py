@@ -176,20 +176,32 @@ class Example:
         return hashlib.sha256(self.ids.to(torch.int64).numpy().tobytes()).hexdigest()[:16]
 
 
+def distinct_texts(texts: dict[str, str]) -> dict[str, str]:
+    """``texts`` with each text once, under its first name (the same file under two paths is one file to a bootstrap
+    that resamples files, for continuation windows and recall fillers alike).
+
+    Example:
+        >>> distinct_texts({"a.py": "x = 1", "b/a.py": "x = 1", "c.py": "y = 2"})
+        {'a.py': 'x = 1', 'c.py': 'y = 2'}
+    """
+    kept, seen = {}, set()
+    for name, text in texts.items():
+        if text not in seen:
+            seen.add(text)
+            kept[name] = text
+    return kept
+
+
 def examples(tokenizer, role: str, context: int, windows: int, per_file: int, recall_cases: int) -> list[Example]:
     """The role's examples, tasks interleaved (a stopped run has some of every task): up to ``windows`` continuation
     windows of ``context + CONTINUATION`` tokens, at most ``per_file`` per file, none repeating another's tokens or
     text; and ``recall_cases`` recall examples per kind (code, prose) and depth."""
     (code_from, code_to), (prose_from, prose_to) = siblings.ROLES[role]["code"], siblings.ROLES[role]["prose"]
-    code = stdlib_texts("evaluation", code_to - code_from, code_from)
+    code = distinct_texts(stdlib_texts("evaluation", code_to - code_from, code_from))
     seen: set[str] = set()
     by_task: dict[str, list[Example]] = {"continuation": []}
     length = context + CONTINUATION
     for name, text in code.items():
-        digest = hashlib.sha256(text.encode()).hexdigest()
-        if digest in seen:  # the same text under another path
-            continue
-        seen.add(digest)
         ids = token_ids(tokenizer, text)
         for start in range(0, min(per_file, ids.numel() // length) * length, length):
             window = ids[start:start + length]

@@ -574,3 +574,16 @@ def test_map_facts_come_from_a_run_of_the_maps_the_records_hold():
             {"map_sets": {"attn": {"up": {"fingerprint": "a2", "parameters": 20}}}}]  # stopped before any record
     assert recipe_report.latest_map_facts(runs, "up")["attn"]["parameters"] == 20
     assert recipe_report.latest_map_facts(runs, "up", {"attn": "a1"})["attn"]["parameters"] == 10
+
+
+def test_a_text_under_two_paths_is_one_file_for_continuation_windows_and_recall_fillers(monkeypatch):
+    code = {"a.py": "x = 1\n" * 40, "copy/a.py": "x = 1\n" * 40, "c.py": "y = 2\n" * 40}
+    monkeypatch.setattr(recipes, "stdlib_texts", lambda *args: dict(code))
+    monkeypatch.setattr(recipes, "prose_texts", lambda *args: {"p.txt": "words " * 40})
+    monkeypatch.setattr(recipes, "token_ids", lambda tokenizer, text: torch.tensor([ord(c) for c in text]))
+    fillers = []
+    monkeypatch.setattr(recipes, "recall_examples",
+                        lambda tokenizer, texts, *args, **kwargs: fillers.append(list(texts)) or ([], []))
+    found = recipes.examples(None, "selection", 100 - recipes.CONTINUATION, 10, 1, 1)
+    assert [e.file for e in found] == ["a.py", "c.py"]  # one window per distinct text
+    assert ["a.py", "c.py"] in fillers and all("copy/a.py" not in f for f in fillers)
