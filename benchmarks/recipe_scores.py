@@ -14,6 +14,8 @@ BOOTSTRAP, SEED = 2000, 0
 # normalized retention divides by full - no context: resamples whose gap is below MIN_GAP (mean accuracy) make the
 # ratio meaningless; past DEGENERATE_SHARE of them an interval is not given (NaN), however the others fall
 MIN_GAP, DEGENERATE_SHARE = 0.01, 0.01
+# below this many files a bootstrap over files has too few distinct resamples to be an interval (2 files: 3)
+MIN_FILES = 5
 RECALL = "recall (pooled)"
 
 
@@ -156,9 +158,11 @@ def summary(scores: Scores, variant: str, control: str | None) -> dict:
     gap = mean_accuracy(scores, "full", examples, weights) - mean_accuracy(scores, "no_context", examples, weights)
     degenerate = int((gap < MIN_GAP).sum())  # resamples where the context barely helps the full prefill itself
 
+    files = len({scores.files[e] for e in examples})
+
     def bounds(values: torch.Tensor) -> list[float]:
         values = values[gap >= MIN_GAP]
-        if degenerate > DEGENERATE_SHARE * len(gap) or not values.numel():
+        if degenerate > DEGENERATE_SHARE * len(gap) or not values.numel() or files < MIN_FILES:
             return [float("nan")] * 2
         return [float(values.quantile(0.025)), float(values.quantile(0.975))]
 
@@ -166,7 +170,7 @@ def summary(scores: Scores, variant: str, control: str | None) -> dict:
         full_gap = mean_accuracy(scores, "full", examples) - mean_accuracy(scores, "no_context", examples)
         return float(value) if full_gap >= MIN_GAP else float("nan")
 
-    out = {"examples": len(examples), "files": len({scores.files[e] for e in examples}),
+    out = {"examples": len(examples), "files": files,
            "degenerate_resamples": degenerate,
            "normalized": point(normalized(scores, variant, examples)),
            "interval": bounds(normalized(scores, variant, examples, weights)),

@@ -225,6 +225,11 @@ def test_resamples_where_the_context_does_not_help_the_full_prefill_void_the_int
     assert none["degenerate_resamples"] == recipe_scores.BOOTSTRAP and all(map(math.isnan, none["interval"]))
     assert all(map(math.isnan, none["minus_control_interval"]))
     assert math.isnan(none["normalized"]) and math.isnan(none["minus_control"])  # the point estimate too
+    few = recipe_scores.summary(_scores({f"f{i}": 0.3 for i in range(recipe_scores.MIN_FILES - 1)}), "mapped", "window")
+    assert few["normalized"] == pytest.approx(0.5)  # the point estimate stands; the interval does not
+    assert all(map(math.isnan, few["interval"] + few["minus_control_interval"]))
+    enough = recipe_scores.summary(_scores({f"f{i}": 0.3 for i in range(recipe_scores.MIN_FILES)}), "mapped", "window")
+    assert enough["interval"] == pytest.approx([0.5, 0.5])
 
 
 def _row(kind: str, compute: int, continuation: float, interval: tuple, recall: float, examples=(40, 48)) -> dict:
