@@ -311,6 +311,20 @@ def test_a_turn_takes_one_conversations_integer_ids_only(peft_setup, ids, match)
     assert session.ids.numel() == 0
 
 
+@pytest.mark.parametrize("asked", [{"num_return_sequences": 2, "do_sample": True}, {"num_beams": 2}])
+def test_a_turn_gives_one_reply_and_refuses_to_ask_for_more(peft_setup, asked):
+    _, model, maps = peft_setup
+    session = AdapterSession(SharedPeftModel(model, maps), **GREEDY)
+    session.turn(torch.randint(0, 128, (1, 6)), adapter="strong")
+    before = session.ids.clone()
+    with pytest.raises(SessionError, match=next(iter(asked))):  # before any model runs
+        session.turn(torch.randint(0, 128, (1, 4)), adapter=None, **asked)
+    assert torch.equal(session.ids, before)
+    with pytest.raises(SessionError, match=next(iter(asked))):
+        AdapterSession(SharedPeftModel(model, maps), **{**GREEDY, **asked})
+    assert session.turn(torch.randint(0, 128, (1, 4)), adapter=None).new_ids.shape[0] == 1  # the session goes on
+
+
 def test_one_model_serves_as_source_with_its_adapter_disabled_and_errors_say_what_to_do(peft_setup):
     base, model, maps = peft_setup
     kv_map = maps.to_adapter["strong"]

@@ -89,7 +89,7 @@ class AdapterSession:
         check_keep_base(keep_base)
         self.shared = shared
         self.keep_base = keep_base
-        self.generation_kwargs = {"do_sample": False, "max_new_tokens": 32, **generation_kwargs}
+        self.generation_kwargs = _one_reply({"do_sample": False, "max_new_tokens": 32, **generation_kwargs})
         self.ids = torch.zeros((1, 0), dtype=torch.long)
         self._base_cache = ContextCache()
         self._base_made: Made = EXACT  # how the base cache was made (mapped back from an adapter, under reverse_map)
@@ -118,12 +118,12 @@ class AdapterSession:
             >>> result = session.turn(tokenizer(msg, return_tensors="pt").input_ids, adapter="shout")  # doctest: +SKIP
         """
         new_ids = self._checked_ids(new_ids, adapter)
+        generation = _one_reply({**self.generation_kwargs, **generation_kwargs})
         with self._lock, self.shared.lock, self._transaction(), torch.no_grad():
             started = time.perf_counter()
             prompt = torch.cat([self.ids, new_ids], dim=1)
             start = self._start(adapter, prompt)
-            result, output = take_turn(self.shared, adapter, prompt, start,
-                                       {**self.generation_kwargs, **generation_kwargs}, started=started,
+            result, output = take_turn(self.shared, adapter, prompt, start, generation, started=started,
                                        streamer=streamer)
             self.ids = output
             keep_started = time.perf_counter()
@@ -205,6 +205,17 @@ class AdapterSession:
         mapped_back = self._base_cache.get_seq_length() - before - spent  # tokens no model ran over
         self._base_made = self._base_made.then(adapter, mapped_back)
         return spent
+
+
+def _one_reply(generation_kwargs: dict) -> dict:
+    """``generation_kwargs``, refused (`SessionError`) where they ask for more than one reply: a session continues one
+    conversation, and the turn's timing streamer cannot follow a beam search."""
+    for name in ("num_return_sequences", "num_beams"):
+        value = generation_kwargs.get(name)
+        if value is not None and value != 1:
+            raise SessionError(f"{name}={value!r}: a session continues one conversation with one reply per turn; "
+                               f"leave {name} at 1")
+    return generation_kwargs
 
 
 __all__ = ["AdapterSession"]
