@@ -145,3 +145,24 @@ def test_context_check_passes_a_good_map_and_flags_a_corrupted_one(model, identi
     with pytest.raises(QualityError, match="per-request check"):
         check_context(bad, model, context, ContextCheck(8, 0.05, "raise"))
     assert bad.get_seq_length() == context.shape[1]  # the mapped cache itself is left as it was
+
+
+def test_a_source_cache_placed_at_an_offset_is_mapped_from_its_own_positions(model, identity_map, exact_matmuls):
+    """A library cache knows where it sits (prefilled at a position_offset): its keys are un-rotated there, not at 0,
+    so the identity map gives them back (the sink aside: the target computes it); a cache of another kind, or one at
+    offset 0, maps as before."""
+    from peft_kvcache.errors import CacheMismatchError
+
+    ids = random_ids(1, 20, seed=5)[0][None]
+    for offset in (0, 7):
+        source = prefill_context(model, ids, position_offset=offset)
+        mapped = MappedCache.from_source(source, identity_map, model, input_ids=ids, position_offset=offset,
+                                         refresh_tokens=0)
+        assert mapped.next_positions.tolist() == [20 + offset]
+        for ours, theirs in zip(mapped.layers, source.layers):
+            torch.testing.assert_close(ours.keys[:, :, 1:], theirs.keys[:, :, 1:], atol=1e-4, rtol=1e-4)
+    held = prefill_context(model, ids)
+    held.hold_only(torch.tensor([0, 18, 19]), [(layer.keys[:, :, [0, 18, 19]], layer.values[:, :, [0, 18, 19]])
+                                               for layer in held.layers])
+    with pytest.raises(CacheMismatchError, match="only some"):
+        MappedCache.from_source(held, identity_map, model, input_ids=ids, refresh_tokens=0)

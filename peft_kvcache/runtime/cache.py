@@ -357,8 +357,9 @@ class MappedCache(ContextCache):
         batch, length = captured.keys[0].shape[0], captured.length
         if attention_mask is None:
             attention_mask = torch.ones(batch, length, dtype=torch.long)
-        source_positions = positions_from_mask(attention_mask)
-        target_positions = source_positions + position_offset
+        positions = positions_from_mask(attention_mask)
+        source_positions = positions + source_placement(source, positions)  # where the source's keys were rotated
+        target_positions = positions + position_offset
         mapped = map_cache(kv_map, captured.keys, captured.values, source_positions, target_positions,
                            layer_placements(target_model), source_rotary=None if source_is_cache else rotary_spec_of(source),
                            target_rotary=rotary_spec_of(target_model))
@@ -386,6 +387,24 @@ class MappedCache(ContextCache):
                               position_offset, cache.refresh.sink, target_key)
         cache.next_positions = target_positions[:, -1] + 1 if length else torch.full((batch,), position_offset)
         return cache
+
+
+def source_placement(source, positions: torch.Tensor) -> int:
+    """How many positions later than ``positions`` (``[batch, seq]``, from the mask) a source cache's context sits: a
+    `ContextCache` knows where its next token goes (one prefilled or mapped at a ``position_offset``), and its keys
+    were rotated there; 0 for any other cache. Refuses (`CacheMismatchError`) a cache that holds only some of its
+    positions or whose rows sit at different offsets."""
+    if not isinstance(source, ContextCache) or source.next_positions is None or not positions.shape[1]:
+        return 0
+    if source.dropped_positions:
+        raise CacheMismatchError("the source cache holds only some of its context's positions (an index recipe): map "
+                                 "from a cache that holds its whole context")
+    offsets = source.next_positions - (positions[:, -1] + 1)
+    if bool((offsets != offsets[0]).any()) or int(offsets[0]) < 0:
+        raise CacheMismatchError(f"the source cache's rows continue at positions {source.next_positions.tolist()}, "
+                                 "which its attention_mask does not explain by one offset: pass the mask it was "
+                                 "built with")
+    return int(offsets[0])
 
 
 def refresh_policy(kv_map: KVMap, refresh_tokens: int | str | Refresh | None) -> Refresh | None:
