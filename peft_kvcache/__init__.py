@@ -28,6 +28,7 @@ from .maps.config import CalibrationConfig, KVMapConfig, Refresh
 from .maps.kvmap import KVMap
 from .modeling.adapters import adapter_active, load_adapters
 from .modeling.capture import CapturedKV, run_with_cache
+from .modeling.identity import forget_weights
 from ._allocator import keep_freed_memory
 from .runtime.cache import ContextCache, MappedCache
 from .runtime.check import ContextCheck, check_context, meets_quality, prefill_context
@@ -37,7 +38,7 @@ from .runtime.turn import SharedPeftModel, TurnResult
 __all__ = [
     # the artifact and the cache
     "KVMap", "KVMapConfig", "CalibrationConfig", "Refresh", "MappedCache", "ContextCache", "CapturedKV",
-    "run_with_cache", "load_model",
+    "run_with_cache", "load_model", "forget_weights",
     # PEFT adapters
     "AdapterMaps", "AdapterSession", "SharedPeftModel", "TurnResult", "adapter_active", "load_adapters",
     # quality at a switch

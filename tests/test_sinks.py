@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_ids
+from conftest import random_ids, tiny_model
 from test_peft import peft_with_adapters
 
 from peft_kvcache import KVMap
@@ -62,3 +62,20 @@ def test_conversation_starts_are_the_chat_templates_and_bos_first_tokens():
     starts = conversation_starts(tokenizer, 1)
     assert starts == [tokenizer("#", add_special_tokens=False).input_ids[:1]]
     assert conversation_starts(tokenizer, 2)[0] == tokenizer("#s", add_special_tokens=False).input_ids
+
+
+def test_forget_weights_drops_what_was_memoized_from_weights_written_through_data():
+    from peft_kvcache import forget_weights
+    from peft_kvcache.modeling.identity import cached_fingerprint
+    from peft_kvcache.runtime.target_sink import target_sink
+
+    model = tiny_model("llama", seed=3)
+    ids = torch.tensor([[1, 2, 3]])
+    mask = torch.ones_like(ids)
+    before, printed = target_sink(model, ids, mask, 0), cached_fingerprint(model)
+    model.model.layers[0].self_attn.k_proj.weight.data.mul_(2)  # torch counts no version: the memos cannot see it
+    assert target_sink(model, ids, mask, 0) is before
+    forget_weights(model)
+    after = target_sink(model, ids, mask, 0)
+    assert after is not before and torch.equal(after.keys[0], run_with_cache(model, ids).keys[0])
+    assert cached_fingerprint(model) != printed

@@ -218,6 +218,7 @@ class ModelMemo:
     def __init__(self, size: int):
         self.size = size
         self._memos: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        _EVERY_MEMO.add(self)
 
     def get(self, model: torch.nn.Module, key, compute: Callable[[], Any]):
         """The value memoized for ``(model, key)``, computed by ``compute()`` the first time."""
@@ -235,6 +236,27 @@ class ModelMemo:
     def clear(self) -> None:
         """Forget every value (e.g. to time or count a cold pass)."""
         self._memos.clear()
+
+    def forget(self, model: torch.nn.Module) -> None:
+        """Forget the values of one model."""
+        self._memos.pop(unwrap_peft(model), None)
+
+
+_EVERY_MEMO: "weakref.WeakSet[ModelMemo]" = weakref.WeakSet()  # what `forget_weights` clears
+
+
+def forget_weights(model: torch.nn.Module) -> None:
+    """Forget everything the library memoized from ``model``'s weights (its fingerprint, the attention sinks it
+    computed). Call it after writing the weights in a way torch does not count: the memos are keyed on each
+    parameter's storage and torch's in-place version counter (`weights_key`), which an optimizer step, ``copy_`` or
+    ``load_state_dict`` moves but a write through ``.data`` (an EMA update, weight surgery) does not.
+
+    Example:
+        >>> model.model.layers[0].self_attn.k_proj.weight.data.mul_(2)   # doctest: +SKIP
+        >>> forget_weights(model)                                          # doctest: +SKIP
+    """
+    for memo in list(_EVERY_MEMO):
+        memo.forget(model)
 
 
 _FINGERPRINTS = ModelMemo(8)
