@@ -139,9 +139,15 @@ def test_context_check_passes_a_good_map_and_flags_a_corrupted_one(model, identi
     own = run_with_cache(model, context)
     assert all(torch.equal(layer.keys, k) for layer, k in zip(fallback.cache.layers, own.keys))
     dropped = check_context(bad, model, context, ContextCheck(8, 0.05, "drop_middle"))
-    assert dropped.cache.get_seq_length() == 1 + 8 and dropped.kept_positions.tolist() == [0] + list(range(24, 32))
-    with torch.no_grad():  # continue at the true position of the next token
-        model(input_ids=prompt[:, -1:], position_ids=dropped.next_positions[:, None], **with_cache(model, dropped.cache))
+    assert dropped.kept_positions.tolist() == [0] + list(range(24, 32))
+    # it stands for the whole context and holds 9 positions of it, so generate() continues at the true position
+    assert dropped.cache.get_seq_length() == 32 and dropped.cache.dropped_positions == 32 - 9
+    with torch.no_grad():
+        direct = model(input_ids=prompt[:, -1:], position_ids=dropped.next_positions[:, None],
+                       **with_cache(model, dropped.cache.copy())).logits[0, -1].argmax()
+    out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), cache=dropped.cache,
+                         max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert out.shape[1] == prompt.shape[1] + 3 and out[0, prompt.shape[1]] == direct
     with pytest.raises(QualityError, match="per-request check"):
         check_context(bad, model, context, ContextCheck(8, 0.05, "raise"))
     assert bad.get_seq_length() == context.shape[1]  # the mapped cache itself is left as it was

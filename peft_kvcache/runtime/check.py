@@ -128,7 +128,12 @@ def check_context(cache: MappedCache, target_model, input_ids: torch.Tensor,
                            f"{report['window_loss']} without it (margin {policy.margin})")
     if policy.on_bad == "prefill":
         return CheckResult(prefill_context(target_model, input_ids), "prefill", **report)
-    window = MappedCache(cache_states(output_cache(out_w)), next_positions, cache.kv_map)
+    # the sink and the checked tail, held as positions of the whole context (`hold_only`): generate() numbers the
+    # prompt's new tokens after all of it
+    kept = cache_states(output_cache(out_w))
+    window = MappedCache(kept, kv_map=cache.kv_map)
+    window.hold_only(keep, kept.pairs())
+    window.next_positions = next_positions
     return CheckResult(window, "drop_middle", kept_positions=keep, next_positions=next_positions, **report)
 
 
