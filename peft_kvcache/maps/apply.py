@@ -43,7 +43,9 @@ class SourceFeatures:
                 if self.spec.attention_scaling != 1.0:
                     states[..., : cos.shape[-1]] /= self.spec.attention_scaling**2
             self._cache[key] = states.to(self.dtype).contiguous()
-        return self._cache[key].to(device, non_blocking=True)
+        # a copy onto an accelerator may run on while the host goes on; one to the host must be whole before a CPU
+        # matmul reads it
+        return self._cache[key].to(device, non_blocking=torch.device(device).type != "cpu")
 
     def release(self, kind: str, layer: int) -> None:
         """Drop one source layer's features (no later target layer reads them): the next layer's reuse their memory
