@@ -227,6 +227,10 @@ def test_truncating_moves_the_next_positions_back_and_the_check_follows(identity
     prompt = torch.randint(0, 128, (1, 20))
     cache = MappedCache.from_source(model, kv_map, model, input_ids=prompt[:, :-1])
     assert cache.next_positions.tolist() == [19]
+    for bad in (-1, 2.5, 20, True):  # never a silent cut from the end, nor a raw TypeError
+        with pytest.raises(CacheMismatchError, match="whole number of positions in 0..19"):
+            cache.truncate(bad)
+    assert cache.get_seq_length() == 19
     cache.truncate(12)
     assert cache.get_seq_length() == 12 and cache.next_positions.tolist() == [12]
     with pytest.raises(CacheMismatchError, match="positions up to"):  # continuing at the old end is refused

@@ -123,6 +123,9 @@ class ContextCache(DynamicCache):
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` positions of every layer; ``next_positions`` moves back with them. A cache that
         holds its context in part is cut only inside the tail it holds in full."""
+        if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= self.get_seq_length():
+            raise CacheMismatchError(f"truncate takes a whole number of positions in 0..{self.get_seq_length()} (the "
+                                     f"cache's length), got {length!r}")
         if self._dropped:
             if length < self._held_from:
                 raise CacheMismatchError(f"this cache holds only some positions before {self._held_from} (an index "
