@@ -118,6 +118,25 @@ def test_a_refresh_that_fails_midway_leaves_the_cache_as_it_was(sibling_pair, si
         assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
 
 
+def test_a_refresh_whose_move_into_place_fails_leaves_the_cache_as_it_was(sibling_pair, sibling_map, monkeypatch):
+    from peft_kvcache.runtime import refresh
+
+    source, target = sibling_pair
+    ids = random_ids(1, 30, seed=8)[0][None]
+    cache = _plain(MappedCache.from_source(source, sibling_map, target, input_ids=ids))
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+    def fail(*args):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(refresh, "_move_into_place", fail)  # after the pass appended its tokens
+    with pytest.raises(RuntimeError, match="out of memory"):
+        refresh_positions(target, cache, ids, torch.tensor([3, 4, 17]), append_ids=ids[:, :2])
+    assert cache.get_seq_length() == 30
+    for layer, (keys, values) in zip(cache.layers, before):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+
+
 def test_attention_scores_match_the_models_own_attention_and_leave_cache_and_model_as_they_were():
     model = tiny_model("llama", seed=2)
     model.set_attn_implementation("sdpa")
