@@ -374,3 +374,34 @@ def test_a_cold_sink_is_computed_inside_the_probe_pass_with_the_same_result(grou
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(memo.keys + memo.values, alone.keys + alone.values))
     assert max(float((c.keys[:, :, :sink_tokens] - k).abs().max())  # the cold cache holds the target's own sink
                for c, k in zip(cold.layers, alone.keys)) < 1e-5
+
+
+def test_a_refresh_runs_under_the_models_lock(sibling_pair, sibling_map):
+    """A refresh's passes switch the target's attention implementation: from_source holds the model's lock for them,
+    so a thread running the model under that lock (a session, the server) never sees the switch."""
+    import threading
+
+    from peft_kvcache.modeling.adapters import model_lock
+
+    source, target = sibling_pair
+    ids = random_ids(1, 30, seed=11)[0][None]
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        with model_lock(target):
+            held.set()
+            done.wait(timeout=60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(timeout=60)
+    mapped = []
+    worker = threading.Thread(target=lambda: mapped.append(MappedCache.from_source(
+        source, sibling_map, target, input_ids=ids, refresh_tokens=Refresh(tokens=4, probe_tokens=3))))
+    worker.start()
+    worker.join(timeout=1.0)
+    assert worker.is_alive() and not mapped  # waiting for the lock
+    done.set()
+    worker.join(timeout=60)
+    holder.join(timeout=60)
+    assert len(mapped) == 1 and mapped[0].refresh is not None

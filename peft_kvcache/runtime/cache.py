@@ -18,6 +18,7 @@ from ..maps.apply import map_cache
 from ..maps.config import Refresh
 from ..maps.kvmap import KVMap
 from ..modeling._compat import fill_cache, update_positions
+from ..modeling.adapters import model_lock
 from ..modeling.capture import CapturedKV, cache_states, run_with_cache
 from ..modeling.identity import weights_key
 from ..modeling.layout import check_token_ids, layer_placements, vocab_size_of
@@ -383,8 +384,9 @@ class MappedCache(ContextCache):
                                   target_key)
         cache = cls(mapped, kv_map=kv_map)
         if policy is not None:  # before the positions are set: the refresh writes inside the context
-            cache.refresh = refresh_cache(target_model, cache, input_ids, policy, sink_tokens, position_offset,
-                                          compute_sink=sink_in_refresh)
+            with model_lock(target_model):  # its passes switch the model's attention implementation meanwhile
+                cache.refresh = refresh_cache(target_model, cache, input_ids, policy, sink_tokens, position_offset,
+                                              compute_sink=sink_in_refresh)
             if sink_in_refresh:  # the refresh's first pass wrote the target's own sink and returned it
                 remember_sink(target_model, input_ids[:, :sink_tokens], attention_mask[:, :sink_tokens],
                               position_offset, cache.refresh.sink, target_key)
