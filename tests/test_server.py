@@ -362,6 +362,8 @@ def _chat(**fields) -> str:
     (_chat(logprobs=True), 400, r"^logprobs: not supported"),
     (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, r"^tools: not supported"),
     (_chat(stop=["a", "b", "c", "d", "e"]), 400, r"^stop: give at most 4"),
+    (_chat(stop=["a", "x" * 257]), 400, r"^stop: .* of at most 256 characters"),  # searched after every token
+    (_chat()[:-1] + ', "x": ' + "9" * 5000 + "}", 400, r"^the request body cannot be read"),  # too long an int
     (_chat(stream="yes please"), 400, r"^stream: "),
     # finding 9: strict types, finite numbers, unsupported fields refused by name
     (_chat(max_tokens="5"), 400, r"^max_tokens: Input should be a valid integer"),
@@ -390,6 +392,14 @@ def test_bad_requests_get_openai_style_errors(served, body, status, pattern):
     assert answer["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
     assert _entries(server) == entries  # no model ran
     assert _post(url, _chat(max_tokens=2, temperature=0))[0] == 200  # and the server still serves
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy(served):
+    url, _ = served
+    greedy = _post(url, _chat(max_tokens=4, temperature=0))
+    tiny = _post(url, _chat(max_tokens=4, temperature=1e-40))  # the logits divided by it overflowed: a 500
+    assert greedy[0] == tiny[0] == 200
+    assert tiny[1]["choices"][0]["message"] == greedy[1]["choices"][0]["message"]
 
 
 def test_the_openai_client_sees_the_errors(served):

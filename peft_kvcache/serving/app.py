@@ -56,7 +56,7 @@ from .errors import RequestError
 from .jobs import ClientGone, Job, JobQueue, refusal
 from .limits import ServerLimits
 from .metrics import Metrics
-from .openai_api import PromptRenderer, decode_json, error_body, parse_chat_request
+from .openai_api import MIN_TEMPERATURE, PromptRenderer, decode_json, error_body, parse_chat_request
 from .replies import Reply
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class ChatServer:
         kwargs = {"max_new_tokens": asked or min(self.max_tokens, room or self.max_tokens),
                   "eos_token_id": self.eos_ids or None, "pad_token_id": self.pad_id}
         temperature = 1.0 if request.temperature is None else request.temperature  # OpenAI's default
-        if temperature == 0:
+        if temperature < MIN_TEMPERATURE:
             return {**kwargs, "do_sample": False}
         return {**kwargs, "do_sample": True, "temperature": temperature, "top_p": request.top_p or 1.0, "top_k": 0}
 

@@ -34,6 +34,11 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+# a stop string's characters: the reply's text is searched for every prefix of it after every token, under the model's
+# lock (a megabyte of stop string would hold every request for minutes per token)
+MAX_STOP_LENGTH = 256
+# below this temperature a reply is greedy, the limit sampling tends to (the logits divided by 1e-40 overflowed to inf)
+MIN_TEMPERATURE = 1e-3
 # Types are strict (no "5" for 5, no true for 1, no "yes" for true) and floats finite: a client's mistake is refused,
 # never silently read as something else.
 STRICT = ConfigDict(strict=True)
@@ -122,8 +127,9 @@ class ChatRequest(BaseModel):
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-            raise RequestError(f"stop: give at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+        if len(stops) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_LENGTH for s in stops):
+            raise RequestError(f"stop: give at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_LENGTH} "
+                               "characters each", param="stop")
         return stops
 
     def max_new_tokens(self) -> int | None:
@@ -171,6 +177,8 @@ def decode_json(raw: bytes):
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise RequestError(f"the request body is not valid JSON: {err}") from None
+    except ValueError as err:  # valid JSON Python refuses to read: an integer of more than 4,300 digits
+        raise RequestError(f"the request body cannot be read: {err}") from None
     except RecursionError:
         raise RequestError("the request body nests JSON too deeply to be read") from None
 
