@@ -440,3 +440,38 @@ def test_sigterm_cuts_the_running_stream_and_answers_the_waiting_within_the_drai
     events = results["stream"]
     assert results["stream_status"] == 200 and b"[DONE]" not in events
     assert b"server_shutting_down" in events[-1] and len(events) < 19000
+
+
+def test_a_stream_the_client_leaves_after_its_last_chunk_is_counted_once_as_done():
+    """Its reply was complete (counted 200) when the client left before ``[DONE]``: no 499 beside it; a client that
+    leaves before the last chunk still cancels and counts 499 alone."""
+    import asyncio
+
+    import torch
+
+    from peft_kvcache.runtime.turn import TurnResult
+    from peft_kvcache.serving.jobs import Job
+    from peft_kvcache.serving.metrics import Metrics
+    from peft_kvcache.serving.openai_api import parse_chat_request
+    from peft_kvcache.serving.replies import Reply
+    from peft_kvcache.serving.store import PrefixStore
+
+    async def leave(after_chunks: int) -> tuple[dict, bool]:
+        metrics = Metrics(PrefixStore(2**20))
+        job = Job(asyncio.get_running_loop(), tiny_tokenizer(), [], time.perf_counter(), stream=True)
+        body = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+        reply = Reply(job, body, "m", metrics, [], lambda made, cached: "prefilled")
+        result = TurnResult(None, torch.tensor([[5, 6]]), 3, "prefilled", 0, 0.01, 0.0)
+        job.push("done", result)
+        events = reply.events(None, on_end=lambda: None)
+        for _ in range(after_chunks):
+            await events.__anext__()
+        await events.aclose()  # the client is gone
+        counted = {s.labels["status"]: s.value for m in metrics.registry.collect() for s in m.samples
+                   if s.name == "peft_kvcache_requests_total"}
+        return counted, job.cancelled
+
+    counted, cancelled = asyncio.run(leave(2))  # the role chunk, then the one with the finish_reason
+    assert counted == {"200": 1.0} and not cancelled
+    counted, cancelled = asyncio.run(leave(1))  # before the reply was complete
+    assert counted == {"499": 1.0} and cancelled

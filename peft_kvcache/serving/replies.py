@@ -104,11 +104,11 @@ class Reply:
                 yield f"data: {json.dumps(self.cut())}\n\n"
                 return
             self.completed(result)
+            finished = True  # counted and complete: a client leaving from here on cancels nothing
             extra = self.extra(result)
             yield event({}, self.finish_reason(result), peft_kvcache=extra)
             if self.body.stream_options is not None and self.body.stream_options.include_usage:
                 yield event(None, usage=self.usage(result), peft_kvcache=extra)
-            finished = True
             yield DONE_EVENT
         finally:
             on_end()
