@@ -147,3 +147,26 @@ def test_the_default_threshold_is_the_one_the_benchmark_measured():
     assert DEFAULT_MIN_MAPPED_TOKENS == results["recommended_min_mapped_tokens"]
     assert f"Recommended `--min-mapped-tokens`: {DEFAULT_MIN_MAPPED_TOKENS}**" in (
         ROOT / "benchmarks" / "results" / "map-threshold.md").read_text()
+
+
+def test_entries_computed_with_weights_since_changed_are_never_served(shared, caplog):
+    """An adapter's weights written in place (or loaded again under its name) make every stored entry stale: the
+    next request prefills instead of reusing the old KV as exact."""
+    engine = _engine(shared, 0)
+    first = _ids([SYSTEM, {"role": "user", "content": "Dogs?"}])
+    engine.run("first", first, GREEDY)
+    again = _ids([SYSTEM, {"role": "user", "content": "Dogs?"}, {"role": "assistant", "content": "Yes."},
+                  {"role": "user", "content": "Cats?"}])
+    assert engine.run("first", again, GREEDY).context_source == "reused"  # the same weights: reused
+    lora_b = next(p for name, p in shared.model.named_parameters() if "lora_B.first" in name)
+    kept = lora_b.detach().clone()
+    with torch.no_grad():
+        lora_b.add_(0.5)
+    try:
+        with caplog.at_level("WARNING", logger="peft_kvcache.serving.engine"):
+            result = engine.run("first", again, GREEDY)
+        assert (result.context_source, result.cached_tokens) == ("prefilled", 0)
+        assert any("weights changed" in r.getMessage() for r in caplog.records)
+    finally:
+        with torch.no_grad():
+            lora_b.copy_(kept)

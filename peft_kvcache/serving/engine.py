@@ -42,6 +42,7 @@ import torch
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from ..modeling._compat import weights_version
 from ..modeling.capture import cache_states
 from ..runtime.cache import ContextCache
 from ..runtime.reuse import EXACT, MIN_MAPPED_TOKENS, Made, mapping_pays
@@ -104,6 +105,17 @@ class PrefixEngine:
             raise ServerError(f"min_mapped_tokens must be a non-negative number of tokens, got {min_mapped_tokens!r}")
         self.shared, self.store, self.reuse, self.keep_base = shared, store, reuse, keep_base
         self.min_mapped_tokens = min_mapped_tokens
+        self._weights: tuple | None = None  # the model's weights version when the store was last filled
+
+    def _drop_entries_of_other_weights(self) -> None:
+        """Empty the store where the model's weights changed since the last request (an adapter loaded again under its
+        name, weights written in place: `weights_version`): its entries were computed with the old ones."""
+        version = weights_version(self.shared.model)
+        if self._weights is not None and version != self._weights and len(self.store):
+            logger.warning("the model's weights changed since the last request: the prefix store's %d entries were "
+                           "computed with the old ones and are dropped", len(self.store))
+            self.store.clear()
+        self._weights = version
 
     def run(self, adapter: str | None, prompt_ids: torch.Tensor, generation_kwargs: dict, *,
             streamer: BaseStreamer | None = None, should_stop: Callable[[], bool] | None = None,
@@ -127,6 +139,7 @@ class PrefixEngine:
         prompt = prompt_ids.reshape(1, -1).cpu()
         criteria = StoppingCriteriaList([_StopWhen(f) for f in (should_stop, cancelled) if f is not None])
         with self.shared.lock, torch.no_grad():
+            self._drop_entries_of_other_weights()
             start = self._start(adapter, prompt, stricter(self.reuse, reuse))
             if on_prepared is not None:
                 on_prepared(start.made, start.cached_tokens)
