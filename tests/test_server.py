@@ -363,6 +363,8 @@ def _chat(**fields) -> str:
     (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, r"^tools: not supported"),
     (_chat(stop=["a", "b", "c", "d", "e"]), 400, r"^stop: give at most 4"),
     (_chat(stop=["a", "x" * 257]), 400, r"^stop: .* of at most 256 characters"),  # searched after every token
+    (_chat(cache_salt="tenant-a"), 400, r"^cache_salt: not supported by this server"),  # no isolation: said, not faked
+    (_chat(stream_options={"include_usage": True}), 400, r"^stream_options: only with stream: true"),
     (_chat()[:-1] + ', "x": ' + "9" * 5000 + "}", 400, r"^the request body cannot be read"),  # too long an int
     (_chat(stream="yes please"), 400, r"^stream: "),
     # finding 9: strict types, finite numbers, unsupported fields refused by name
@@ -392,6 +394,12 @@ def test_bad_requests_get_openai_style_errors(served, body, status, pattern):
     assert answer["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
     assert _entries(server) == entries  # no model ran
     assert _post(url, _chat(max_tokens=2, temperature=0))[0] == 200  # and the server still serves
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_context_length_refusal_names_the_field_the_client_sent(served, field):
+    code, answer = _post(served[0], _chat(**{field: 5000}))
+    assert code == 400 and answer["error"]["param"] == field
 
 
 def test_a_temperature_too_small_to_divide_by_is_greedy(served):

@@ -150,7 +150,8 @@ class ChatServer:
         if asked is not None and room is not None and asked > room:
             raise RequestError(f"This model's maximum context length is {self.context_length} tokens, but "
                                f"{prompt_tokens + asked} were requested ({prompt_tokens} in the messages, {asked} for "
-                               "the completion).", param="max_tokens", code="context_length_exceeded")
+                               "the completion).", code="context_length_exceeded",
+                               param="max_tokens" if request.max_completion_tokens is None else "max_completion_tokens")
         kwargs = {"max_new_tokens": asked or min(self.max_tokens, room or self.max_tokens),
                   "eos_token_id": self.eos_ids or None, "pad_token_id": self.pad_id}
         temperature = 1.0 if request.temperature is None else request.temperature  # OpenAI's default

@@ -109,6 +109,7 @@ class ChatRequest(BaseModel):
     logit_bias: dict | None = None
     presence_penalty: float | None = Field(default=None, allow_inf_nan=False)
     frequency_penalty: float | None = Field(default=None, allow_inf_nan=False)
+    cache_salt: str | None = None  # vLLM's tenant isolation: this server's entries are shared by every client
 
     def unsupported(self) -> None:
         """Refuse what this server does not do, naming the field."""
@@ -119,11 +120,14 @@ class ChatRequest(BaseModel):
                    "response_format": self.response_format not in (None, {"type": "text"}),
                    "logit_bias": bool(self.logit_bias),
                    "presence_penalty": self.presence_penalty not in (None, 0),
-                   "frequency_penalty": self.frequency_penalty not in (None, 0)}
+                   "frequency_penalty": self.frequency_penalty not in (None, 0),
+                   "cache_salt": self.cache_salt is not None}
         for name, asked in refused.items():
             if asked:
                 value = reprlib.repr(getattr(self, name))
                 raise RequestError(f"{name}: not supported by this server ({name}={value})", param=name)
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options: only with stream: true", param="stream_options")
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
