@@ -5,8 +5,8 @@ keys, or values, in place of the mapped middle) as standing diagnostics.
 
 Every (example, direction, variant) result is appended to ``benchmarks/results/sibling-recipes/<role>-<context>.jsonl``
 as soon as it is computed (one JSON line: the example and a digest of its tokens, the variant, its target compute, the
-map's fingerprint, dtype, commit and run), so a run stops anywhere and the next one computes only what is missing, however
-many sessions it takes. ``report`` makes the tables from whatever is there: normalized retention and paired
+map's fingerprint, dtype, commit and run), so a run stops anywhere and the next one computes only what is missing,
+however many sessions it takes. ``report`` makes the tables from whatever is there: normalized retention and paired
 differences with 95% intervals from a bootstrap that resamples whole files (windows of one file move together).
 The models' full passes over each example, most of its time, are kept under ``runs/passes`` (`benchmarks.pass_store`),
 so a lever or variant added later computes only itself.
