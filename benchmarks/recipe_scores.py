@@ -45,16 +45,24 @@ def group(records: list[dict], direction: str) -> dict[str, Scores]:
     held last count (its fingerprint in the latest record), and of the models' dtypes the latest: examples measured
     with maps since replaced, or with the models in another dtype, are dropped, never mixed with the new ones."""
     current = current_maps(records, direction)
+    return _scores(records, direction, lambda r: None if r.get("map") is not None and r["map"] != current[r["maps"]]
+                   else r["variant"])
+
+
+def _scores(records: list[dict], direction: str, name_of) -> dict[str, Scores]:
+    """``{task: Scores}`` of ``direction``'s records in the models' latest dtype, each filed under ``name_of(record)``
+    (None: left out); a recall task's records also under `RECALL`, pooled. A later record of a name and example
+    replaces an earlier one."""
     dtype = next((r["dtype"] for r in reversed(records) if r["direction"] == direction), None)
     by_task: dict[str, Scores] = defaultdict(lambda: Scores(defaultdict(dict), defaultdict(dict), {}))
     for r in records:
-        if r["direction"] != direction or r["dtype"] != dtype or (r.get("map") is not None
-                                                                   and r["map"] != current[r["maps"]]):
+        name = name_of(r) if r["direction"] == direction and r["dtype"] == dtype else None
+        if name is None:
             continue
         for task in (r["task"], RECALL) if r["task"].startswith("recall-") else (r["task"],):
             scores = by_task[task]
-            scores.accuracy[r["variant"]][r["example"]] = r["correct"] / r["tokens"]
-            scores.kl[r["variant"]][r["example"]] = r["kl"]
+            scores.accuracy[name][r["example"]] = r["correct"] / r["tokens"]
+            scores.kl[name][r["example"]] = r["kl"]
             scores.files[r["example"]] = r["file"]
     return dict(by_task)
 
@@ -77,23 +85,12 @@ def refit_scores(records: list[dict], direction: str, label: str, fingerprints: 
     """``{task: Scores}`` of one map set's two fits: its variants named ``variant@fingerprint`` (both fits), beside the
     references (full, no context) in the models' latest dtype, so that `summary` pairs the two fits example by
     example."""
-    dtype = next((r["dtype"] for r in reversed(records) if r["direction"] == direction), None)
-    by_task: dict[str, Scores] = defaultdict(lambda: Scores(defaultdict(dict), defaultdict(dict), {}))
-    for r in records:
-        if r["direction"] != direction or r["dtype"] != dtype:
-            continue
+    def name_of(r: dict) -> str | None:
         if r["variant"] in ("full", "no_context"):
-            name = r["variant"]
-        elif r["maps"] == label and r.get("map") in fingerprints:
-            name = f"{r['variant']}@{r['map']}"
-        else:
-            continue
-        for task in (r["task"], RECALL) if r["task"].startswith("recall-") else (r["task"],):
-            scores = by_task[task]
-            scores.accuracy[name][r["example"]] = r["correct"] / r["tokens"]
-            scores.kl[name][r["example"]] = r["kl"]
-            scores.files[r["example"]] = r["file"]
-    return dict(by_task)
+            return r["variant"]
+        return f"{r['variant']}@{r['map']}" if r["maps"] == label and r.get("map") in fingerprints else None
+
+    return _scores(records, direction, name_of)
 
 
 def refit_differences(records: list[dict], direction: str) -> list[dict]:
