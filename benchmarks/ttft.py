@@ -34,7 +34,8 @@ from peft_kvcache.calibration.statistics import ModelSide
 from peft_kvcache.maps.config import KVMapConfig
 from peft_kvcache.maps.recipe import Refresh
 from peft_kvcache.modeling.capture import forward, run_with_cache
-from peft_kvcache.runtime.cache import ContextCache, refresh_policy
+from peft_kvcache.runtime.cache import ContextCache
+from peft_kvcache.runtime.refresh import refresh_policy
 from peft_kvcache.runtime.target_sink import clear_target_sinks
 
 from .common import (RESULTS, interval, ratio, read_results, rounds, save, spread, start_run, synchronize,

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
-from ..errors import CacheMismatchError, RecordError
+from ..errors import CacheMismatchError
 from ..maps.apply import map_cache
 from ..maps.config import Refresh
 from ..maps.kvmap import KVMap
@@ -23,7 +23,7 @@ from ..modeling.capture import CapturedKV, cache_states, run_with_cache
 from ..modeling.identity import weights_key
 from ..modeling.layout import check_token_ids, layer_placements, vocab_size_of
 from ..modeling.positions import positions_from_mask, rotary_spec_of
-from .refresh import RefreshResult, refresh_cache, refresh_runs
+from .refresh import RefreshResult, refresh_cache, refresh_policy, refresh_runs
 from .target_sink import remember_sink, sink_is_memoized, with_target_sink
 
 logger = logging.getLogger(__name__)
@@ -410,32 +410,6 @@ def source_placement(source, positions: torch.Tensor) -> int:
                                  "which its attention_mask does not explain by one offset: pass the mask it was "
                                  "built with")
     return int(offsets[0])
-
-
-def refresh_policy(kv_map: KVMap, refresh_tokens: int | str | Refresh | None) -> Refresh | None:
-    """The refresh `MappedCache.from_source` runs for ``refresh_tokens``: the map's recommendation, none, a budget with
-    the recommended probe, a named recipe (read with the recommended probe and span), or as given."""
-    recommended = kv_map.config.refresh
-    if refresh_tokens is None:
-        return recommended if recommended is not None and recommended.active else None
-    if isinstance(refresh_tokens, Refresh):
-        policy = refresh_tokens
-    elif isinstance(refresh_tokens, str):
-        try:
-            policy = Refresh.named(refresh_tokens, **({} if recommended is None else {
-                "probe_tokens": recommended.probe_tokens, "span": recommended.span}))
-        except RecordError as err:
-            raise CacheMismatchError(f"refresh_tokens: {err}") from None
-    elif isinstance(refresh_tokens, int) and not isinstance(refresh_tokens, bool):
-        try:
-            policy = Refresh(tokens=refresh_tokens, **({} if recommended is None else {
-                "probe_tokens": recommended.probe_tokens, "span": recommended.span}))
-        except RecordError as err:
-            raise CacheMismatchError(f"refresh_tokens: {err}") from None
-    else:
-        raise CacheMismatchError(f"refresh_tokens must be None, an integer, a recipe name or a Refresh, got "
-                                 f"{refresh_tokens!r}")
-    return policy if policy.active else None
 
 
 def _checked_mask(attention_mask, input_ids: torch.Tensor | None) -> torch.Tensor | None:

@@ -31,13 +31,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import CacheMismatchError
+from ..errors import CacheMismatchError, RecordError
 from ..maps.config import Refresh
 from ..modeling._compat import eager_attention, masked_attention
 from ..modeling.capture import CapturedKV, forward, run_with_cache
 
 if TYPE_CHECKING:  # for annotations only: the cache module runs the refresh
     from .cache import MappedCache
+    from ..maps.kvmap import KVMap
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,32 @@ class ProbeResult:
 
     scores: torch.Tensor
     sink: CapturedKV | None = None
+
+
+def refresh_policy(kv_map: "KVMap", refresh_tokens: int | str | Refresh | None) -> Refresh | None:
+    """The refresh `MappedCache.from_source` runs for ``refresh_tokens``: the map's recommendation, none, a budget with
+    the recommended probe, a named recipe (read with the recommended probe and span), or as given."""
+    recommended = kv_map.config.refresh
+    if refresh_tokens is None:
+        return recommended if recommended is not None and recommended.active else None
+    if isinstance(refresh_tokens, Refresh):
+        policy = refresh_tokens
+    elif isinstance(refresh_tokens, str):
+        try:
+            policy = Refresh.named(refresh_tokens, **({} if recommended is None else {
+                "probe_tokens": recommended.probe_tokens, "span": recommended.span}))
+        except RecordError as err:
+            raise CacheMismatchError(f"refresh_tokens: {err}") from None
+    elif isinstance(refresh_tokens, int) and not isinstance(refresh_tokens, bool):
+        try:
+            policy = Refresh(tokens=refresh_tokens, **({} if recommended is None else {
+                "probe_tokens": recommended.probe_tokens, "span": recommended.span}))
+        except RecordError as err:
+            raise CacheMismatchError(f"refresh_tokens: {err}") from None
+    else:
+        raise CacheMismatchError(f"refresh_tokens must be None, an integer, a recipe name or a Refresh, got "
+                                 f"{refresh_tokens!r}")
+    return policy if policy.active else None
 
 
 @torch.no_grad()
@@ -274,4 +301,4 @@ def _keep_only(target_model, cache: "MappedCache", input_ids: torch.Tensor, kept
 
 
 __all__ = ["ProbeResult", "RefreshResult", "attention_scores", "probe_pass", "refresh_cache", "refresh_positions",
-           "refresh_runs", "select_spans"]
+           "refresh_policy", "refresh_runs", "select_spans"]
