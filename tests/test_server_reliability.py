@@ -475,3 +475,64 @@ def test_a_stream_the_client_leaves_after_its_last_chunk_is_counted_once_as_done
     assert counted == {"200": 1.0} and not cancelled
     counted, cancelled = asyncio.run(leave(1))  # before the reply was complete
     assert counted == {"499": 1.0} and cancelled
+
+
+@pytest.mark.parametrize("spec", ["2.3", "2.4"])
+def test_a_stream_whose_client_is_gone_before_its_first_chunk_stops_and_leaves_no_job(stack, spec):
+    """Driven at the ASGI level: the client is gone when the stream starts. Under ASGI spec 2.3 (uvicorn's HTTP)
+    starlette's disconnect listener finds it at once and cancels the stream; under 2.4 the first send fails. Either
+    way the generation stops, the job leaves the queue and the request counts 499 once."""
+    import asyncio
+
+    from starlette.requests import ClientDisconnect
+
+    shared, _ = stack
+    app = _app(stack)
+    server = app.state.server
+    steps = []
+    hook = shared.model.get_base_model().model.register_forward_pre_hook(
+        lambda module, args, kwargs: steps.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    body = _body("Leave at once", max_tokens=1000, temperature=0, stream=True)
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+             "root_path": "", "query_string": b"", "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+
+    async def drive() -> list[dict]:
+        reads, sent = [], []
+
+        async def receive() -> dict:
+            reads.append(len(reads))
+            if len(reads) == 1:
+                return {"type": "http.request", "body": body, "more_body": False}
+            if len(reads) == 2:  # the handler's own watch, cancelled once the stream is handed to starlette
+                await asyncio.Future()
+            return {"type": "http.disconnect"}  # starlette's listen_for_disconnect: gone already
+
+        async def send(message: dict) -> None:
+            if spec == "2.4" and message["type"] == "http.response.body":
+                raise OSError("the connection is closed")
+            sent.append(message)
+
+        try:
+            await app(scope, receive, send)
+        except ClientDisconnect:
+            assert spec == "2.4"
+        return sent
+
+    try:
+        asyncio.run(drive())
+        deadline = time.monotonic() + 60
+        while server.queue.jobs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _idle(server)
+        decoded = steps.count(1)
+        counted = {s.labels["status"]: s.value for m in server.metrics.registry.collect() for s in m.samples
+                   if s.name == "peft_kvcache_requests_total"}
+    finally:
+        hook.remove()
+        server.close()
+    assert not server.queue.jobs
+    assert decoded < 600, decoded  # of the 1,000 asked for: generation stopped when the client left
+    assert counted == {"499": 1.0}, counted
+    assert server.engine.store.entries() == []
