@@ -10,7 +10,9 @@ from peft_kvcache.modeling.positions import (
     find_rotary_embedding,
     position_free_keys,
     positions_from_mask,
+    RotarySpec,
     remove_rotary,
+    remove_rotary_float,
     rotary_cos_sin,
     rotary_spec_of,
     rotary_spec_of_config,
@@ -120,3 +122,16 @@ def test_the_config_alone_gives_the_models_rotary_parameters(rope, kind):
     assert (own.attention_scaling, own.head_dim, own.rope_type, own.max_position) == (
         from_config.attention_scaling, from_config.head_dim, from_config.rope_type, from_config.max_position)
 
+
+
+@pytest.mark.parametrize("rotary_dim, scaling, dtype", [(8, 1.0, torch.float32), (4, 1.3, torch.bfloat16)])
+def test_removing_the_rotary_into_float32_equals_removing_it_from_a_float_copy(rotary_dim, scaling, dtype):
+    """The mapping's un-rotation (read in the cache's dtype, written in float32) is `remove_rotary` of the keys
+    as float32, partial rotary and scaling included."""
+    spec = RotarySpec(1.0 / 10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim), scaling, 8)
+    positions = torch.arange(5, 21)[None]
+    cos, sin = rotary_cos_sin(spec, positions)
+    keys = torch.randn(1, 2, 16, 8, generator=torch.Generator().manual_seed(0)).to(dtype)
+    free = remove_rotary_float(keys, cos, sin, scaling)
+    assert free.dtype == torch.float32
+    torch.testing.assert_close(free, remove_rotary(keys.float(), cos, sin, scaling), atol=1e-6, rtol=1e-6)

@@ -15,9 +15,10 @@ from peft_kvcache import MappedCache
 from peft_kvcache.calibration.fit import SufficientStatistics, _Centered, reduce_rank, solve_ridge
 from peft_kvcache.calibration.loop import calibrate, calibrate_adapters
 from peft_kvcache.errors import CalibrationError
-from peft_kvcache.maps.apply import map_layer_factored, map_layer_heads
+from peft_kvcache.maps.apply import map_cache, map_layer_factored, map_layer_heads, rotates_alike
 from peft_kvcache.maps.kvmap import KVMap
 from peft_kvcache.modeling.capture import run_with_cache
+from peft_kvcache.modeling.positions import RotarySpec, apply_rotary, position_free_keys, rotary_cos_sin
 
 
 def _statistics(x: torch.Tensor, y: torch.Tensor, split: int) -> _Centered:
@@ -86,6 +87,50 @@ def test_the_factored_layer_equals_its_dense_weight():
     bias = torch.randn(heads * head_dim, generator=generator)
     dense = map_layer_heads([x], torch.eye(heads * head_dim) + down @ up, bias, heads, head_dim)
     torch.testing.assert_close(map_layer_factored(x, down, up, bias), dense, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rotary_dim, scaling, dtype", [(8, 1.0, torch.float32), (4, 1.3, torch.bfloat16)])
+def test_factored_keys_rotated_alike_skip_the_round_trip_and_equal_it(rotary_dim, scaling, dtype):
+    """Keys whose source rotation is the target's come out as the source keys plus the rotated correction: the same
+    as un-rotating, mapping and rotating again (partial rotary, a yarn-like scaling, 16-bit cached keys)."""
+    generator = torch.Generator().manual_seed(2)
+    heads, head_dim, rank, seq = 3, 8, 2, 11
+    spec = RotarySpec(1.0 / 10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim), scaling, head_dim)
+    positions = torch.arange(3, 3 + seq)[None]
+    cos, sin = rotary_cos_sin(spec, positions)
+    keys = torch.randn(1, heads, seq, head_dim, generator=generator).to(dtype)
+    free = position_free_keys(keys, spec, positions)
+    down = torch.randn(heads * head_dim, rank, generator=generator)
+    up, bias = torch.randn(rank, heads * head_dim, generator=generator), torch.randn(heads * head_dim,
+                                                                                     generator=generator)
+    round_trip = apply_rotary(map_layer_factored(free, down, up, bias), cos, sin)
+    torch.testing.assert_close(map_layer_factored(free, down, up, bias, (keys, cos, sin)), round_trip,
+                               atol=1e-4, rtol=1e-4)
+    assert rotates_alike(spec, positions, spec, positions.clone())
+    assert not rotates_alike(spec, positions, spec, positions + 1)
+    other = RotarySpec(spec.inv_freq * 2, scaling, head_dim)
+    assert not rotates_alike(spec, positions, other, positions)
+
+
+@pytest.mark.parametrize("shift", [0, 5])
+def test_a_factored_map_equals_its_dense_weights_at_the_same_and_at_other_positions(factored_maps, exact_matmuls,
+                                                                                       shift):
+    """At the source's own positions the factored keys take the short path; at others they are rotated anew."""
+    model, maps = factored_maps
+    kv_map = maps.to_adapter["strong"]
+    dense_map = KVMap(copy.deepcopy(kv_map.config), kv_map.tensors)
+    dense_map.config.calibration.options.residual_rank = 0
+    ids = random_ids(1, 30, seed=4)[0][None]
+    with model.disable_adapter():
+        cache = run_with_cache(model, ids)
+    keys, values = cache.keys, cache.values
+    positions = torch.arange(ids.shape[1])[None]
+    placements = [(torch.device("cpu"), torch.float32)] * len(keys)
+    factored = map_cache(kv_map, keys, values, positions, positions + shift, placements)
+    dense = map_cache(dense_map, keys, values, positions, positions + shift, placements)
+    for (fk, fv), (dk, dv) in zip(factored, dense):
+        torch.testing.assert_close(fk, dk, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(fv, dv, atol=1e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")

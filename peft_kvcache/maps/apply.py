@@ -15,7 +15,7 @@ import torch
 
 from ..errors import CacheMismatchError, NumericalError
 from ..modeling.layout import layer_features
-from ..modeling.positions import RotarySpec, rotary_cos_sin, rotate_
+from ..modeling.positions import RotarySpec, remove_rotary_float, rotary_cos_sin, rotate_
 from .compute import matmul_dtype
 
 
@@ -39,9 +39,7 @@ class SourceFeatures:
                 if states.device not in self._rotations:
                     self._rotations[states.device] = rotary_cos_sin(self.spec, self.positions, device=states.device)
                 cos, sin = self._rotations[states.device]
-                states = rotate_(states.to(torch.float32, copy=True), cos, sin, inverse=True)
-                if self.spec.attention_scaling != 1.0:
-                    states[..., : cos.shape[-1]] /= self.spec.attention_scaling**2
+                states = remove_rotary_float(states, cos, sin, self.spec.attention_scaling)
             self._cache[key] = states.to(self.dtype).contiguous()
         # a copy onto an accelerator may run on while the host goes on; one to the host must be whole before a CPU
         # matmul reads it
@@ -116,22 +114,51 @@ def map_layer_heads(features: Sequence[torch.Tensor], weight: torch.Tensor, bias
     return out
 
 
-def map_layer_factored(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def map_layer_factored(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, bias: torch.Tensor,
+                       rotated: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """A same-shape layer whose weight is the identity plus ``down @ up`` (rank r), in the cache's own layout: the
     source heads ``x`` ``[batch, heads, seq, head_dim]`` plus the bias, plus each head's share of ``(x @ down) @ up``
-    (2r multiply-adds per feature instead of the layer width) -> ``[batch, heads, seq, head_dim]``."""
+    (2r multiply-adds per feature instead of the layer width) -> ``[batch, heads, seq, head_dim]``.
+
+    ``rotated`` (the source keys as cached, cos, sin at the target positions): keys whose source rotation is the
+    target's (same RoPE, same positions) come out rotated, as the source keys plus the rotated correction, so their
+    identity part is never rotated back and forth."""
     batch, heads, _, head_dim = x.shape
     if down.shape[0] != heads * head_dim or up.shape[1] != heads * head_dim:
         raise CacheMismatchError(f"the layer's features have {heads * head_dim} columns but its factors are "
                                  f"{tuple(down.shape)} and {tuple(up.shape)}")
-    out = x + bias.to(x.dtype).view(heads, 1, head_dim)
+    # the bias rides in the low-rank product: a column of ones after the down factor, the bias as a row under up
+    rank = down.shape[1]
+    down = torch.cat((down, down.new_zeros(down.shape[0], 1)), 1)
+    up = torch.cat((up, bias.to(up.dtype)[None]), 0)
+    ones = down.new_zeros(rank + 1)
+    ones[rank] = 1
+    out = torch.empty_like(x)
     for b in range(batch):
-        low = None  # [seq, r]: the features through the down factor, one source head at a time
-        for i in range(heads):
-            rows = down[i * head_dim: (i + 1) * head_dim]
-            low = x[b, i] @ rows if low is None else low.addmm_(x[b, i], rows)
+        low = torch.addmm(ones, x[b, 0], down[:head_dim])  # [seq, r + 1]: the features through the down factor
+        for i in range(1, heads):
+            low.addmm_(x[b, i], down[i * head_dim: (i + 1) * head_dim])
         for j in range(heads):
-            out[b, j].addmm_(low, up[:, j * head_dim: (j + 1) * head_dim])
+            columns = up[:, j * head_dim: (j + 1) * head_dim]
+            if rotated is None:
+                torch.addmm(x[b, j], low, columns, out=out[b, j])
+            else:
+                torch.mm(low, columns, out=out[b, j])
+    return out if rotated is None else add_rotated(*rotated, out)
+
+
+def add_rotated(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, correction: torch.Tensor) -> torch.Tensor:
+    """``keys + R(correction)`` (R: `apply_rotary` with ``cos``/``sin``) into a new float32 tensor, two passes per
+    half of the rotary dims: mapped keys whose identity part is already rotated."""
+    rotary_dim = cos.shape[-1]
+    half = rotary_dim // 2
+    c, s = cos[:, None, :, :half], sin[:, None, :, :half]
+    x1, x2 = correction[..., :half], correction[..., half:rotary_dim]
+    out = torch.empty_like(correction)
+    torch.addcmul(keys[..., :half], x1, c, out=out[..., :half]).addcmul_(x2, s, value=-1.0)
+    torch.addcmul(keys[..., half:rotary_dim], x2, c, out=out[..., half:rotary_dim]).addcmul_(x1, s)
+    if rotary_dim < keys.shape[-1]:  # partial rotary: the rest passes through
+        torch.add(keys[..., rotary_dim:], correction[..., rotary_dim:], out=out[..., rotary_dim:])
     return out
 
 
@@ -230,6 +257,7 @@ def _mapped_layers(kv_map, features: SourceFeatures, target_spec: RotarySpec, ta
                    factored: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     heads, head_dim = kv_map.config.target_layout.kv_heads, kv_map.config.target_layout.head_dim
     last = last_readers(kv_map)
+    same_rotation = factored and rotates_alike(features.spec, features.positions, target_spec, target_positions)
     rotations = {}
     projected = {}  # (kind, device) -> the source through the shared basis, once for every layer placed there
     for t, (device, dtype) in enumerate(placements):
@@ -245,8 +273,11 @@ def _mapped_layers(kv_map, features: SourceFeatures, target_spec: RotarySpec, ta
                 if (kind, device) not in projected:
                     projected[kind, device] = project_basis(inputs, kv_map.layer_basis(kind, device, compute_dtype))
                 read = [projected[kind, device]]
+            rotated = None  # keys the factored layer returns rotated already
             if factored:  # the one input is source layer t
-                states = map_layer_factored(inputs[0], *kv_map.layer_factors(kind, t, device, compute_dtype))
+                if kind == "keys" and same_rotation:  # the source keys are rotated as the target's must be
+                    rotated = (features.keys[t].to(device), cos, sin)
+                states = map_layer_factored(inputs[0], *kv_map.layer_factors(kind, t, device, compute_dtype), rotated)
             else:
                 weight, bias = kv_map.layer_weights(kind, t, device, compute_dtype)
                 mlp = kv_map.layer_mlp(kind, t, device, compute_dtype)
@@ -254,13 +285,23 @@ def _mapped_layers(kv_map, features: SourceFeatures, target_spec: RotarySpec, ta
                     states = map_layer_heads(read, weight, bias, heads, head_dim)
                 else:  # the residual MLP reads every head at once
                     states = map_layer([layer_features(x) for x in inputs], weight, bias, head_dim, mlp)
-            if kind == "keys":
+            if kind == "keys" and rotated is None:
                 states = rotate_(states.float(), cos, sin)
             layer.append(_cast_checked(states, dtype, t, kind, dict(zip(sources, inputs))))
         for source in {s for kind in ("keys", "values") for s in kv_map.source_inputs(kind, t)}:
             if last[source] == t:
                 features.release(*source)
         yield layer[0], layer[1]
+
+
+def rotates_alike(source: RotarySpec, source_positions: torch.Tensor, target: RotarySpec,
+                  target_positions: torch.Tensor) -> bool:
+    """Whether keys rotated by ``source`` at ``source_positions`` are rotated exactly as ``target`` rotates them at
+    ``target_positions`` (same frequencies, scaling and rotary dims; same positions)."""
+    return (source.rotary_dim == target.rotary_dim and source.attention_scaling == target.attention_scaling
+            and torch.equal(source.inv_freq.cpu().float(), target.inv_freq.cpu().float())
+            and source_positions.shape == target_positions.shape
+            and torch.equal(source_positions.cpu(), target_positions.cpu()))
 
 
 def map_cache(kv_map, *args, **kwargs) -> list[tuple[torch.Tensor, torch.Tensor]]:

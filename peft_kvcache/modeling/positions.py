@@ -244,18 +244,35 @@ def _rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     return out
 
 
-def rotate_(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """`apply_rotary` (``inverse``: its inverse, without the scaling) in place on ``keys`` (float32, ``[batch, kv_heads,
-    seq, head_dim]``), in four passes over half the dims and one copy of a half: what a mapping runs per layer."""
+def rotate_(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` in place on ``keys`` (float32, ``[batch, kv_heads, seq, head_dim]``), in four passes over half
+    the dims and one copy of a half: what a mapping runs per layer."""
     rotary_dim = cos.shape[-1]
     half = rotary_dim // 2
     c, s = cos[:, None, :, :half], sin[:, None, :, :half]
-    sign = -1.0 if inverse else 1.0
     x1, x2 = keys[..., :half], keys[..., half:rotary_dim]
     first = x1.clone()
-    x1.mul_(c).addcmul_(x2, s, value=-sign)
-    x2.mul_(c).addcmul_(first, s, value=sign)
+    x1.mul_(c).addcmul_(x2, s, value=-1.0)
+    x2.mul_(c).addcmul_(first, s)
     return keys
+
+
+def remove_rotary_float(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        attention_scaling: float) -> torch.Tensor:
+    """`remove_rotary` into a new float32 tensor, read from ``keys`` in their own dtype: two passes per half of the
+    rotary dims and no float copy first (what a mapping runs per source layer)."""
+    rotary_dim = cos.shape[-1]
+    half = rotary_dim // 2
+    c, s = cos[:, None, :, :half], sin[:, None, :, :half]
+    x1, x2 = keys[..., :half], keys[..., half:rotary_dim]
+    out = torch.empty(keys.shape, dtype=torch.float32, device=keys.device)
+    torch.mul(x1, c, out=out[..., :half]).addcmul_(x2, s)
+    torch.mul(x2, c, out=out[..., half:rotary_dim]).addcmul_(x1, s, value=-1.0)
+    if attention_scaling != 1.0:
+        out[..., :rotary_dim] /= attention_scaling**2
+    if rotary_dim < keys.shape[-1]:  # partial rotary: the rest passes through
+        out[..., rotary_dim:] = keys[..., rotary_dim:]
+    return out
 
 
 def apply_rotary(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
