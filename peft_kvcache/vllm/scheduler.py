@@ -192,7 +192,8 @@ class SchedulerSide:
         for match in sorted(matches.values(), key=lambda m: -m.blocks):  # longest prefix first
             if match.blocks <= floor:
                 break
-            way = self._way(variant, match, floor, reuse, prompt)
+            held = local_blocks * self.block_size >= self.sink_tokens  # vLLM holds the target's own sink
+            way = self._way(variant, match, floor, reuse, None if held else prompt[: self.sink_tokens])
             if isinstance(way, str):
                 plan.fallback = plan.fallback or way
                 continue
@@ -200,10 +201,11 @@ class SchedulerSide:
             return Plan(local_blocks, kind, match.entry, match.blocks, made, choice, sink_key, plan.fallback)
         return plan
 
-    def _way(self, target: Variant, match, floor: int, reuse: str, prompt: list[int]):
+    def _way(self, target: Variant, match, floor: int, reuse: str, start: list[int] | None):
         """How ``match`` (a stored prefix of ``target`` itself, derived, or of another variant) can serve
         ``target`` beyond the ``floor`` blocks the exact options give: ``(kind, made, map choice, sink key)``, or why it
-        cannot (a fallback reason)."""
+        cannot (a fallback reason). ``start``: the conversation's first tokens, whose target sink a mapping needs;
+        None where vLLM's own prefix cache holds the target's first blocks (the sink among them)."""
         entry, blocks = match.entry, match.blocks
         if reuse == "exact" or self.options.mode == "exact":
             return "exact_only"
@@ -225,8 +227,8 @@ class SchedulerSide:
         if made.hops > self.options.max_hops:
             return "max_hops"
         sink_key = None
-        if choice.sink_tokens > 0:  # the target's own first tokens
-            start = tuple(prompt[: choice.sink_tokens])
+        if choice.sink_tokens > 0 and start is not None:  # the target's own first tokens
+            start = tuple(start[: choice.sink_tokens])
             shipped = {tuple(s) for s in self.maps.registry.configs[choice.folders[-1]].sinks}
             if self.index.has_sink(target, start):  # kept from the target's own earlier request
                 sink_key = ("store", (target, start))

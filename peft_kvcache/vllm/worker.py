@@ -348,8 +348,8 @@ class WorkerSide:
                 continue
             for t, (k, v) in enumerate(layers):
                 k, v = k[0, heads], v[0, heads]
-                if own_keys is not None:
-                    k_own, v_own = own_keys[t], own_values[t]
+                if own_keys is not None:  # the sink's positions 0.. that fall in this load (none once vLLM holds them)
+                    k_own, v_own = own_keys[t][:, job.start:], own_values[t][:, job.start:]
                     k[:, : k_own.shape[1]] = k_own.to(k.device, k.dtype)
                     v[:, : v_own.shape[1]] = v_own.to(v.device, v.dtype)
                 yield t, k, v

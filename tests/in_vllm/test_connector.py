@@ -135,6 +135,47 @@ def test_mapped_injection_gives_the_librarys_next_token_logits(mapping, prompt, 
     assert len(engine_logprobs) >= 20 and difference < 2e-3, difference
 
 
+def test_a_switch_mapped_beyond_the_adapters_own_cached_blocks_keeps_them_and_its_positions(mapping, prompt,
+                                                                                              model_folder):
+    """The adapter's own first blocks are in vLLM's prefix cache (an earlier turn of it shared the system prompt); the
+    base model's stored prefix is mapped from the first block vLLM lacks on. The target's sink belongs at position 0,
+    which vLLM holds already: nothing is written over the first mapped positions, and the first token's
+    log-probabilities are the library's on the same cache (the adapter's own blocks, then the mapped rest)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from peft_kvcache import KVMap, MappedCache, adapter_active, run_with_cache
+    from peft_kvcache.modeling._compat import with_cache
+
+    body = "".join(f"    total_{i} = sum(x * {i} for x in values)\n" for i in range(40))
+    ids = prompt(f"def totals(values):\n{body}    return total_0\n")
+    run(mapping, prompt("def nothing(): pass"), "shout", reuse="none")  # shout's own blocks of the system prompt
+    run(mapping, ids, None)
+    out = run(mapping, ids, "shout")
+    label = out.kv_transfer_params["peft_kvcache"]
+    local, loaded = label["engine_cached_tokens"], label["loaded_tokens"]
+    assert label["context_source"] == "mapped:smollm2" and local >= 128 and loaded >= MIN_MAPPED, label
+    base = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
+    model = PeftModel.from_pretrained(base, str(ADAPTERS["shout"]), adapter_name="shout").eval()
+    kv_map = KVMap.from_pretrained(mapping_maps(mapping) / "smollm2-135m-instruct-base-to-shout")
+    context = torch.tensor([ids[: local + loaded]])
+    with torch.no_grad():
+        with adapter_active(model, None):
+            source = run_with_cache(model, context)
+        with adapter_active(model, "shout"):
+            own = run_with_cache(model, context[:, :local])
+            cache = MappedCache.from_source(source, kv_map, model, input_ids=context, refresh_tokens=0)
+            for layer, keys, values in zip(cache.layers, own.keys, own.values):
+                layer.keys[:, :, :local], layer.values[:, :, :local] = keys, values
+            logits = model(input_ids=torch.tensor([ids[local + loaded:]]),
+                           position_ids=torch.arange(local + loaded, len(ids))[None],
+                           **with_cache(model, cache)).logits[0, -1]
+    library = torch.log_softmax(logits.float(), -1)
+    engine_logprobs = _first_logprobs(out)
+    difference = max(abs(library[token].item() - logprob) for token, logprob in engine_logprobs.items())
+    assert difference < 2e-3, difference
+
+
 def mapping_maps(llm):
     """The maps folder the engine's connector was started with."""
     from pathlib import Path
