@@ -287,6 +287,19 @@ class SchedulerSide:
         if self.block_pool is not None and block_ids:
             self.block_pool.evict_blocks(set(block_ids))
 
+    def _evict_from(self, request, first: int, block_ids: list[int]) -> None:
+        """Take the request's blocks from block ``first`` on out of vLLM's prefix cache: those it holds, and every
+        block cached under one of their hashes (one it computed before a preemption, say)."""
+        ids = set(block_ids[first:])
+        if self.block_pool is not None:
+            for block_hash in list(getattr(request, "block_hashes", ()))[first:]:
+                for _ in range(8):  # vLLM hands out one block per hash at a time
+                    cached = self.block_pool.get_cached_block(block_hash, [0])
+                    if not cached:
+                        break
+                    self._evict({block.block_id for block in cached})
+        self._evict(ids)
+
     # ----- a finished request -----
 
     def finished(self, request, block_ids: list[int]) -> tuple[bool, dict]:
@@ -302,6 +315,8 @@ class SchedulerSide:
         if record.loaded_tokens:
             self.counts.tokens[record.made.context_source] += record.loaded_tokens
         self.counts.tokens["prefilled"] += record.prompt_tokens - record.local_tokens - record.loaded_tokens
+        if record.made.approximate:  # what it computed over approximate KV is derived too: never an exact hit later
+            self._evict_from(request, record.local_tokens // self.block_size, block_ids)
         # every variant's fingerprint, kept or not: vLLM's prefix cache keeps its blocks whatever the store keeps
         self._remember(record.variant)
         self._track(record.variant, getattr(request, "block_hashes", ()))

@@ -98,16 +98,18 @@ def engine(model_folder: Path, *, dtype: str = "float32", llm_args: dict | None 
 
 
 def run(llm, ids: list[int], adapter: str | None = None, *, salt: str | None = None, reuse: str | None = None,
-        max_tokens: int = 8, logprobs: int = 20, params: dict | None = None, lora_id: int | None = None):
+        max_tokens: int = 8, logprobs: int = 20, params: dict | None = None, lora_id: int | None = None,
+        ignore_eos: bool = False):
     """One greedy request (``adapter``: a name of the engine's adapters, which a test may extend; ``lora_id``: its
     LoRA id, default its place among them; ``params``: its ``kv_transfer_params.peft_kvcache``, default from
-    ``reuse``); returns vLLM's output (text, first-token logprobs, kv_transfer_params)."""
+    ``reuse``; ``ignore_eos``: generate all ``max_tokens``); returns vLLM's output (text, first-token logprobs,
+    kv_transfer_params)."""
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
     adapters = llm.peft_kvcache_adapters
     ours = params if params is not None else {"reuse": reuse} if reuse else None
-    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs,
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=ignore_eos,
                               extra_args={"kv_transfer_params": {"peft_kvcache": ours}} if ours is not None else None)
     lora = None if adapter is None else LoRARequest(adapter, lora_id or list(adapters).index(adapter) + 1,
                                                     str(adapters[adapter]))

@@ -176,6 +176,24 @@ def test_a_switch_mapped_beyond_the_adapters_own_cached_blocks_keeps_them_and_it
     assert difference < 2e-3, difference
 
 
+def test_blocks_computed_on_a_mapped_prefix_are_never_an_exact_hit_later(mapping, prompt):
+    """A mapped request's own full blocks (its reply's, here) hold KV computed over mapped KV: once another request of
+    the adapter re-caches the prefix exactly, vLLM would chain into them as exact. They leave vLLM's prefix cache when
+    the mapped request ends: an exact-only request on the next turn reads exact blocks alone and gets the prefill's
+    log-probabilities."""
+    ids = prompt(2)
+    run(mapping, ids, None)
+    first = run(mapping, ids, "shout", max_tokens=140, ignore_eos=True)  # its reply fills a block past the prompt
+    assert source_of(first) == "mapped:smollm2"
+    turn = ids + list(first.outputs[0].token_ids) + ids[-12:]  # the next turn, on the same conversation
+    exact = run(mapping, turn, "shout", reuse="none")
+    again = run(mapping, turn, "shout", reuse="exact")
+    label = again.kv_transfer_params["peft_kvcache"]
+    assert label["engine_cached_tokens"] > len(ids), label  # vLLM's own hit reaches into the first reply
+    difference = max(abs(_first_logprobs(exact)[t] - lp) for t, lp in _first_logprobs(again).items())
+    assert difference < 1e-4, difference
+
+
 def mapping_maps(llm):
     """The maps folder the engine's connector was started with."""
     from pathlib import Path
