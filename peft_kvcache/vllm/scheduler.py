@@ -77,9 +77,11 @@ class RequestRecord:
 
     def admitted(self, local_tokens: int, loaded_tokens: int, made: Made, fallback: str | None) -> None:
         """One admission (the first, or one after a preemption): kept unless an earlier one was approximate and this
-        one is not."""
+        one is not. Only prompt tokens count: after a preemption vLLM's own hit covers the reply so far too."""
         if self.made.approximate and not made.approximate:
             return
+        local_tokens = min(local_tokens, self.prompt_tokens)
+        loaded_tokens = min(loaded_tokens, self.prompt_tokens - local_tokens)
         self.local_tokens, self.loaded_tokens, self.made, self.fallback = local_tokens, loaded_tokens, made, fallback
 
     def label(self, base: str) -> dict:
@@ -275,7 +277,7 @@ class SchedulerSide:
         if record is None:
             reuse, _ = request_reuse(request.kv_transfer_params)
             record = self.records[rid] = RequestRecord(_variant(request), request.cache_salt, reuse,
-                                                       len(request.prompt_token_ids or []))
+                                                       request.num_prompt_tokens)
             if plan.fallback and not loaded:
                 self.counts.fallbacks[plan.fallback] += 1
                 self._say(plan.fallback, f"{record.variant.label} request {rid}")
@@ -310,7 +312,7 @@ class SchedulerSide:
         self.plans.pop(request.request_id, None)
         self.evict_later.pop(request.request_id, None)
         if record is None:  # never admitted through the connector (aborted while waiting)
-            record = RequestRecord(_variant(request), request.cache_salt, "map", len(request.prompt_token_ids or []))
+            record = RequestRecord(_variant(request), request.cache_salt, "map", request.num_prompt_tokens)
         self.counts.tokens["engine"] += record.local_tokens
         if record.loaded_tokens:
             self.counts.tokens[record.made.context_source] += record.loaded_tokens

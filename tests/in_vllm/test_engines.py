@@ -167,3 +167,28 @@ def test_preempted_requests_keep_their_label_and_are_counted_once(model_folder, 
     assert all(source_of(out).startswith("mapped:") for out in outs), [source_of(o) for o in outs]
     total = sum(len(ids) for ids in prompts) * 2  # the base turns and the switches
     assert sum(by_source.values()) == total, by_source
+
+
+def test_short_prompts_with_long_replies_preempted_count_no_more_than_their_prompts(model_folder, maps_folder, tokenizer):
+    """Preempted after part of its reply, a request is admitted again with vLLM's own prefix-cache hit over its prompt
+    and the reply so far: more tokens than its prompt. Its label and the counters still add up to its prompt (a
+    negative count would stop the engine: prometheus refuses to decrease a counter)."""
+    from vllm import SamplingParams
+
+    with engine(model_folder, maps=maps_folder, min_mapped_tokens=MIN_MAPPED,
+                llm_args={"num_gpu_blocks_override": 8, "max_num_seqs": 4, "max_model_len": 640}) as llm:
+        prompts = [tokenizer(f"Count to a thousand, number {i}:", add_special_tokens=False).input_ids
+                   for i in range(4)]
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True), use_tqdm=False)
+        by_source, preemptions = {}, 0
+        for m in llm.get_metrics():
+            if m.name == "vllm:peft_kvcache_prompt_tokens":
+                by_source[m.labels["source"]] = by_source.get(m.labels["source"], 0) + m.value
+            preemptions += m.value if m.name == "vllm:num_preemptions" else 0
+    assert preemptions >= 1
+    for ids, out in zip(prompts, outs):
+        label = out.kv_transfer_params["peft_kvcache"]
+        assert len(out.outputs[0].token_ids) == 400
+        assert label["cached_tokens"] <= len(ids) and label["prefilled_tokens"] == len(ids) - label["cached_tokens"]
+    assert sum(by_source.values()) == sum(len(ids) for ids in prompts), by_source
