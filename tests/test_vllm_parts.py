@@ -82,12 +82,25 @@ def test_the_bound_evicts_the_least_recently_used_and_refuses_what_cannot_fit():
     assert evicted == [a.key] and index.has_sink(SHOUT, [5]) and not index.has_sink(BASE, [5])
 
 
+def test_what_was_just_added_is_never_what_makes_room_for_itself():
+    """An entry that fills the bound with a sink beside it pushes the sink out, not itself (the worker would keep
+    tensors the index no longer knows); a sink that does not fit beside the only entry pushes the entry out, and
+    says so."""
+    index = StoreIndex(max_bytes=8, block_size=4, bytes_per_token=1)
+    sink, _ = index.add_sink(SHOUT, [1])
+    entry, evicted = index.add(BASE, None, _tokens(8))
+    assert entry is not None and evicted == [sink] and len(index) == 1 and index.nbytes == 8
+    key, evicted = index.add_sink(BASE, [0])
+    assert evicted == [entry.key] and index.has_sink(BASE, [0]) and len(index) == 0 and index.nbytes == 1
+
+
 # ----- options -----
 
 
 @pytest.mark.parametrize("extra, match", [
     ({"mode": "sometimes"}, "mode must be one of"), ({"maps": None}, "maps is needed in mode 'map'"),
     ({"maps": "/no/such/folder"}, "not a folder"), ({"store_gib": 0, "mode": "exact"}, "store_gib"),
+    ({"store_gib": float("inf"), "mode": "exact"}, "finite"),
     ({"min_mapped_tokens": "256", "mode": "exact"}, "must be an integer"), ({"map": "hub_cards"}, "unknown keys"),
 ])
 def test_options_that_cannot_be_used_are_refused_by_name(extra, match):

@@ -4,6 +4,7 @@ type and range at engine start, so a typo fails the start with a message instead
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
@@ -99,8 +100,8 @@ class ConnectorOptions:
             raise ConnectorError(str(err)) from None
         if self.mode not in MODES:
             raise ConnectorError(f"{where}.mode must be one of {MODES}, got {self.mode!r}")
-        if not self.store_gib > 0:
-            raise ConnectorError(f"{where}.store_gib must be a positive number of GiB, got {self.store_gib!r}")
+        if not 0 < self.store_gib < math.inf:
+            raise ConnectorError(f"{where}.store_gib must be a positive, finite number of GiB, got {self.store_gib!r}")
         if self.min_mapped_tokens < 0:
             raise ConnectorError(f"{where}.min_mapped_tokens must be >= 0, got {self.min_mapped_tokens!r}")
         if not 0 < self.step_share < 1:

@@ -347,6 +347,8 @@ class SchedulerSide:
             if not self.index.has_sink(record.variant, first):
                 sink, evicted = self.index.add_sink(record.variant, first)
                 self._drop(evicted)
+                if entry is not None and entry.key in evicted:  # the sink took its room: nothing of it to save
+                    entry, blocks = None, 0
         if entry is None and sink is None:
             return False
         # the sink is read from the first block, which a sink kept alone must carry too

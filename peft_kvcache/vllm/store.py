@@ -128,7 +128,7 @@ class StoreIndex:
         for prefix in chain:
             self._holders.setdefault(prefix, set()).add(entry.key)
         self._bytes += nbytes
-        return entry, dropped + self._evict()
+        return entry, dropped + self._evict(keep=entry.key)
 
     def drop_variant(self, variant: Hashable) -> list:
         """Forget every entry and sink of ``variant`` (its files changed); returns their keys for the worker."""
@@ -172,20 +172,23 @@ class StoreIndex:
         key = (variant, tuple(tokens))
         self._sinks[key] = len(tokens) * self.bytes_per_token
         self._bytes += self._sinks[key]
-        return key, self._evict()
+        return key, self._evict(keep=key)
 
     # -----
 
-    def _evict(self) -> list:
-        """Drop least recently used entries, then sinks, until the bound holds; returns their keys."""
+    def _evict(self, keep) -> list:
+        """Drop least recently used entries, then sinks, until the bound holds, never ``keep`` (what was just added:
+        the caller stores it); returns their keys."""
         evicted = []
-        while self._bytes > self.max_bytes and (self._entries or self._sinks):
-            if self._entries:
-                key = next(iter(self._entries))
+        while self._bytes > self.max_bytes:
+            key = next((k for k in self._entries if k != keep), None)
+            if key is not None:
                 self._remove(key)
             else:
-                key, nbytes = self._sinks.popitem(last=False)
-                self._bytes -= nbytes
+                key = next((k for k in self._sinks if k != keep), None)
+                if key is None:
+                    break
+                self._bytes -= self._sinks.pop(key)
             evicted.append(key)
             self.evictions += 1
         return evicted
