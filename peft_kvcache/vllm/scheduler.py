@@ -27,10 +27,13 @@ from __future__ import annotations
 import logging
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from ..errors import PeftKVCacheError
 from ..maps.registry import MapMatch
+from ..modeling.identity import fingerprint_files
 from ..runtime.reuse import EXACT, Made, label, mapping_pays
 from .jobs import DropJob, LoadJob, SaveJob, WorkerReport
 from .options import ConnectorOptions, request_reuse
@@ -74,6 +77,7 @@ class RequestRecord:
     loaded_tokens: int = 0
     made: Made = EXACT
     fallback: str | None = None
+    fingerprint: str | None = None  # of the files its variant loaded when it was first admitted
 
     def admitted(self, local_tokens: int, loaded_tokens: int, made: Made, fallback: str | None) -> None:
         """One admission (the first, or one after a preemption): kept unless an earlier one was approximate and this
@@ -118,6 +122,7 @@ class SchedulerSide:
                      * torch.empty(0, dtype=model.dtype).element_size())
         self.index = StoreIndex(options.store_bytes, self.block_size, per_token)
         self.base_name = model.served_model_name or model.model
+        self.model_dir = _model_folder(model.model)  # every mode: a variant whose files change loses its KV
         self.maps: VariantMaps | None = None
         if options.mode == "map":  # the base model's identity is read here, at start
             self.maps = VariantMaps(options.maps, local_model_folder(model.model), model.hf_config)
@@ -136,6 +141,7 @@ class SchedulerSide:
                            self.refused)
         self.plans: dict[str, Plan] = {}
         self.records: dict[str, RequestRecord] = {}
+        self.running: dict[str, object] = {}  # vLLM's requests admitted and not finished (their block hashes)
         self.evict_later: dict[str, tuple[int, ...]] = {}  # async loads: approximate blocks vLLM hashes at promotion
         self.ops: list = []  # store operations for the next step, in order
         self.loads: list[LoadJob] = []
@@ -276,8 +282,12 @@ class SchedulerSide:
         record = self.records.get(rid)
         if record is None:
             reuse, _ = request_reuse(request.kv_transfer_params)
-            record = self.records[rid] = RequestRecord(_variant(request), request.cache_salt, reuse,
-                                                       request.num_prompt_tokens)
+            variant = _variant(request)
+            record = self.records[rid] = RequestRecord(variant, request.cache_salt, reuse, request.num_prompt_tokens,
+                                                       fingerprint=self._print(variant))
+            self.running[rid] = request
+            if record.fingerprint is not None:  # the files its blocks are of, from its first block on
+                self.prints.setdefault(variant, record.fingerprint)
             if plan.fallback and not loaded:
                 self.counts.fallbacks[plan.fallback] += 1
                 self._say(plan.fallback, f"{record.variant.label} request {rid}")
@@ -310,17 +320,26 @@ class SchedulerSide:
         the worker has copied them, and its label for the response."""
         record = self.records.pop(request.request_id, None)
         self.plans.pop(request.request_id, None)
+        self.running.pop(request.request_id, None)
         self.evict_later.pop(request.request_id, None)
+        now = self._print(_variant(request))
         if record is None:  # never admitted through the connector (aborted while waiting)
-            record = RequestRecord(_variant(request), request.cache_salt, "map", request.num_prompt_tokens)
+            record = RequestRecord(_variant(request), request.cache_salt, "map", request.num_prompt_tokens,
+                                   fingerprint=now)
         self.counts.tokens["engine"] += record.local_tokens
         if record.loaded_tokens:
             self.counts.tokens[record.made.context_source] += record.loaded_tokens
         self.counts.tokens["prefilled"] += record.prompt_tokens - record.local_tokens - record.loaded_tokens
+        if record.fingerprint != now:  # its variant's files changed while it ran: its KV is of the old weights
+            self._say("changed_while_running", f"{record.variant.label}'s files changed while request "
+                      f"{request.request_id} ran: nothing it computed is kept")
+            self._evict_from(request, 0, block_ids)
+            return False, record.label(self.base_name)
         if record.made.approximate:  # what it computed over approximate KV is derived too: never an exact hit later
             self._evict_from(request, record.local_tokens // self.block_size, block_ids)
         # every variant's fingerprint, kept or not: vLLM's prefix cache keeps its blocks whatever the store keeps
-        self._remember(record.variant)
+        if now is not None:
+            self.prints.setdefault(record.variant, now)
         self._track(record.variant, getattr(request, "block_hashes", ()))
         return self._keep(request, record, block_ids), record.label(self.base_name)
 
@@ -362,19 +381,23 @@ class SchedulerSide:
 
     # ----- what is stale -----
 
-    def _remember(self, variant: Variant) -> None:
-        if self.maps is not None and variant not in self.prints:
-            identity = self.maps.identity(variant)
-            if identity is not None:
-                self.prints[variant] = identity.fingerprint
+    def _print(self, variant: Variant) -> str | None:
+        """The sampled fingerprint of the files ``variant`` loads now (memoized by their identity: a few ``stat``
+        calls), None where they cannot be read."""
+        if self.model_dir is None:
+            return None
+        try:
+            return fingerprint_files(self.model_dir, variant.path if variant.adapter else None)
+        except (PeftKVCacheError, OSError, ValueError, KeyError, StopIteration):
+            return None
 
     def _changed(self, variant: Variant) -> bool:
         """Whether ``variant``'s files changed since its entries were stored (an adapter replaced at the same path):
         then its entries are dropped, here and in vLLM's prefix cache (the blocks of its finished requests)."""
-        if self.maps is None or variant not in self.prints:
+        if variant not in self.prints:
             return False
-        identity = self.maps.identity(variant)
-        if identity is not None and identity.fingerprint == self.prints[variant]:
+        now = self._print(variant)
+        if now is not None and now == self.prints[variant]:
             return False
         logger.warning("peft-kvcache: %s's files changed (%s): its stored KV and vLLM's cached blocks of it are "
                        "dropped", variant.label, variant.path or "the base model")
@@ -384,6 +407,9 @@ class SchedulerSide:
             for block_hash in self.hashes.pop(variant, {}):
                 cached = self.block_pool.get_cached_block(block_hash, [0])
                 self._evict({block.block_id for block in cached or ()})
+        for rid, request in self.running.items():  # still running on the old weights: their blocks so far
+            if self.records[rid].variant == variant:
+                self._evict_from(request, 0, [])
         return True
 
     def _track(self, variant: Variant, block_hashes) -> None:
@@ -444,6 +470,16 @@ class SchedulerSide:
         if reason not in self._logged:
             self._logged.add(reason)
             logger.warning("peft-kvcache: %s (%s; logged once per reason)", detail, reason)
+
+
+def _model_folder(model: str) -> Path | None:
+    """The folder the engine's model was loaded from, or None (its files cannot be fingerprinted: said once)."""
+    try:
+        return local_model_folder(model)
+    except (OSError, ValueError) as err:
+        logger.warning("peft-kvcache: cannot find the files of %s (%s): a variant whose files change will not be "
+                       "noticed", model, err)
+        return None
 
 
 def _variant(request) -> Variant:

@@ -192,3 +192,23 @@ def test_short_prompts_with_long_replies_preempted_count_no_more_than_their_prom
         assert len(out.outputs[0].token_ids) == 400
         assert label["cached_tokens"] <= len(ids) and label["prefilled_tokens"] == len(ids) - label["cached_tokens"]
     assert sum(by_source.values()) == sum(len(ids) for ids in prompts), by_source
+
+
+def test_in_exact_mode_an_adapter_replaced_at_the_same_path_is_served_nothing_of_its_old_weights(model_folder,
+                                                                                                  prompt, tmp_path):
+    """Without maps (mode "exact") the store still keeps each variant's KV, and vLLM's prefix cache its blocks: a
+    variant whose files change loses both there too."""
+    import shutil
+
+    folder = tmp_path / "hot"
+    shutil.copytree(ADAPTERS["shout"], folder)
+    with engine(model_folder, adapters={"hot": folder}, mode="exact") as llm:
+        run(llm, prompt(0), "hot", lora_id=1)
+        assert run(llm, prompt(0), "hot", lora_id=1).kv_transfer_params["peft_kvcache"]["cached_tokens"] > 0
+        for name in ("adapter_model.safetensors", "adapter_config.json"):
+            shutil.copy(ADAPTERS["docstring"] / name, folder / name)
+        replaced = run(llm, prompt(0), "hot", lora_id=2)
+        reference = run(llm, prompt(0), "hot", lora_id=2, salt="reference", reuse="none")
+    label = replaced.kv_transfer_params["peft_kvcache"]
+    assert label["cached_tokens"] == 0 and label["context_source"] == "prefilled", label
+    assert replaced.outputs[0].token_ids == reference.outputs[0].token_ids

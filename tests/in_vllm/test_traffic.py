@@ -124,3 +124,35 @@ def test_careless_options_are_read_as_exact_and_named_briefly(served, prompt):
     for params in ({"reuse": "map", "x" * 100_000: 1}, {"reuse": "y" * 100_000}, "nope"):
         label = _label(run(served, prompt(0, system=f"Careless. {SYSTEM}"), "shout", params=params))
         assert label["fallback"] == "invalid_options" and label["context_source"] in ("prefilled", "reused")
+
+
+def test_an_adapter_replaced_while_its_request_runs_serves_nothing_of_that_request(served, prompt, tmp_path):
+    """A request runs on the old weights while the files change at the same path (a reload under a new LoRA id
+    comes after it: this vLLM fails a step that holds two ids of one adapter name). The request of the new weights
+    reads nothing of the old weights' blocks (vLLM would hit them by the adapter's name and path), and nothing the
+    old request computed is kept."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    folder = tmp_path / "running"
+    shutil.copytree(ADAPTERS["shout"], folder)
+    served.peft_kvcache_adapters["running"] = folder
+    ids = prompt(1)
+    engine = served.llm_engine
+    try:
+        engine.add_request("old-weights", {"prompt_token_ids": ids},
+                           SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
+                           lora_request=LoRARequest("running", 70, str(folder)))
+        for _ in range(3):  # prefilled, decoding
+            engine.step()
+        for name in ("adapter_model.safetensors", "adapter_config.json"):
+            shutil.copy(ADAPTERS["docstring"] / name, folder / name)
+        while engine.has_unfinished_requests():
+            engine.step()
+        after = run(served, ids, "running", lora_id=71)
+        reference = run(served, ids, "running", lora_id=71, salt="reference", reuse="none")
+    finally:
+        del served.peft_kvcache_adapters["running"]
+    label = _label(after)
+    assert label["engine_cached_tokens"] == 0 and label["context_source"] != "reused", label
+    assert after.outputs[0].token_ids == reference.outputs[0].token_ids
