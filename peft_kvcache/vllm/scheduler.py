@@ -159,6 +159,8 @@ class SchedulerSide:
         variant = _variant(request)
         if self._changed(variant) and local_tokens:
             return None
+        if local_tokens and self._evict_pending(variant):  # vLLM's hit may have read another request's mapped blocks
+            return None
         plan = self._plan(request, variant, local_tokens)
         self.plans[request.request_id] = plan
         return plan.tokens * self.block_size
@@ -299,6 +301,16 @@ class SchedulerSide:
         if self.block_pool is not None and block_ids:
             self.block_pool.evict_blocks(set(block_ids))
 
+    def _evict_pending(self, variant: Variant) -> bool:
+        """Take out of vLLM's prefix cache the approximate blocks of ``variant``'s asynchronous loads that vLLM has
+        hashed already, before their requests' next call; whether there were any."""
+        pending = {block for rid, ids in self.evict_later.items()
+                   if rid in self.records and self.records[rid].variant == variant for block in ids}
+        hashed = {block for block in pending
+                  if self.block_pool is not None and self.block_pool.blocks[block].block_hash is not None}
+        self._evict(hashed)
+        return bool(hashed)
+
     def _evict_from(self, request, first: int, block_ids: list[int]) -> None:
         """Take the request's blocks from block ``first`` on out of vLLM's prefix cache: those it holds, and every
         block cached under one of their hashes (one it computed before a preemption, say)."""
@@ -321,7 +333,7 @@ class SchedulerSide:
         record = self.records.pop(request.request_id, None)
         self.plans.pop(request.request_id, None)
         self.running.pop(request.request_id, None)
-        self.evict_later.pop(request.request_id, None)
+        self._evict(self.evict_later.pop(request.request_id, ()))  # ended before vLLM called again after its load
         now = self._print(_variant(request))
         if record is None:  # never admitted through the connector (aborted while waiting)
             record = RequestRecord(_variant(request), request.cache_salt, "map", request.num_prompt_tokens,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 import torch
@@ -98,6 +99,7 @@ class WorkerSide:
         self._loaded: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._reportable: set[int] = set()
+        self._unwritten: OrderedDict[str, None] = OrderedDict()  # requests whose load failed (job thread only)
         threading.Thread(target=self._serve, name="peft-kvcache-jobs", daemon=True).start()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -248,12 +250,17 @@ class WorkerSide:
                 return
             if self.layout is None:
                 raise CacheMismatchError(self.problem or "no layout")
+            if op.request_id in self._unwritten:  # its blocks hold what no load wrote
+                del self._unwritten[op.request_id]
+                raise CacheMismatchError(f"the load of request {op.request_id} failed: its blocks are not its KV")
             if op.key is not None:
                 pairs = []
                 for layer in self.layers:  # a layer a slice
                     pairs.append(self.layout.read(layer, op.block_ids))
                     yield
-                self.store.entries[op.key] = StoredKV([_to_host(k) for k, _ in pairs], [_to_host(v) for _, v in pairs])
+                entry = StoredKV([_to_host(k) for k, _ in pairs], [_to_host(v) for _, v in pairs])
+                _copies_done(self.layers[0].device)  # a load of it reads the host copies on the CPU
+                self.store.entries[op.key] = entry
             if op.sink_key is not None:
                 if not op.block_ids or op.sink_tokens > self.layout.block_size:
                     raise CacheMismatchError(f"a sink of {op.sink_tokens} token(s) needs the request's first block")
@@ -277,6 +284,9 @@ class WorkerSide:
                 raise CacheMismatchError(self.problem or "no layout")
             yield from self._load(job)
         except Exception as err:  # vLLM recomputes the failed blocks
+            self._unwritten[job.request_id] = None  # a save of the request (aborted before vLLM recomputed) stores nothing
+            while len(self._unwritten) > 4096:
+                self._unwritten.popitem(last=False)
             with self._lock:
                 self._failed_blocks.update(job.block_ids)
                 self._report.failed_loads.append(job.request_id)
@@ -396,6 +406,12 @@ def _layer_index(name: str) -> int:
     if len(numbers) != 1:
         raise ValueError(name)
     return numbers[0]
+
+
+def _copies_done(device: torch.device) -> None:
+    """Wait (on the job thread) until the copies queued on ``device``'s stream, `_to_host`'s among them, are done."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
