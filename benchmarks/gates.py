@@ -82,9 +82,20 @@ def _sibling_gates(models: dict, tokenizer, maps: dict[str, dict], skip: int,
     for direction, by_key in maps.items():
         source, target = (models[n] for n in siblings.DIRECTIONS[direction])
         for key, kv_map in by_key.items():
+            disjoint(texts, kv_map, f"{direction} {key}")
             record = measure_quality(kv_map, source, target, sequences, data=data, progress=progress)
             gates.setdefault(direction, {})[str(key)] = to_json(record)
     return texts, gates
+
+
+def disjoint(texts, kv_map: KVMap, label: str) -> None:
+    """Refuse gate ``texts`` (file names) that a map was fitted on: its predicted retention would be measured on its
+    own calibration text."""
+    fitted = {text.name for text in kv_map.config.calibration.data.texts}
+    overlap = sorted(fitted.intersection(texts))
+    if overlap:
+        raise SystemExit(f"the gate texts include {len(overlap)} file(s) map {label} was fitted on (e.g. "
+                         f"{overlap[0]}): pass a skip past the files its calibration read")
 
 
 def run_adapters(model, base, tokenizer, maps: AdapterMaps, skip: int = ADAPTER_SKIP,
@@ -95,6 +106,7 @@ def run_adapters(model, base, tokenizer, maps: AdapterMaps, skip: int = ADAPTER_
     data = DataRecord(description, [TextRecord(name, TOKENS, "gate") for name in texts])
     gates = {}
     for adapter, reverse, kv_map in maps.all():
+        disjoint(texts, kv_map, folder_name(adapters.PREFIX, adapter, reverse))
         model.set_adapter(adapter)  # the adapter's side is the PeftModel, the base's side a plain copy
         source, target = (model, base) if reverse else (base, model)
         gates[folder_name(adapters.PREFIX, adapter, reverse)] = to_json(measure_quality(

@@ -180,7 +180,7 @@ class Publisher:
     def gate(self) -> None:
         """The quality gate of every scale's map (`benchmarks.gates`); the published maps carry theirs."""
         models, tokenizer = self.sibling_models()
-        gates.run_siblings(models, tokenizer, self.scale_maps(), progress=self.progress)
+        gates.run_siblings(models, tokenizer, self.scale_maps(), skip=max(self.scales), progress=self.progress)
 
     def lever_gate(self) -> None:
         """The quality gate of the maps a calibration lever publishes where its maps earned a direction's default

@@ -74,3 +74,15 @@ def test_the_card_names_each_input_by_its_kind():
     kv_map = KVMap.calibrate(model, model, random_ids(10, 40), progress=False, joint_kinds=True)
     assert "| 1 | k1 | v1 |" in render_card(kv_map.config, "org/map").content
     assert "layers vals  0<-v0 1<-v1" in summary_text(kv_map.config)
+
+
+def test_the_layer_chart_draws_every_input_of_both_kinds():
+    from peft_kvcache.maps.card import candidate_grid
+
+    model = tiny_model("qwen2", seed=3)
+    kv_map = KVMap.calibrate(model, model, random_ids(10, 40), progress=False, joint_kinds=True)
+    layers = model.config.num_hidden_layers
+    grid = candidate_grid(kv_map.config, kv_map.config.value_candidate_r2)
+    assert len(grid) == 2 * layers and len(grid[0]) == layers
+    chosen = max(s for group in kv_map.config.value_layers for s in group)
+    assert chosen >= layers and grid[chosen][0] == kv_map.config.value_candidate_r2[0][chosen]

@@ -115,3 +115,18 @@ def test_the_timed_calibrate_adapters_command_is_the_readmes_and_parses():
     words = readme_command()
     args = build_parser().parse_args(words[1:])  # argparse exits on a word the CLI does not take
     assert args.command == "calibrate-adapters" and args.num_files == 44, args
+
+
+def test_a_gate_on_texts_a_map_was_fitted_on_is_refused():
+    """The quality gate predicts retention on text the map never saw: a gate text among its calibration files is
+    refused by name (the gate's skip and the capture's file count are set apart in two places)."""
+    from benchmarks.gates import FILES, disjoint
+    from peft_kvcache.lab.corpus import stdlib_texts
+    from scripts.publish import ADAPTER_FILES, BLEND_FILES
+
+    kv_map = KVMap.from_pretrained(ROOT / "hub_cards" / "smollm2-135m-instruct-base-to-shout")
+    fitted = [text.name for text in kv_map.config.calibration.data.texts]
+    with pytest.raises(SystemExit, match=re.escape(fitted[0])):
+        disjoint({fitted[0]: "", "elsewhere.py": ""}, kv_map, "base -> shout")
+    # the files the publish run gates the adapter maps on
+    disjoint(stdlib_texts("calibration", FILES, ADAPTER_FILES + BLEND_FILES), kv_map, "base -> shout")

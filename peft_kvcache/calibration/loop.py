@@ -41,10 +41,13 @@ BASE = "base"  # the name the base model of a PeftModel has in adapter calibrati
 
 
 def join_process_group() -> tuple[int, int]:
-    """Join torch.distributed's process group when started by ``torchrun`` (``WORLD_SIZE`` > 1; NCCL with GPUs,
-    gloo on CPUs); returns ``(rank, world_size)``, ``(0, 1)`` for a single process."""
+    """Join torch.distributed's process group when started by ``torchrun`` (``WORLD_SIZE`` > 1; NCCL with GPUs, each
+    rank on the GPU ``LOCAL_RANK`` names, gloo on CPUs); returns ``(rank, world_size)``, ``(0, 1)`` for a single
+    process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
+        if torch.cuda.is_available():  # NCCL refuses two ranks on one GPU, and every rank starts on GPU 0
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 

@@ -58,11 +58,12 @@ def plot_layer_selection(config: KVMapConfig, path: str | Path) -> Path | None:
     ax_r2.set(xlabel="target layer", ylabel="held-out R² (mean over KV heads)", title="fit quality", ylim=(None, 1.0))
     ax_r2.legend()
     for ax, (kind, candidates, chosen) in zip(axes[0][1:], panels, strict=True):
-        grid = [[candidates[t][s] for t in layers] for s in range(c.source_layout.num_layers)]
+        grid = candidate_grid(c, candidates)
         image = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0)
         ax.scatter([t for t, group in enumerate(chosen) for _ in group], [s for group in chosen for s in group],
                    marker="x", color="red", label="chosen")
-        ax.set(xlabel="target layer", ylabel="source layer", title=f"{kind}: R² of each source layer")
+        inputs = "source input (keys, then values)" if c.source_candidates > c.source_layout.num_layers else "source layer"
+        ax.set(xlabel="target layer", ylabel=inputs, title=f"{kind}: R² of each {inputs.split(' (')[0]}")
         ax.legend(loc="upper left", fontsize="small")
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         fig.colorbar(image, ax=ax)
@@ -73,6 +74,13 @@ def plot_layer_selection(config: KVMapConfig, path: str | Path) -> Path | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def candidate_grid(config: KVMapConfig, candidates: list[list[float]]) -> list[list[float]]:
+    """The chart's image of ``candidates`` (per target layer, the held-out R^2 of each source input): one row per
+    source input (with joint kinds a layer's keys and its values, two per layer), one column per target layer."""
+    layers = range(config.target_layout.num_layers)
+    return [[candidates[t][s] for t in layers] for s in range(config.source_candidates)]
 
 
 def _hub_ids(*names: str) -> list[str]:
