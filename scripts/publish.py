@@ -472,11 +472,13 @@ def plain_refresh(recipe: Refresh | None) -> Refresh | None:
 
 def sibling_figures(direction: str, recipe: Refresh | None) -> dict:
     """A sibling card's figures: the plain switch (and the recipe the evaluate stage measured, until the final
-    texts report the default recipe), TTFT and the budget curve."""
+    texts report the default recipe), TTFT and the budget curve. The plain switch and the budget curve ran on the
+    capture's maps: a card whose weights are a lever's (`default_maps`) carries only what ran on those."""
     reported = figures.recipe_figures(direction)
-    return {**figures.task_figures("siblings", f"results/{siblings.pair_name(direction)}", None if reported else recipe),
-            **reported, **figures.ttft_figures(f"ttft-{siblings.pair_name(direction)}"),
-            **figures.budget_figures(direction)}
+    own = default_maps(direction) == "published"
+    plain = figures.task_figures("siblings", f"results/{siblings.pair_name(direction)}", None if reported else recipe)
+    return {**(plain if own else {}), **reported, **figures.ttft_figures(f"ttft-{siblings.pair_name(direction)}"),
+            **(figures.budget_figures(direction) if own else {})}
 
 
 def _publish(kv_map: KVMap, name: str, dtype: str) -> None:

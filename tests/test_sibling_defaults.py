@@ -139,6 +139,11 @@ def test_a_default_on_a_levers_maps_publishes_those_maps(results, monkeypatch, t
     assert recipe_report.report("final", 2048)["directions"]["up"]["default"] == "attn:index@160/p40"
     assert publish.default_maps("up") == "attn" and publish.default_maps("down") == "published"
     assert publish.default_recipe("up") == Refresh.named("index@160/p40")
+    # the plain switch and the budget curve ran on the capture's maps: not on a card of the lever's weights
+    up, down = (publish.sibling_figures(d, publish.default_recipe(d)) for d in ("up", "down"))
+    assert any(name.startswith("final_2048.") for name in up)
+    assert not any(name.startswith(("budget_curve.", "continuation.plain.")) for name in up), sorted(up)
+    assert any(name.startswith("budget_curve.") for name in down) and "continuation.plain.kl" in down
     monkeypatch.setattr(publish.lever_maps, "LEVERS", tmp_path / "levers")
     with pytest.raises(RecordError, match="lever_maps --label attn"):  # never the capture's maps in their place
         publish.Publisher(tmp_path / "work").chosen_folder("up")
