@@ -87,6 +87,23 @@ def test_calibration_weights_each_token_by_the_attention_its_target_gives_it():
         run.add("train", without, mask)
 
 
+def test_a_tokens_weight_does_not_depend_on_the_sequences_beside_it():
+    """Weights are normalized per sequence: the same text gets the same statistics batched with one text or another,
+    and so under any number of torchrun processes (which shard the texts before batching)."""
+    source, target = calibration_pair()
+    sides = {"source": ModelSide.of(source), "target": ModelSide.of(target)}
+    texts = random_ids(3, 20, seed=5)
+    texts[2] = texts[2] * 0 + 7  # a text of one repeated token: its attention sits elsewhere
+    stats = []
+    for pair in ((texts[0], texts[1]), (texts[0], texts[2])):
+        ids, mask = next(batches(list(pair), 2))
+        runs = {"source": run_with_cache(source, ids, mask),
+                "target": run_with_cache(target, ids, mask, received_attention=True)}
+        run = StatisticsRun({"source": ["target"]}, sides, CalibrationConfig(attention_weighting=0.5, sink_tokens=1))
+        stats.append(run._weights(runs["target"], mask.bool() & (positions_from_mask(mask) >= 1))[:19])
+    torch.testing.assert_close(stats[0], stats[1], rtol=1e-12, atol=1e-12)
+
+
 def _features(captured, side, mask):
     from peft_kvcache.calibration.statistics import stacked_features
 

@@ -91,16 +91,21 @@ class StatisticsRun:
     def _weights(self, target: CapturedKV, rows: torch.Tensor) -> torch.Tensor | None:
         """Each row's weight in the fit, train and held-out splits alike (so ridge strengths and layers are chosen,
         and held-out R^2 reported, under the same weighting): ``1 - a + a * r / mean(r)`` with ``r`` the attention the
-        target gave the token (`ReceivedAttention`), the mean over the batch's rows, and ``a`` the attention weighting
-        (None when 0: every token alike). The weights average 1 per batch, so counts stay token counts."""
+        target gave the token (`ReceivedAttention`), the mean over its own sequence's rows (so a weight does not
+        depend on which sequences share a batch, nor on how many processes split the texts), and ``a`` the attention
+        weighting (None when 0: every token alike). The weights average 1 per sequence, so counts stay token
+        counts."""
         if not self.attention_weighting:
             return None
         if target.received is None:
             raise CalibrationError("attention_weighting needs the target's received attention: run it with "
                                    "run_with_cache(..., received_attention=True)")
-        received = target.received[rows.cpu()].double()
+        rows = rows.cpu()
+        received = target.received.double()
+        means = (received * rows).sum(1) / rows.sum(1).clamp(min=1)  # [batch]: each sequence's own rows
+        scaled = received / means.clamp(min=torch.finfo(torch.float64).tiny)[:, None]
         a = self.attention_weighting
-        return 1 - a + a * received / received.mean().clamp(min=torch.finfo(torch.float64).tiny)
+        return 1 - a + a * scaled[rows]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every statistic as named tensors (the checkpoint's content)."""
