@@ -284,7 +284,7 @@ class WorkerSide:
                 raise CacheMismatchError(self.problem or "no layout")
             yield from self._load(job)
         except Exception as err:  # vLLM recomputes the failed blocks
-            self._unwritten[job.request_id] = None  # a save of the request (aborted before vLLM recomputed) stores nothing
+            self._unwritten[job.request_id] = None  # a save of the request (aborted, never recomputed) stores nothing
             while len(self._unwritten) > 4096:
                 self._unwritten.popitem(last=False)
             with self._lock:
