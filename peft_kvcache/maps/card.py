@@ -222,7 +222,7 @@ def calibration_text(config: KVMapConfig) -> str:
                      "fitting texts)")
     if options.attention_weighting:
         lines.append(f"- tokens weighted by the attention the target gives them ({options.attention_weighting:g} of each "
-                     "token's weight follows its received attention, relative to its batch's mean), in the fit and in "
+                     "token's weight follows its received attention, relative to its sequence's mean), in the fit and in "
                      "the held-out R² alike")
     if train:
         lines.append(f"- files: {', '.join(f'`{n}`' for n in train[:6])}{', …' if len(train) > 6 else ''} "
