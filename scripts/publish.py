@@ -61,7 +61,7 @@ from peft_kvcache.modeling.fixtures import fixture_available, load_model
 from peft_kvcache.maps.adapter_maps import folder_name
 from peft_kvcache.maps.config import GateRecord, QualityRecord, Refresh
 from peft_kvcache.maps.records import from_json
-from peft_kvcache.maps.storage import WEIGHTS_NAME
+from peft_kvcache.maps.storage import WEIGHTS_NAME, load_config
 from peft_kvcache.modeling.adapters import adapter_active
 from peft_kvcache.modeling.capture import run_with_cache
 from scripts import figures
@@ -124,7 +124,12 @@ class Publisher:
     def capture(self) -> None:
         """One pass of both Qwen models over the first max(SCALES) calibration files; both directions fitted at
         every scale of the data-scaling curve (nested prefixes of the same files)."""
-        if all(self.scale_folder(s, d).is_dir() for s in self.scales for d in siblings.DIRECTIONS):
+        fitted = [self.scale_folder(s, d) for s in self.scales for d in siblings.DIRECTIONS]
+        other = [f for f in fitted if f.is_dir() and load_config(f).calibration.options != siblings.CONFIG]
+        if other:  # never publish maps of other options as these
+            raise SystemExit(f"{_shown(other[0])} was fitted with other calibration options than siblings.CONFIG: "
+                             "remove it (and the other scales' folders) or pass another --workdir")
+        if all(f.is_dir() for f in fitted):
             logger.info("capture: every scale is fitted already")
             return
         models, tokenizer = self.sibling_models()

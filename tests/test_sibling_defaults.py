@@ -201,3 +201,15 @@ def test_the_final_texts_report_a_default_only_on_the_maps_the_selection_texts_c
         _report(results, "final", ACCURACY, map_print="m2")  # the maps were refitted in between
     with pytest.raises(RecordError, match="on maps m1"):  # and a final run refuses before computing anything
         recipes.check_chosen_maps("up", "index@160/p40", "m2")
+
+
+def test_a_workdir_fitted_with_other_options_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    """The capture stage skips when its scale folders exist: folders of other calibration options (a change of
+    siblings.CONFIG since) would be published as these, so they are refused by name."""
+    publisher = publish.Publisher(tmp_path / "work", scales=(8,))
+    monkeypatch.setattr(publisher, "sibling_models", lambda: pytest.fail("a model loaded"))
+    folder = publisher.scale_folder(8, "down")
+    folder.mkdir(parents=True)
+    shutil.copy(common.ROOT / "hub_cards" / DOWN / "config.json", folder)  # top-4 maps: not siblings.CONFIG's top-2
+    with pytest.raises(SystemExit, match="other calibration options"):
+        publisher.capture()
