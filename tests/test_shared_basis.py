@@ -149,10 +149,14 @@ def test_a_basis_map_maps_as_its_dense_weights_and_costs_less(sibling_pair, basi
     assert loaded.multiply_adds_per_token < dense.multiply_adds_per_token
 
 
-def test_a_basis_needs_every_source_layer(sibling_pair):
+def test_a_basis_needs_every_source_layer_and_is_refused_before_the_capture(sibling_pair, monkeypatch):
     source, target = sibling_pair
+    monkeypatch.setattr(source, "forward", lambda *a, **k: pytest.fail("the source ran"))
     with pytest.raises(CalibrationError, match="top_k="):
         calibrate(source, target, random_ids(4, 16), top_k=1, basis_rank=3, progress=False)
+    with pytest.raises(CalibrationError, match="same-shape"):
+        calibrate(source, source, random_ids(4, 16), top_k=source.config.num_hidden_layers, basis_rank=3,
+                  progress=False)
 
 
 def test_a_basis_map_refuses_nonlinear_heads_which_extend_dense_layers(sibling_pair, basis_map):

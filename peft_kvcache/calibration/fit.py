@@ -329,6 +329,16 @@ class ShardedRidge:
         return self.eigens[key, shard]
 
 
+def basis_problem(basis_rank: int, top_k: int, layers: int, same_shape: bool, head_shards: int) -> str | None:
+    """Why ``basis_rank`` cannot be fitted with these options (None where it can): one basis of every source layer
+    is shared by the target layers, so it needs ``top_k`` = all ``layers``, a cross-shape pair and one head shard."""
+    if basis_rank and (top_k != layers or same_shape or head_shards != 1):
+        return (f"basis_rank shares one basis of every source layer between the target layers: it needs top_k={layers} "
+                f"(all of them), a cross-shape pair and head_shards=1 (got top_k={top_k}, "
+                f"{'a same-shape' if same_shape else 'a cross-shape'} pair, head_shards={head_shards})")
+    return None
+
+
 def fit_layers(
     train: SufficientStatistics,
     heldout: SufficientStatistics,
@@ -355,10 +365,9 @@ def fit_layers(
     """
     if top_k < 1 or top_k > source_layout.num_layers:
         raise CalibrationError(f"top_k must be in 1..{source_layout.num_layers}, got {top_k}")
-    if basis_rank and (top_k != source_layout.num_layers or identity_prior or head_shards != 1):
-        raise CalibrationError(f"basis_rank shares one basis of every source layer between the target layers: it "
-                               f"needs top_k={source_layout.num_layers} (all of them), a cross-shape pair and "
-                               "head_shards=1")
+    problem = basis_problem(basis_rank, top_k, source_layout.num_layers, identity_prior, head_shards)
+    if problem:
+        raise CalibrationError(problem)
     stats = _Centered(train, heldout, target)
     ridge = ShardedRidge(stats, source_layout, target_layout, head_shards)
     d_src, d_tgt = source_layout.layer_width, target_layout.layer_width

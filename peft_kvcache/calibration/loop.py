@@ -28,7 +28,7 @@ from ..modeling.capture import CapturedKV, batches, run_with_cache
 from ..modeling.identity import check_pair
 from ..modeling.layout import vocab_size_of
 from .checkpoint import CalibrationCheckpoint, Progress, run_digest
-from .fit import check_shards, fit_layers, fit_same_layers
+from .fit import basis_problem, check_shards, fit_layers, fit_same_layers
 from .statistics import SPLITS, ModelSide, StatisticsRun
 from .texts import CalibrationTexts
 
@@ -234,6 +234,10 @@ def calibrate(source_model: torch.nn.Module, target_model: torch.nn.Module, cali
         raise CalibrationError("residual_rank corrects the identity, so it needs a same-shape pair (one KV layout and "
                                "one RoPE, e.g. base -> adapter); pass residual_rank=0")
     check_head_shards(config, sides)
+    problem = basis_problem(config.basis_rank, config.top_k, sides["source"].layout.num_layers,
+                            _same_shape(sides["source"], sides["target"]), config.head_shards)
+    if problem:  # before the capture pass, not after it
+        raise CalibrationError(problem)
     texts = CalibrationTexts.build(calibration_data, tokenizer, config, vocab_size_of(source_model))
     run = StatisticsRun({"source": ["target"]}, sides, config)
     weighting = config.attention_weighting > 0
