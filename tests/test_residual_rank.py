@@ -126,6 +126,8 @@ def test_a_factored_map_equals_its_dense_weights_at_the_same_and_at_other_positi
     keys, values = cache.keys, cache.values
     positions = torch.arange(ids.shape[1])[None]
     placements = [(torch.device("cpu"), torch.float32)] * len(keys)
+    alike = rotates_alike(kv_map.source_rotary, positions, kv_map.target_rotary, positions + shift)
+    assert alike == (shift == 0)  # the short path at the same positions, the round trip at others
     factored = map_cache(kv_map, keys, values, positions, positions + shift, placements)
     dense = map_cache(dense_map, keys, values, positions, positions + shift, placements)
     for (fk, fv), (dk, dv) in zip(factored, dense):

@@ -159,6 +159,17 @@ def test_a_basis_needs_every_source_layer_and_is_refused_before_the_capture(sibl
                   progress=False)
 
 
+def test_a_basis_over_keys_and_values_together_takes_all_their_inputs(sibling_pair):
+    """With joint kinds each source layer gives two inputs (its keys, its values): all of them is top_k = 2L."""
+    source, target = sibling_pair
+    layers = source.config.num_hidden_layers
+    with pytest.raises(CalibrationError, match=f"top_k={2 * layers}"):
+        calibrate(source, target, random_ids(4, 16), top_k=layers, basis_rank=3, joint_kinds=True, progress=False)
+    kv_map = calibrate(source, target, random_ids(8, 48), top_k=2 * layers, basis_rank=3, joint_kinds=True,
+                       progress=False)
+    assert kv_map.config.basis_rank == 3
+
+
 def test_a_basis_map_refuses_nonlinear_heads_which_extend_dense_layers(sibling_pair, basis_map):
     source, target = sibling_pair
     with pytest.raises(CalibrationError, match="basis"):

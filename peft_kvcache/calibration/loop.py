@@ -47,7 +47,7 @@ def join_process_group() -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         if torch.cuda.is_available():  # NCCL refuses two ranks on one GPU, and every rank starts on GPU 0
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
@@ -234,7 +234,7 @@ def calibrate(source_model: torch.nn.Module, target_model: torch.nn.Module, cali
         raise CalibrationError("residual_rank corrects the identity, so it needs a same-shape pair (one KV layout and "
                                "one RoPE, e.g. base -> adapter); pass residual_rank=0")
     check_head_shards(config, sides)
-    problem = basis_problem(config.basis_rank, config.top_k, sides["source"].layout.num_layers,
+    problem = basis_problem(config.basis_rank, config.top_k, candidates,
                             _same_shape(sides["source"], sides["target"]), config.head_shards)
     if problem:  # before the capture pass, not after it
         raise CalibrationError(problem)

@@ -148,8 +148,8 @@ def map_layer_factored(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, bi
 
 
 def add_rotated(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, correction: torch.Tensor) -> torch.Tensor:
-    """``keys + R(correction)`` (R: `apply_rotary` with ``cos``/``sin``) into a new float32 tensor, two passes per
-    half of the rotary dims: mapped keys whose identity part is already rotated."""
+    """``keys + R(correction)`` (R: `apply_rotary` with ``cos``/``sin``) into a new tensor of the correction's dtype,
+    two passes per half of the rotary dims: mapped keys whose identity part is already rotated."""
     rotary_dim = cos.shape[-1]
     half = rotary_dim // 2
     c, s = cos[:, None, :, :half], sin[:, None, :, :half]

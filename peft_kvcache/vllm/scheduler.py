@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 
-from ..errors import PeftKVCacheError
 from ..maps.registry import MapMatch
 from ..modeling.identity import fingerprint_files
 from ..runtime.reuse import EXACT, Made, label, mapping_pays
@@ -159,8 +158,8 @@ class SchedulerSide:
         variant = _variant(request)
         if self._changed(variant) and local_tokens:
             return None
-        if local_tokens and self._evict_pending(variant):  # vLLM's hit may have read another request's mapped blocks
-            return None
+        if local_tokens and (self._evict_pending(variant) | self._evict_running(variant)):
+            return None  # vLLM's hit may have read another request's approximate blocks: it asks again without them
         plan = self._plan(request, variant, local_tokens)
         self.plans[request.request_id] = plan
         return plan.tokens * self.block_size
@@ -202,8 +201,7 @@ class SchedulerSide:
         for match in sorted(matches.values(), key=lambda m: -m.blocks):  # longest prefix first
             if match.blocks <= floor:
                 break
-            held = local_blocks * self.block_size >= self.sink_tokens  # vLLM holds the target's own sink
-            way = self._way(variant, match, floor, reuse, None if held else prompt[: self.sink_tokens])
+            way = self._way(variant, match, floor, reuse, prompt, local_blocks * self.block_size)
             if isinstance(way, str):
                 plan.fallback = plan.fallback or way
                 continue
@@ -211,11 +209,11 @@ class SchedulerSide:
             return Plan(local_blocks, kind, match.entry, match.blocks, made, choice, sink_key, plan.fallback)
         return plan
 
-    def _way(self, target: Variant, match, floor: int, reuse: str, start: list[int] | None):
+    def _way(self, target: Variant, match, floor: int, reuse: str, prompt: list[int], held: int):
         """How ``match`` (a stored prefix of ``target`` itself, derived, or of another variant) can serve
         ``target`` beyond the ``floor`` blocks the exact options give: ``(kind, made, map choice, sink key)``, or why it
-        cannot (a fallback reason). ``start``: the conversation's first tokens, whose target sink a mapping needs;
-        None where vLLM's own prefix cache holds the target's first blocks (the sink among them)."""
+        cannot (a fallback reason). ``held``: the tokens vLLM's own prefix cache holds of the target (a mapping needs
+        the target's own sink only where they do not cover it)."""
         entry, blocks = match.entry, match.blocks
         if reuse == "exact" or self.options.mode == "exact":
             return "exact_only"
@@ -237,8 +235,8 @@ class SchedulerSide:
         if made.hops > self.options.max_hops:
             return "max_hops"
         sink_key = None
-        if choice.sink_tokens > 0 and start is not None:  # the target's own first tokens
-            start = tuple(start[: choice.sink_tokens])
+        if choice.sink_tokens > held:  # the target's own first tokens, which vLLM does not hold
+            start = tuple(prompt[: choice.sink_tokens])
             shipped = {tuple(s) for s in self.maps.registry.configs[choice.folders[-1]].sinks}
             if self.index.has_sink(target, start):  # kept from the target's own earlier request
                 sink_key = ("store", (target, start))
@@ -311,18 +309,28 @@ class SchedulerSide:
         self._evict(hashed)
         return bool(hashed)
 
-    def _evict_from(self, request, first: int, block_ids: list[int]) -> None:
+    def _evict_running(self, variant: Variant) -> bool:
+        """Take out of vLLM's prefix cache what ``variant``'s running requests on approximate KV computed so far (a
+        request that computed their mapped prefix exactly would chain into it as exact); whether there was any."""
+        return any([self._evict_from(self.running[rid], record.local_tokens // self.block_size, [])
+                    for rid, record in self.records.items()
+                    if record.variant == variant and record.made.approximate and rid in self.running])
+
+    def _evict_from(self, request, first: int, block_ids: list[int]) -> bool:
         """Take the request's blocks from block ``first`` on out of vLLM's prefix cache: those it holds, and every
-        block cached under one of their hashes (one it computed before a preemption, say)."""
-        ids = set(block_ids[first:])
+        block cached under one of their hashes (one it computed before a preemption, say); whether any block was
+        cached under them."""
+        ids, found = set(block_ids[first:]), False
         if self.block_pool is not None:
             for block_hash in list(getattr(request, "block_hashes", ()))[first:]:
                 for _ in range(8):  # vLLM hands out one block per hash at a time
                     cached = self.block_pool.get_cached_block(block_hash, [0])
                     if not cached:
                         break
+                    found = True
                     self._evict({block.block_id for block in cached})
         self._evict(ids)
+        return found
 
     # ----- a finished request -----
 
@@ -400,7 +408,7 @@ class SchedulerSide:
             return None
         try:
             return fingerprint_files(self.model_dir, variant.path if variant.adapter else None)
-        except (PeftKVCacheError, OSError, ValueError, KeyError, StopIteration):
+        except Exception:  # noqa: BLE001 - a file being rewritten reads as anything; never stop the engine for it
             return None
 
     def _changed(self, variant: Variant) -> bool:

@@ -99,7 +99,7 @@ class WorkerSide:
         self._loaded: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._reportable: set[int] = set()
-        self._unwritten: OrderedDict[str, None] = OrderedDict()  # requests whose load failed (job thread only)
+        self._unwritten: OrderedDict[str, None] = OrderedDict()  # requests whose load failed (loads, saves in order)
         threading.Thread(target=self._serve, name="peft-kvcache-jobs", daemon=True).start()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -265,8 +265,10 @@ class WorkerSide:
                 if not op.block_ids or op.sink_tokens > self.layout.block_size:
                     raise CacheMismatchError(f"a sink of {op.sink_tokens} token(s) needs the request's first block")
                 pairs = [self.layout.read(layer, op.block_ids[:1]) for layer in self.layers]
-                self.store.sinks[op.sink_key] = StoredKV([_to_host(k[:, :op.sink_tokens]) for k, _ in pairs],
-                                                         [_to_host(v[:, :op.sink_tokens]) for _, v in pairs])
+                sink = StoredKV([_to_host(k[:, :op.sink_tokens]) for k, _ in pairs],
+                                [_to_host(v[:, :op.sink_tokens]) for _, v in pairs])
+                _copies_done(self.layers[0].device)
+                self.store.sinks[op.sink_key] = sink
         except Exception as err:  # never fail the engine: the scheduler forgets what was not stored
             with self._lock:
                 self._report.failed_keys.extend(k for k in (getattr(op, "key", None), getattr(op, "sink_key", None))
