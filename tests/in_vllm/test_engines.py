@@ -158,11 +158,7 @@ def test_preempted_requests_keep_their_label_and_are_counted_once(model_folder, 
         outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
                             SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
                             lora_request=LoRARequest("shout", 1, str(ADAPTERS["shout"])), use_tqdm=False)
-        by_source, preemptions = {}, 0
-        for m in llm.get_metrics():
-            if m.name == "vllm:peft_kvcache_prompt_tokens":
-                by_source[m.labels["source"]] = by_source.get(m.labels["source"], 0) + m.value
-            preemptions += m.value if m.name == "vllm:num_preemptions" else 0
+        by_source, preemptions = _prompt_tokens_and_preemptions(llm)
     assert preemptions >= 1
     assert all(source_of(out).startswith("mapped:") for out in outs), [source_of(o) for o in outs]
     total = sum(len(ids) for ids in prompts) * 2  # the base turns and the switches
@@ -181,11 +177,7 @@ def test_short_prompts_with_long_replies_preempted_count_no_more_than_their_prom
                    for i in range(4)]
         outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
                             SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True), use_tqdm=False)
-        by_source, preemptions = {}, 0
-        for m in llm.get_metrics():
-            if m.name == "vllm:peft_kvcache_prompt_tokens":
-                by_source[m.labels["source"]] = by_source.get(m.labels["source"], 0) + m.value
-            preemptions += m.value if m.name == "vllm:num_preemptions" else 0
+        by_source, preemptions = _prompt_tokens_and_preemptions(llm)
     assert preemptions >= 1
     for ids, out in zip(prompts, outs):
         label = out.kv_transfer_params["peft_kvcache"]
@@ -212,3 +204,13 @@ def test_in_exact_mode_an_adapter_replaced_at_the_same_path_is_served_nothing_of
     label = replaced.kv_transfer_params["peft_kvcache"]
     assert label["cached_tokens"] == 0 and label["context_source"] == "prefilled", label
     assert replaced.outputs[0].token_ids == reference.outputs[0].token_ids
+
+
+def _prompt_tokens_and_preemptions(llm) -> tuple[dict[str, float], float]:
+    """The connector's prompt tokens by source, and vLLM's preemptions, from the engine's metrics."""
+    by_source, preemptions = {}, 0
+    for m in llm.get_metrics():
+        if m.name == "vllm:peft_kvcache_prompt_tokens":
+            by_source[m.labels["source"]] = by_source.get(m.labels["source"], 0) + m.value
+        preemptions += m.value if m.name == "vllm:num_preemptions" else 0
+    return by_source, preemptions
