@@ -648,7 +648,9 @@ def test_serve_command_starts_says_which_maps_and_answers(tmp_path):
         api = client(f"http://127.0.0.1:{port}")
         assert [m.id for m in api.models.list()][1:] == ["first"]
         out = api.chat.completions.create(model="first", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
-        assert out.usage.completion_tokens == 3
+        # a random tiny model may draw its end token early (its weights differ across transformers releases)
+        stopped = out.choices[0].finish_reason == "stop"
+        assert 1 <= out.usage.completion_tokens <= 3 and (stopped or out.usage.completion_tokens == 3)
     finally:
         process.terminate()
         process.wait(timeout=30)
