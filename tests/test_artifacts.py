@@ -293,6 +293,20 @@ def test_saving_into_an_existing_folder_keeps_other_files(saved):
     assert not any(p.name.startswith(".") for p in saved.parent.iterdir()), "staging folder left behind"
 
 
+def test_another_maps_evaluation_is_dropped_when_its_figures_are_not_cited(saved):
+    """A map saved over another keeps the folder's other files but not the old map's ``evaluation.json``, unless
+    the new config cites it (figures recorded for these weights)."""
+    from peft_kvcache.maps.config import Figure
+
+    (saved / "evaluation.json").write_text('{"retention": {}}')
+    cited = make_map()
+    cited.config.quality.figures = {"mapped@0.kl": Figure(0.1, "evaluation.json", "retention/rows/variant=mapped@0/kl")}
+    cited.save_pretrained(saved, chart=False)
+    assert (saved / "evaluation.json").is_file()
+    make_map(seed=1).save_pretrained(saved, chart=False)
+    assert not (saved / "evaluation.json").exists()
+
+
 def test_saving_onto_a_file_is_refused(tmp_path):
     path = tmp_path / "map"
     path.write_text("not a folder")

@@ -285,9 +285,10 @@ def record_figures(kv_map, report: RetentionReport, folder, data: dict) -> None:
     from pathlib import Path
 
     from ..lab.provenance import write_results
+    from ..maps.storage import EVALUATION_NAME
 
-    write_results(Path(folder) / "evaluation.json", {"retention": report.to_dict()}, data=data)
+    write_results(Path(folder) / EVALUATION_NAME, {"retention": report.to_dict()}, data=data)
     kv_map.config.quality.figures = {
-        f"{row['variant']}.{key}": Figure(row[key], "evaluation.json", f"retention/rows/variant={row['variant']}/{key}")
+        f"{row['variant']}.{key}": Figure(row[key], EVALUATION_NAME, f"retention/rows/variant={row['variant']}/{key}")
         for row in report.rows() if row["variant"].startswith("mapped@") for key in ("normalized_retention", "kl")
         if math.isfinite(row[key])}  # undefined where full and no-context tie

@@ -210,7 +210,8 @@ class KVMap:
         its place, so a reader finds the complete old map or the complete new one, never a mix (and, where the
         system can swap two folders in one step, as Linux can, never nothing); a save killed halfway is cleaned up
         (or undone) by the next save or load. A config that would not load again is refused before anything is
-        written. Files in the folder that are not the map's are kept. A folder that exists and is not a KV map (a
+        written. Files in the folder that are not the map's are kept (an ``evaluation.json`` only while the config
+        cites it: another map's figures are not these weights'). A folder that exists and is not a KV map (a
         model's folder, say) is refused unless ``overwrite=True``.
 
         Example:

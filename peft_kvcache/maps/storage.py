@@ -29,6 +29,7 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 CARD_NAME = "README.md"
 MAP_FILES = (CONFIG_NAME, WEIGHTS_NAME, CARD_NAME, CHART_NAME)
+EVALUATION_NAME = "evaluation.json"  # the measured figures of these weights (`record_figures`), which the config cites
 _MAX_CONFIG_BYTES = 64 * 2**20
 _FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
@@ -64,7 +65,9 @@ def save_map(config: KVMapConfig, tensors: dict[str, torch.Tensor], save_directo
         for path in staging.iterdir():  # safetensors writes its file 0600: give every file the umask's mode
             os.chmod(path, 0o666 & ~UMASK)
         if target.is_dir():
-            _keep_other_files(target, staging)
+            # another map's evaluation is not this one's: kept only while the config still cites it
+            cited = {figure.results for figure in config.quality.figures.values()}
+            _keep_other_files(target, staging, skip=() if EVALUATION_NAME in cited else (EVALUATION_NAME,))
         replace_folder(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -155,10 +158,11 @@ def _complete(folder: Path) -> bool:
     return is_map_folder(folder, complete=True)
 
 
-def _keep_other_files(old: Path, staging: Path) -> None:
-    """Hard-link (or copy) the files of the old folder that are not the map's into the staging folder."""
+def _keep_other_files(old: Path, staging: Path, skip: tuple[str, ...] = ()) -> None:
+    """Hard-link (or copy) the files of the old folder that are not the map's (nor named in ``skip``) into the
+    staging folder."""
     for entry in old.iterdir():
-        if entry.name in MAP_FILES or (staging / entry.name).exists():
+        if entry.name in MAP_FILES or entry.name in skip or (staging / entry.name).exists():
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.copytree(entry, staging / entry.name, symlinks=True)
