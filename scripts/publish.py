@@ -125,10 +125,7 @@ class Publisher:
         """One pass of both Qwen models over the first max(SCALES) calibration files; both directions fitted at
         every scale of the data-scaling curve (nested prefixes of the same files)."""
         fitted = [self.scale_folder(s, d) for s in self.scales for d in siblings.DIRECTIONS]
-        other = [f for f in fitted if f.is_dir() and load_config(f).calibration.options != siblings.CONFIG]
-        if other:  # never publish maps of other options as these
-            raise SystemExit(f"{_shown(other[0])} was fitted with other calibration options than siblings.CONFIG: "
-                             "remove it (and the other scales' folders) or pass another --workdir")
+        _refuse_other_options({folder: lambda _: siblings.CONFIG for folder in fitted})
         if all(f.is_dir() for f in fitted):
             logger.info("capture: every scale is fitted already")
             return
@@ -222,6 +219,9 @@ class Publisher:
     def levers(self) -> None:
         """Levers against the published recipe on the selection texts (`benchmarks.levers`): other source-layer
         counts fitted from the same statistics as the published maps, other ways of choosing refreshed positions."""
+        _refuse_other_options({self.lever_folder(label, d): lambda c, k=top_k: replace(
+            siblings.CONFIG, top_k=min(k, c.source_layout.num_layers)) for label, top_k in LEVER_TOP_K.items()
+            for d in siblings.DIRECTIONS})
         models, tokenizer = self.sibling_models()
         scale = {d: read_results("sibling-scaling")["curve"][d]["chosen_files"] for d in siblings.DIRECTIONS}
         if not all(self.lever_folder(label, d).is_dir() for label in LEVER_TOP_K for d in siblings.DIRECTIONS):
@@ -569,6 +569,16 @@ def unmet_needs(stages: list[Stage], publisher: Publisher) -> list[str]:
             lines.append(f"{stage.name} needs " + "; ".join(missing))
         coming.update(stage.makes)
     return lines
+
+
+def _refuse_other_options(expected: dict) -> None:
+    """A stage resumes on the folders it fitted before, so one fitted with other calibration options would be
+    published as these: refused. ``expected``: per folder, its options as a function of its config."""
+    for folder, options in expected.items():
+        config = load_config(folder) if folder.is_dir() else None
+        if config is not None and config.calibration.options != options(config):
+            raise SystemExit(f"{_shown(folder)} was fitted with other calibration options than this stage fits: "
+                             "remove it (and the folders fitted beside it) or pass another --workdir")
 
 
 def _shown(path: Path) -> str:

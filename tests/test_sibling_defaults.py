@@ -213,3 +213,8 @@ def test_a_workdir_fitted_with_other_options_is_refused_before_any_model_loads(t
     shutil.copy(common.ROOT / "hub_cards" / DOWN / "config.json", folder)  # top-4 maps: not siblings.CONFIG's top-2
     with pytest.raises(SystemExit, match="other calibration options"):
         publisher.capture()
+    lever = publisher.lever_folder("top1", "down")  # the levers stage resumes on its folders alike
+    lever.mkdir(parents=True)
+    shutil.copy(common.ROOT / "hub_cards" / DOWN / "config.json", lever)
+    with pytest.raises(SystemExit, match="levers/top1"):
+        publisher.levers()
