@@ -64,8 +64,13 @@ def calibration_data(tokenizer) -> tuple[dict[str, torch.Tensor], str]:
                                                                                 CALIBRATION_FILES).items()}
     for i, (code, doc) in enumerate(functions_with_docstrings("calibration", 400)[-CHATS:]):
         data[f"chat:docstring-prompt-{i}"] = encode(tokenizer, code, doc)[0]
-    return data, (f"{corpus_description('calibration', CALIBRATION_FILES)}; the first 512 tokens of each; plus "
-                  f"{CHATS} chat-formatted docstring prompts of calibration-split functions")
+    return data, calibration_description()
+
+
+def calibration_description() -> str:
+    """How `calibration_data` describes the published adapter maps' fit data (what their configs record)."""
+    return (f"{corpus_description('calibration', CALIBRATION_FILES)}; the first 512 tokens of each; plus "
+            f"{CHATS} chat-formatted docstring prompts of calibration-split functions")
 
 
 # ----- 1. retention -----

@@ -341,7 +341,13 @@ class Publisher:
         calibration-split docstring prompts, fitted at the full correction and at each residual rank of
         `DEFAULT_RANK_GRID`; on 12 further files, each map's rank (`choose_adapter_ranks`: the smallest the held-out KL
         cannot tell from the full correction), then its blend toward its source cache."""
-        if all((self.workdir / "adapters" / folder_name(PREFIX, a, r)).is_dir() for a in ADAPTERS for r in (0, 1)):
+        fitted = [self.workdir / "adapters" / folder_name(PREFIX, a, r) for a in ADAPTERS for r in (0, 1)]
+        other = [f for f in fitted if f.is_dir()
+                 and load_config(f).calibration.data.description != adapters.calibration_description()]
+        if other:  # resumed on: never published as fitted on this data
+            raise SystemExit(f"{_shown(other[0])} was fitted on other data than this stage fits: remove the adapter "
+                             "maps' folders or pass another --workdir")
+        if all(f.is_dir() for f in fitted):
             return
         model, tokenizer = self.adapter_model()
         data, description = adapters.calibration_data(tokenizer)

@@ -218,3 +218,22 @@ def test_a_workdir_fitted_with_other_options_is_refused_before_any_model_loads(t
     shutil.copy(common.ROOT / "hub_cards" / DOWN / "config.json", lever)
     with pytest.raises(SystemExit, match="levers/top1"):
         publisher.levers()
+
+
+def test_adapter_maps_fitted_on_other_data_are_refused_before_any_model_loads(tmp_path, monkeypatch):
+    """The adapter stage skips when its folders exist: the published configs record the data this code fits on (so
+    they are taken as fitted), and a folder fitted on other data is refused by name."""
+    publisher = publish.Publisher(tmp_path / "work", scales=(8,))
+    monkeypatch.setattr(publisher, "adapter_model", lambda: pytest.fail("a model loaded"))
+    names = [p.name for p in (common.ROOT / "hub_cards").iterdir() if p.name.startswith(publish.PREFIX)]
+    assert len(names) == 2 * len(publish.ADAPTERS)
+    for name in names:
+        (tmp_path / "work" / "adapters" / name).mkdir(parents=True)
+        shutil.copy(common.ROOT / "hub_cards" / name / "config.json", tmp_path / "work" / "adapters" / name)
+    publisher.calibrate_adapters()
+    config = tmp_path / "work" / "adapters" / names[0] / "config.json"
+    data = json.loads(config.read_text())
+    data["calibration"]["data"]["description"] += " (another split)"
+    config.write_text(json.dumps(data))
+    with pytest.raises(SystemExit, match=f"{names[0]} was fitted on other data"):
+        publisher.calibrate_adapters()
