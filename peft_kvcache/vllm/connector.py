@@ -149,7 +149,7 @@ class PeftKVCacheConnector(KVConnectorBase_V1):
     # ----- scheduler side -----
 
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
-        self.scheduler.block_pool = gpu_block_pool
+        self.scheduler.evictions.pool = gpu_block_pool
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         try:

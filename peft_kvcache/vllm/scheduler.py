@@ -25,23 +25,22 @@ from the store (its tokens do not say what it holds).
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from ..maps.registry import MapMatch
-from ..modeling.identity import fingerprint_files
 from ..runtime.reuse import EXACT, Made, label, mapping_pays
+from .evictions import PrefixCacheEvictions
 from .jobs import DropJob, LoadJob, SaveJob, WorkerReport
 from .options import ConnectorOptions, request_reuse
 from .pairs import Variant, VariantMaps, local_model_folder
 from .parallel import head_groups, unsupported_parallelism
+from .staleness import FileWatch
 from .store import IndexEntry, StoreIndex
 
 logger = logging.getLogger(__name__)
-TRACKED_HASHES = 1 << 16  # per variant: vLLM block hashes of its finished requests (evicted if its files change)
 
 
 @dataclass
@@ -110,8 +109,8 @@ class Counts:
 
 
 class SchedulerSide:
-    """See the module. ``block_pool`` is vLLM's (bound after construction); ``vllm_config`` the engine's;
-    ``async_loads``: loads complete between steps (vLLM's ``load_kv_async``)."""
+    """See the module. ``vllm_config``: the engine's; ``async_loads``: loads complete between steps (vLLM's
+    ``load_kv_async``). vLLM's block pool is bound after construction (`evictions`)."""
 
     def __init__(self, vllm_config, options: ConnectorOptions, async_loads: bool = True):
         model, parallel = vllm_config.model_config, vllm_config.parallel_config
@@ -121,16 +120,17 @@ class SchedulerSide:
                      * torch.empty(0, dtype=model.dtype).element_size())
         self.index = StoreIndex(options.store_bytes, self.block_size, per_token)
         self.base_name = model.served_model_name or model.model
-        self.model_dir = _model_folder(model.model)  # every mode: a variant whose files change loses its KV
+        self.files = FileWatch(model.model)  # every mode: a variant whose files change loses its KV
+        self.evictions = PrefixCacheEvictions(self.block_size)
         self.maps: VariantMaps | None = None
         if options.mode == "map":  # the base model's identity is read here, at start
-            self.maps = VariantMaps(options.maps, local_model_folder(model.model), model.hf_config)
+            self.maps = VariantMaps(options.maps, self.files.model_dir or local_model_folder(model.model),
+                                    model.hf_config)
             if self.maps.problem:
                 logger.warning("peft-kvcache: nothing will be mapped on this engine: %s", self.maps.problem)
             logger.info("peft-kvcache: %d map folder(s) under %s", len(self.maps.registry), options.maps)
         configs = self.maps.registry.configs.values() if self.maps else ()
         self.sink_tokens = max([c.sink_tokens for c in configs] or [1])
-        self.block_pool = None
         self.worker_ready = False
         self.worker_problem: str | None = None  # why the worker cannot use the engine's cache, once it said so
         self.head_groups = head_groups(vllm_config)  # maps fitted per shard for this split need no gather
@@ -141,12 +141,9 @@ class SchedulerSide:
         self.plans: dict[str, Plan] = {}
         self.records: dict[str, RequestRecord] = {}
         self.running: dict[str, object] = {}  # vLLM's requests admitted and not finished (their block hashes)
-        self.evict_later: dict[str, tuple[int, ...]] = {}  # async loads: approximate blocks vLLM hashes at promotion
         self.ops: list = []  # store operations for the next step, in order
         self.loads: list[LoadJob] = []
         self.counts = Counts()
-        self.prints: dict[Variant, str] = {}  # the fingerprint each variant's stored entries were made with
-        self.hashes: dict[Variant, OrderedDict] = {}  # vLLM block hashes of each variant's finished requests
         self._logged: set[str] = set()
 
     # ----- a new request -----
@@ -158,7 +155,7 @@ class SchedulerSide:
         variant = _variant(request)
         if self._changed(variant) and local_tokens:
             return None
-        if local_tokens and (self._evict_pending(variant) | self._evict_running(variant)):
+        if local_tokens and (self.evictions.hashed_later(variant) | self._evict_running(variant)):
             return None  # vLLM's hit may have read another request's approximate blocks: it asks again without them
         plan = self._plan(request, variant, local_tokens)
         self.plans[request.request_id] = plan
@@ -217,7 +214,7 @@ class SchedulerSide:
         entry, blocks = match.entry, match.blocks
         if reuse == "exact" or self.options.mode == "exact":
             return "exact_only"
-        if self.block_pool is None:
+        if self.evictions.pool is None:
             return "no_block_pool"  # approximate blocks could not be kept out of vLLM's prefix cache
         own = entry.variant == target
         saved = (blocks - floor) * self.block_size
@@ -258,8 +255,8 @@ class SchedulerSide:
         the load, and take approximate blocks out of vLLM's prefix cache once vLLM has hashed them (a synchronous load
         now; an asynchronous one when vLLM calls again after it, with no external tokens)."""
         rid = request.request_id
-        if not num_external_tokens and rid in self.evict_later:
-            self._evict(self.evict_later.pop(rid))
+        if not num_external_tokens:
+            self.evictions.take_later(rid)
         plan = self.plans.pop(rid, None)
         if plan is None:
             return
@@ -276,61 +273,29 @@ class SchedulerSide:
             self.index.touch(plan.entry)
             if plan.made.approximate:
                 if self.async_loads:
-                    self.evict_later[rid] = ids
+                    self.evictions.later_for(rid, _variant(request), ids)
                 else:
-                    self._evict(ids)
+                    self.evictions.blocks(ids)
         record = self.records.get(rid)
         if record is None:
             reuse, _ = request_reuse(request.kv_transfer_params)
             variant = _variant(request)
             record = self.records[rid] = RequestRecord(variant, request.cache_salt, reuse, request.num_prompt_tokens,
-                                                       fingerprint=self._print(variant))
+                                                       fingerprint=self.files.fingerprint(variant))
             self.running[rid] = request
-            if record.fingerprint is not None:  # the files its blocks are of, from its first block on
-                self.prints.setdefault(variant, record.fingerprint)
+            self.files.made_with(variant, record.fingerprint)  # the files its blocks are of, from its first block on
             if plan.fallback and not loaded:
                 self.counts.fallbacks[plan.fallback] += 1
                 self._say(plan.fallback, f"{record.variant.label} request {rid}")
         record.admitted(plan.local_blocks * self.block_size, num_external_tokens if loaded else 0,
                         plan.made if loaded else EXACT, None if loaded else plan.fallback)
 
-    def _evict(self, block_ids) -> None:
-        """Take blocks out of vLLM's prefix cache: never an exact hit for a later request."""
-        if self.block_pool is not None and block_ids:
-            self.block_pool.evict_blocks(set(block_ids))
-
-    def _evict_pending(self, variant: Variant) -> bool:
-        """Take out of vLLM's prefix cache the approximate blocks of ``variant``'s asynchronous loads that vLLM has
-        hashed already, before their requests' next call; whether there were any."""
-        pending = {block for rid, ids in self.evict_later.items()
-                   if rid in self.records and self.records[rid].variant == variant for block in ids}
-        hashed = {block for block in pending
-                  if self.block_pool is not None and self.block_pool.blocks[block].block_hash is not None}
-        self._evict(hashed)
-        return bool(hashed)
-
     def _evict_running(self, variant: Variant) -> bool:
-        """Take out of vLLM's prefix cache what ``variant``'s running requests on approximate KV computed so far (a
-        request that computed their mapped prefix exactly would chain into it as exact); whether there was any."""
-        return any([self._evict_from(self.running[rid], record.local_tokens // self.block_size, [])
-                    for rid, record in self.records.items()
-                    if record.variant == variant and record.made.approximate and rid in self.running])
-
-    def _evict_from(self, request, first: int, block_ids: list[int]) -> bool:
-        """Take the request's blocks from block ``first`` on out of vLLM's prefix cache: those it holds, and every
-        block cached under one of their hashes (one it computed before a preemption, say); whether any block was
-        cached under them."""
-        ids, found = set(block_ids[first:]), False
-        if self.block_pool is not None:
-            for block_hash in list(getattr(request, "block_hashes", ()))[first:]:
-                for _ in range(8):  # vLLM hands out one block per hash at a time
-                    cached = self.block_pool.get_cached_block(block_hash, [0])
-                    if not cached:
-                        break
-                    found = True
-                    self._evict({block.block_id for block in cached})
-        self._evict(ids)
-        return found
+        """Take out of vLLM's prefix cache what ``variant``'s running requests on approximate KV computed so far;
+        whether there was any (`PrefixCacheEvictions.running`)."""
+        return self.evictions.running([
+            (self.running[rid], record.local_tokens // self.block_size) for rid, record in self.records.items()
+            if record.variant == variant and record.made.approximate and rid in self.running])
 
     # ----- a finished request -----
 
@@ -341,8 +306,8 @@ class SchedulerSide:
         record = self.records.pop(request.request_id, None)
         self.plans.pop(request.request_id, None)
         self.running.pop(request.request_id, None)
-        self._evict(self.evict_later.pop(request.request_id, ()))  # ended before vLLM called again after its load
-        now = self._print(_variant(request))
+        self.evictions.finished(request.request_id)  # ended before vLLM called again after its load, say
+        now = self.files.fingerprint(_variant(request))
         if record is None:  # never admitted through the connector (aborted while waiting)
             record = RequestRecord(_variant(request), request.cache_salt, "map", request.num_prompt_tokens,
                                    fingerprint=now)
@@ -353,14 +318,13 @@ class SchedulerSide:
         if record.fingerprint != now:  # its variant's files changed while it ran: its KV is of the old weights
             self._say("changed_while_running", f"{record.variant.label}'s files changed while request "
                       f"{request.request_id} ran: nothing it computed is kept")
-            self._evict_from(request, 0, block_ids)
+            self.evictions.request(request, 0, block_ids)
             return False, record.label(self.base_name)
         if record.made.approximate:  # what it computed over approximate KV is derived too: never an exact hit later
-            self._evict_from(request, record.local_tokens // self.block_size, block_ids)
+            self.evictions.request(request, record.local_tokens // self.block_size, block_ids)
         # every variant's fingerprint, kept or not: vLLM's prefix cache keeps its blocks whatever the store keeps
-        if now is not None:
-            self.prints.setdefault(record.variant, now)
-        self._track(record.variant, getattr(request, "block_hashes", ()))
+        self.files.made_with(record.variant, now)
+        self.files.track(record.variant, getattr(request, "block_hashes", ()))
         return self._keep(request, record, block_ids), record.label(self.base_name)
 
     def _keep(self, request, record: RequestRecord, block_ids: list[int]) -> bool:
@@ -401,51 +365,25 @@ class SchedulerSide:
 
     # ----- what is stale -----
 
-    def _print(self, variant: Variant) -> str | None:
-        """The sampled fingerprint of the files ``variant`` loads now (memoized by their identity: a few ``stat``
-        calls), None where they cannot be read."""
-        if self.model_dir is None:
-            return None
-        try:
-            return fingerprint_files(self.model_dir, variant.path if variant.adapter else None)
-        except Exception:  # noqa: BLE001 - a file being rewritten reads as anything; never stop the engine for it
-            return None
-
     def _changed(self, variant: Variant) -> bool:
-        """Whether ``variant``'s files changed since its entries were stored (an adapter replaced at the same path):
-        then its entries are dropped, here and in vLLM's prefix cache (the blocks of its finished requests)."""
-        if variant not in self.prints:
+        """Whether ``variant``'s files changed since its KV was computed (an adapter replaced at the same path): then
+        its entries are dropped, here and in vLLM's prefix cache (its finished and running requests' blocks)."""
+        hashes = self.files.changed(variant)
+        if hashes is None:
             return False
-        now = self._print(variant)
-        if now is not None and now == self.prints[variant]:
-            return False
-        logger.warning("peft-kvcache: %s's files changed (%s): its stored KV and vLLM's cached blocks of it are "
-                       "dropped", variant.label, variant.path or "the base model")
         self._drop(self.index.drop_variant(variant))
-        del self.prints[variant]
-        if self.block_pool is not None:
-            for block_hash in self.hashes.pop(variant, {}):
-                cached = self.block_pool.get_cached_block(block_hash, [0])
-                self._evict({block.block_id for block in cached or ()})
+        self.evictions.hashes(hashes)
         for rid, request in self.running.items():  # still running on the old weights: their blocks so far
             if self.records[rid].variant == variant:
-                self._evict_from(request, 0, [])
+                self.evictions.request(request, 0)
         return True
-
-    def _track(self, variant: Variant, block_hashes) -> None:
-        tracked = self.hashes.setdefault(variant, OrderedDict())
-        for block_hash in block_hashes:
-            tracked[block_hash] = None
-            tracked.move_to_end(block_hash)
-        while len(tracked) > TRACKED_HASHES:
-            tracked.popitem(last=False)
 
     def reset(self) -> bool:
         """Drop every stored entry and sink (vLLM resets its prefix cache: a weight update, sleep and wake); the worker
         frees their tensors with the next step."""
         self.ops.append(DropJob(None))  # None: everything
         self.index.clear()
-        self.prints.clear()
+        self.files.clear()
         logger.info("peft-kvcache: the store was reset")
         return True
 
@@ -470,7 +408,7 @@ class SchedulerSide:
             self._say("unusable_map", f"the worker could not load map {folder}: {why[:200]}")
         for request_id in set(report.failed_loads):  # vLLM recomputes the request's loaded blocks
             record = self.records.get(request_id)
-            self.evict_later.pop(request_id, None)
+            self.evictions.cancel_later(request_id)
             if record is not None:
                 record.local_tokens, record.loaded_tokens, record.made, record.fallback = (
                     record.local_tokens, 0, EXACT, "load_error")
@@ -490,16 +428,6 @@ class SchedulerSide:
         if reason not in self._logged:
             self._logged.add(reason)
             logger.warning("peft-kvcache: %s (%s; logged once per reason)", detail, reason)
-
-
-def _model_folder(model: str) -> Path | None:
-    """The folder the engine's model was loaded from, or None (its files cannot be fingerprinted: said once)."""
-    try:
-        return local_model_folder(model)
-    except (OSError, ValueError) as err:
-        logger.warning("peft-kvcache: cannot find the files of %s (%s): a variant whose files change will not be "
-                       "noticed", model, err)
-        return None
 
 
 def _variant(request) -> Variant:
