@@ -125,7 +125,8 @@ class Publisher:
         """One pass of both Qwen models over the first max(SCALES) calibration files; both directions fitted at
         every scale of the data-scaling curve (nested prefixes of the same files)."""
         fitted = [self.scale_folder(s, d) for s in self.scales for d in siblings.DIRECTIONS]
-        _refuse_other_options({folder: lambda _: siblings.CONFIG for folder in fitted})
+        _refuse_fitted_otherwise({folder: lambda c: c.calibration.options != siblings.CONFIG for folder in fitted},
+                                 "with other calibration options")
         if all(f.is_dir() for f in fitted):
             logger.info("capture: every scale is fitted already")
             return
@@ -219,9 +220,9 @@ class Publisher:
     def levers(self) -> None:
         """Levers against the published recipe on the selection texts (`benchmarks.levers`): other source-layer
         counts fitted from the same statistics as the published maps, other ways of choosing refreshed positions."""
-        _refuse_other_options({self.lever_folder(label, d): lambda c, k=top_k: replace(
+        _refuse_fitted_otherwise({self.lever_folder(label, d): lambda c, k=top_k: c.calibration.options != replace(
             siblings.CONFIG, top_k=min(k, c.source_layout.num_layers)) for label, top_k in LEVER_TOP_K.items()
-            for d in siblings.DIRECTIONS})
+            for d in siblings.DIRECTIONS}, "with other calibration options")
         models, tokenizer = self.sibling_models()
         scale = {d: read_results("sibling-scaling")["curve"][d]["chosen_files"] for d in siblings.DIRECTIONS}
         if not all(self.lever_folder(label, d).is_dir() for label in LEVER_TOP_K for d in siblings.DIRECTIONS):
@@ -342,11 +343,9 @@ class Publisher:
         `DEFAULT_RANK_GRID`; on 12 further files, each map's rank (`choose_adapter_ranks`: the smallest the held-out KL
         cannot tell from the full correction), then its blend toward its source cache."""
         fitted = [self.workdir / "adapters" / folder_name(PREFIX, a, r) for a in ADAPTERS for r in (0, 1)]
-        other = [f for f in fitted if f.is_dir()
-                 and load_config(f).calibration.data.description != adapters.calibration_description()]
-        if other:  # resumed on: never published as fitted on this data
-            raise SystemExit(f"{_shown(other[0])} was fitted on other data than this stage fits: remove the adapter "
-                             "maps' folders or pass another --workdir")
+        description = adapters.calibration_description()
+        _refuse_fitted_otherwise({folder: lambda c: c.calibration.data.description != description for folder in fitted},
+                                 "on other data")
         if all(f.is_dir() for f in fitted):
             return
         model, tokenizer = self.adapter_model()
@@ -577,14 +576,14 @@ def unmet_needs(stages: list[Stage], publisher: Publisher) -> list[str]:
     return lines
 
 
-def _refuse_other_options(expected: dict) -> None:
-    """A stage resumes on the folders it fitted before, so one fitted with other calibration options would be
-    published as these: refused. ``expected``: per folder, its options as a function of its config."""
-    for folder, options in expected.items():
-        config = load_config(folder) if folder.is_dir() else None
-        if config is not None and config.calibration.options != options(config):
-            raise SystemExit(f"{_shown(folder)} was fitted with other calibration options than this stage fits: "
-                             "remove it (and the folders fitted beside it) or pass another --workdir")
+def _refuse_fitted_otherwise(fitted_otherwise: dict, how: str) -> None:
+    """A stage resumes on the folders it fitted before, so one fitted otherwise (``how``: with other options, on other
+    data) would be published as what this stage fits: refused. ``fitted_otherwise``: per folder, a test of its
+    config."""
+    for folder, differs in fitted_otherwise.items():
+        if folder.is_dir() and differs(load_config(folder)):
+            raise SystemExit(f"{_shown(folder)} was fitted {how} than this stage fits: remove it (and the folders "
+                             "fitted beside it) or pass another --workdir")
 
 
 def _shown(path: Path) -> str:
