@@ -47,20 +47,14 @@ class PrefixCacheEvictions:
         self.blocks(block_ids[first:])
         return found
 
-    def running(self, requests) -> bool:
-        """For each ``(request, first)`` of running requests on approximate KV: take what it computed from block
-        ``first`` on out (a request that computed their mapped prefix exactly would chain into it as exact); whether
-        there was any. Every hash from ``first`` on is looked up each time: vLLM caches a running request's blocks as
-        it goes, and with speculative tokens or a resumed streaming session ahead of what its counters say."""
-        return any([self.request(request, first) for request, first in requests])
-
     def later_for(self, request_id: str, variant: Variant, block_ids: tuple[int, ...]) -> None:
         """An asynchronous load's approximate blocks: taken out once vLLM has hashed them (`hashed_later`, or when
-        vLLM calls again after the load, `take_later`)."""
+        vLLM calls again after the load or the request ends, `take_later`)."""
         self.later[request_id] = (variant, block_ids)
 
     def take_later(self, request_id: str) -> None:
-        """Take the request's pending blocks out now (vLLM has hashed them, or the request ended)."""
+        """Take the request's pending blocks out now (vLLM has hashed them, or the request ended before it called
+        again)."""
         self.blocks(self.later.pop(request_id, (None, ()))[1])
 
     def cancel_later(self, request_id: str) -> None:
@@ -76,10 +70,5 @@ class PrefixCacheEvictions:
                   if self.pool.blocks[block].block_hash is not None}
         self.blocks(hashed)
         return bool(hashed)
-
-    def finished(self, request_id: str) -> None:
-        """The request ended: its pending blocks go out."""
-        self.take_later(request_id)
-
 
 __all__ = ["PrefixCacheEvictions"]

@@ -291,11 +291,13 @@ class SchedulerSide:
                         plan.made if loaded else EXACT, None if loaded else plan.fallback)
 
     def _evict_running(self, variant: Variant) -> bool:
-        """Take out of vLLM's prefix cache what ``variant``'s running requests on approximate KV computed so far;
-        whether there was any (`PrefixCacheEvictions.running`)."""
-        return self.evictions.running([
-            (self.running[rid], record.local_tokens // self.block_size) for rid, record in self.records.items()
-            if record.variant == variant and record.made.approximate and rid in self.running])
+        """Take out of vLLM's prefix cache what ``variant``'s running requests on approximate KV computed so far (a
+        request that computed their mapped prefix exactly would chain into it as exact); whether there was any. Every
+        hash from the first approximate block on is looked up each time: vLLM caches a running request's blocks as it
+        goes, with speculative tokens or a resumed streaming session ahead of what its counters say."""
+        return any([self.evictions.request(self.running[rid], record.local_tokens // self.block_size)
+                    for rid, record in self.records.items()
+                    if record.variant == variant and record.made.approximate and rid in self.running])
 
     # ----- a finished request -----
 
@@ -306,7 +308,7 @@ class SchedulerSide:
         record = self.records.pop(request.request_id, None)
         self.plans.pop(request.request_id, None)
         self.running.pop(request.request_id, None)
-        self.evictions.finished(request.request_id)  # ended before vLLM called again after its load, say
+        self.evictions.take_later(request.request_id)  # ended before vLLM called again after its load, say
         now = self.files.fingerprint(_variant(request))
         if record is None:  # never admitted through the connector (aborted while waiting)
             record = RequestRecord(_variant(request), request.cache_salt, "map", request.num_prompt_tokens,
