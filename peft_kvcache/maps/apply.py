@@ -127,23 +127,19 @@ def map_layer_factored(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, bi
     if down.shape[0] != heads * head_dim or up.shape[1] != heads * head_dim:
         raise CacheMismatchError(f"the layer's features have {heads * head_dim} columns but its factors are "
                                  f"{tuple(down.shape)} and {tuple(up.shape)}")
-    # the bias rides in the low-rank product: a column of ones after the down factor, the bias as a row under up
-    rank = down.shape[1]
-    down = torch.cat((down, down.new_zeros(down.shape[0], 1)), 1)
-    up = torch.cat((up, bias.to(up.dtype)[None]), 0)
-    ones = down.new_zeros(rank + 1)
-    ones[rank] = 1
+    # The bias is added outside the products: a column of ones carrying it through them (r + 1 columns) runs the
+    # thin products ~1.5x slower than r columns (BLAS kernels tile by 8 or 16 columns).
     out = torch.empty_like(x)
     for b in range(batch):
-        low = torch.addmm(ones, x[b, 0], down[:head_dim])  # [seq, r + 1]: the features through the down factor
+        low = torch.mm(x[b, 0], down[:head_dim])  # [seq, r]: the features through the down factor
         for i in range(1, heads):
             low.addmm_(x[b, i], down[i * head_dim: (i + 1) * head_dim])
         for j in range(heads):
-            columns = up[:, j * head_dim: (j + 1) * head_dim]
-            if rotated is None:
-                torch.addmm(x[b, j], low, columns, out=out[b, j])
-            else:
-                torch.mm(low, columns, out=out[b, j])
+            columns = slice(j * head_dim, (j + 1) * head_dim)
+            if rotated is None:  # the identity and the bias in one pass, the correction accumulated onto them
+                torch.add(x[b, j], bias[columns], out=out[b, j]).addmm_(low, up[:, columns])
+            else:  # the correction and its bias alone: `add_rotated` rotates it onto the source keys
+                torch.addmm(bias[columns], low, up[:, columns], out=out[b, j])
     return out if rotated is None else add_rotated(*rotated, out)
 
 

@@ -295,9 +295,13 @@ class SchedulerSide:
         request that computed their mapped prefix exactly would chain into it as exact); whether there was any. Every
         hash from the first approximate block on is looked up each time: vLLM caches a running request's blocks as it
         goes, with speculative tokens or a resumed streaming session ahead of what its counters say."""
-        return any([self.evictions.request(self.running[rid], record.local_tokens // self.block_size)
-                    for rid, record in self.records.items()
-                    if record.variant == variant and record.made.approximate and rid in self.running])
+        return any([self.evictions.request(request, record.local_tokens // self.block_size)
+                    for request, record in self._running_of(variant) if record.made.approximate])
+
+    def _running_of(self, variant: Variant) -> list[tuple[object, RequestRecord]]:
+        """``variant``'s running requests, each with its record."""
+        return [(self.running[rid], record) for rid, record in self.records.items()
+                if record.variant == variant and rid in self.running]
 
     # ----- a finished request -----
 
@@ -375,9 +379,8 @@ class SchedulerSide:
             return False
         self._drop(self.index.drop_variant(variant))
         self.evictions.hashes(hashes)
-        for rid, request in self.running.items():  # still running on the old weights: their blocks so far
-            if self.records[rid].variant == variant:
-                self.evictions.request(request, 0)
+        for request, _ in self._running_of(variant):  # still running on the old weights: their blocks so far
+            self.evictions.request(request, 0)
         return True
 
     def reset(self) -> bool:
