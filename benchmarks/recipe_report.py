@@ -275,7 +275,10 @@ def report(role: str, context: int) -> dict:
             entry["map"] = None if known is None else {k: known[k] for k in
                                                        ("parameters", "multiply_adds_per_token", "options", "distilled")}
         refitted = refit_differences(records, direction)
+        # the weights the default was measured with: a card publishes only those (`scripts.publish`)
+        default_map = fingerprints.get(rows[default]["maps"]) if default is not None else None
         payload["directions"][direction] = {"budget": budget, "rows": rows, "choice": choice, "default": default,
+                                            "default_map": default_map,
                                             "pair": siblings.pair_name(direction), "trade_off": trade_off(rows),
                                             "levers": levers, "refits": refitted}
         order = sorted(rows, key=lambda v: (rows[v]["compute"], v))

@@ -52,14 +52,16 @@ PLAIN_ON_BASE_MAPS = " (base maps)"  # a plain switch the final run measured on 
 
 def final_recipe_reports(direction: str) -> dict[int, dict]:
     """The final-text reports of the sibling recipes (`benchmarks.recipe_report`) that report a default for
-    ``direction``, by context: ``{context: {"stem", "default", "rows"}}``."""
+    ``direction``, by context: ``{context: {"stem", "default", "rows", "default_map"}}`` (``default_map``: the
+    fingerprint of the maps the default ran on, None in a report written before reports recorded it)."""
     out = {}
     for context in FINAL_CONTEXTS:
         stem = f"sibling-recipes-final-{context}"
         if (RESULTS / f"{stem}.json").is_file():
             report = results(stem)["directions"].get(direction, {})
             if report.get("default"):
-                out[context] = {"stem": stem, "default": report["default"], "rows": report["rows"]}
+                out[context] = {"stem": stem, "default": report["default"], "rows": report["rows"],
+                                "default_map": report.get("default_map")}
     return out
 
 

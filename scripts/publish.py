@@ -299,6 +299,8 @@ class Publisher:
     def sibling_cards(self) -> None:
         """Write hub_cards/<pair> for both directions: the chosen map, its gate, its recipe, the storage dtype the
         storage stage chose, and figures copied from the results files that cite them."""
+        for direction in siblings.DIRECTIONS:  # both checked before either card is written
+            self.check_final_maps(direction)
         dtypes = read_results("storage-dtype")["choice"]
         for direction in siblings.DIRECTIONS:
             name = siblings.pair_name(direction)
@@ -306,6 +308,19 @@ class Publisher:
             kv_map.config.quality = QualityRecord(gate=self.sibling_gate(direction),
                                                   figures=sibling_figures(direction, kv_map.config.refresh))
             _publish(kv_map, name, dtypes[name])
+
+    def check_final_maps(self, direction: str) -> None:
+        """Refuse (`RecordError`) a card whose default's figures on the final texts ran on other weights than the ones
+        it would publish (`chosen_folder`: a lever's maps fitted again since, say)."""
+        folder = self.chosen_folder(direction)
+        held = recipes.map_fingerprint(folder) if (folder / WEIGHTS_NAME).is_file() else None
+        for context, report in figures.final_recipe_reports(direction).items():
+            if report["default_map"] != held:
+                raise RecordError(
+                    f"{report['stem']}.json reports the {direction} default {report['default']!r} on maps "
+                    f"{report['default_map'] or '(not recorded)'}; {folder} holds {held or 'no weights'}: measure "
+                    f"them (`python -m benchmarks.recipes run --role final --context {context}` with the same maps, "
+                    "then its report) before publishing their card")
 
     def storage(self) -> None:
         """Whether each published map stores its weights in bfloat16 (`benchmarks.storage`): both sibling maps and

@@ -151,6 +151,41 @@ def test_a_default_on_a_levers_maps_publishes_those_maps(results, monkeypatch, t
     assert publish.Publisher(tmp_path / "work").chosen_folder("up") == tmp_path / "levers" / "attn" / UP
 
 
+def test_a_card_is_never_published_with_figures_measured_on_other_weights(results, monkeypatch, tmp_path):
+    """The final texts measured the default on one fit of a lever's maps; the folder now holds another (fitted again
+    since): sibling_cards refuses before writing either card, until the final texts measure the weights it holds."""
+    monkeypatch.setattr(recipe_report, "map_cost_limit", lambda direction: 1000)
+    monkeypatch.setattr(publish.lever_maps, "LEVERS", tmp_path / "levers")
+    shutil.copy(common.ROOT / "benchmarks" / "results" / "sibling-scaling.json", results)  # down: the capture's maps
+    folder = tmp_path / "levers" / "attn" / UP
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"the lever's weights, fitted again")
+    selection = {"directions": {"up": {"choice": {"default": "attn:index@160/p40", "maps": "attn"}}}}
+    (results / "sibling-recipes-selection-2048.json").write_text(json.dumps(selection))
+
+    def final_report(fingerprint: str) -> dict:
+        VARIANTS["attn:index@160/p40"] = ("index", 160, 160)
+        try:
+            records = _records("final", {**ACCURACY, "attn:index@160/p40": 0.72})
+        finally:
+            del VARIANTS["attn:index@160/p40"]
+        for r in records:
+            if r["variant"].startswith("attn:"):
+                r["maps"], r["map"] = "attn", fingerprint
+        (results / "sibling-recipes" / "final-2048.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (results / "sibling-recipes" / "runs.jsonl").write_text(json.dumps({"role": "final", "context": 2048}) + "\n")
+        return recipe_report.report("final", 2048)
+
+    assert final_report("an earlier fit")["directions"]["up"]["default_map"] == "an earlier fit"
+    publisher = publish.Publisher(tmp_path / "work")
+    monkeypatch.setattr(publisher, "chosen_map", lambda *a, **k: pytest.fail("a card was about to be written"))
+    with pytest.raises(RecordError, match="on maps an earlier fit; .* holds [0-9a-f]{16}: measure them"):
+        publisher.sibling_cards()
+    final_report(recipes.map_fingerprint(folder))
+    publisher.check_final_maps("up")  # measured on the weights it holds: passes
+    publisher.check_final_maps("down")  # no default reported going down: nothing to check
+
+
 def test_a_levers_maps_carry_their_own_gate_never_the_captures(results, monkeypatch, tmp_path):
     """The card of a default on a lever's maps carries the gate the lever_gate stage measured on those very weights;
     the capture's maps (the published default elsewhere) carry the gate stage's at the chosen scale."""
