@@ -7,6 +7,7 @@ from benchmarks import siblings
 from benchmarks.adapters import PREFIX, results_stem
 from benchmarks.common import ADAPTERS, RESULTS, ROOT, table
 from benchmarks.common import read_results as results
+from benchmarks.recipe_budget import TTFT_GOALS
 from benchmarks.recipe_scores import RECALL
 from benchmarks.tp_shards import markdown as tp_markdown
 from benchmarks.vllm_report import markdown as vllm_markdown
@@ -161,7 +162,40 @@ def readme_table() -> str:
             "; a sibling map's default recipe on the final texts from `sibling-recipes-final-<context>.json` "
             "(`python -m benchmarks.recipes`, the default chosen on the selection texts)." if recipes else ".") + (
             " A plain switch marked (base maps), and its KL, ran on the final run's base maps (its `--maps`), not on "
-            "the maps the default recipe runs on, which that run did not switch plainly." if plain_on_base_maps else ""))
+            "the maps the default recipe runs on, which that run did not switch plainly." if plain_on_base_maps else "")
+        + "".join(f"\n\n{note}" for note in ttft_goal_notes(reports)))
+
+
+def ttft_goal_notes(reports: dict[str, dict]) -> list[str]:
+    """One paragraph per sibling default whose TTFT speedup misses a goal (`benchmarks.recipe_budget.TTFT_GOALS`) in
+    its TTFT table's run (``reports``: pair name -> its final reports, `final_recipe_reports`): the passes that make
+    its time, and what its budget's TTFT sweep measured."""
+    notes = []
+    for direction in siblings.DIRECTIONS:
+        name = siblings.pair_name(direction)
+        if not reports.get(name):
+            continue
+        swept = results(f"ttft-{name}-sweep") if (RESULTS / f"ttft-{name}-sweep.json").is_file() else {"rows": []}
+        sweep_rows = {r["context"]: r for r in swept["rows"]}
+        for row in results(f"ttft-{name}")["rows"]:
+            goal = TTFT_GOALS.get(row["context"])
+            if goal is None or "speedup_recipe" not in row or row["speedup_recipe"] >= goal:
+                continue
+            passes = row["recipe_passes"]
+            note = (f"Going {direction} (`{name}`), the default recipe `{row['recipe_name']}` runs "
+                    f"{row['speedup_recipe']:.1f}x faster than the target's prefill at {row['context']} tokens in "
+                    f"`ttft-{name}.json`, under the {goal}x goal (`benchmarks.recipe_budget.TTFT_GOALS`): its passes "
+                    f"over the target's weights (probe / recompute / first token: {passes['probe']:.2f} / "
+                    f"{passes['recompute']:.2f} / {passes['first_token']:.2f} s) make most of its "
+                    f"{row['recipe']['median']:.2f} s, against a prefill of {row['full']['median']:.2f} s.")
+            sweep_row = sweep_rows.get(row["context"], {})
+            timed = sweep_row.get("recipes", {}).get(row["recipe_name"].rpartition(":")[2])
+            if timed is not None:
+                note += (f" The TTFT sweep that set its budget (`ttft-{name}-sweep.json`, on the {swept['maps']} maps) "
+                         f"measured {timed['speedup']:.1f}x [{timed['speedup_min']:.1f}x, {timed['speedup_max']:.1f}x] "
+                         f"against a prefill of {sweep_row['full']['median']:.2f} s.")
+            notes.append(note)
+    return notes
 
 
 def _recipe_rows(name: str, reported: dict[int, dict]) -> list[list[str]]:

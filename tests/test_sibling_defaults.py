@@ -228,6 +228,33 @@ def test_the_readmes_plain_switch_is_on_the_default_recipes_maps_or_says_whose_i
     assert [r[2] for r in figures._recipe_rows("pair", reported)] == ["0.33 [0.33, 0.33]"] * 2  # the default's maps
 
 
+def test_a_default_that_misses_a_ttft_goal_is_said_so_below_the_table(monkeypatch, tmp_path):
+    """The README says, from the TTFT results files, which default misses which goal, with its passes and what its
+    budget's sweep measured; a default that meets every goal gets no note."""
+    def ttft_row(context: int, speedup: float) -> dict:
+        return {"context": context, "speedup_recipe": speedup, "recipe_name": "top4:refresh@64/p32",
+                "recipe_passes": {"probe": 0.29, "recompute": 0.47, "first_token": 0.15}, "recipe": {"median": 1.04},
+                "full": {"median": 9.28}}
+
+    files = {f"ttft-{DOWN}": {"rows": [ttft_row(2048, 8.9), ttft_row(8192, 33.0)]},
+             f"ttft-{DOWN}-sweep": {"maps": "top4", "rows": [{"context": 2048, "full": {"median": 13.96}, "recipes": {
+                 "refresh@64/p32": {"speedup": 11.2, "speedup_min": 7.7, "speedup_max": 11.9}}}]}}
+    monkeypatch.setattr(figures, "results", files.__getitem__)
+    monkeypatch.setattr(figures, "RESULTS", tmp_path)
+    reports = {UP: {}, DOWN: {2048: {"default": "top4:refresh@64/p32"}}}
+    assert figures.ttft_goal_notes(reports) == [
+        f"Going down (`{DOWN}`), the default recipe `top4:refresh@64/p32` runs 8.9x faster than the target's prefill "
+        f"at 2048 tokens in `ttft-{DOWN}.json`, under the 10x goal (`benchmarks.recipe_budget.TTFT_GOALS`): its "
+        "passes over the target's weights (probe / recompute / first token: 0.29 / 0.47 / 0.15 s) make most of its "
+        "1.04 s, against a prefill of 9.28 s."]  # no sweep file: nothing said of one; 8192 meets its 30x
+    (tmp_path / f"ttft-{DOWN}-sweep.json").write_text("{}")
+    assert figures.ttft_goal_notes(reports)[0].endswith(
+        f"The TTFT sweep that set its budget (`ttft-{DOWN}-sweep.json`, on the top4 maps) measured 11.2x [7.7x, "
+        "11.9x] against a prefill of 13.96 s.")
+    files[f"ttft-{DOWN}"]["rows"][0]["speedup_recipe"] = 10.0
+    assert figures.ttft_goal_notes(reports) == []
+
+
 def test_the_final_texts_report_a_default_only_on_the_maps_the_selection_texts_chose_it_on(results):
     selection = _report(results, "selection", ACCURACY, map_print="m1")
     assert selection["directions"]["up"]["choice"]["fingerprint"] == "m1"
