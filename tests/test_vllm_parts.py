@@ -404,3 +404,43 @@ def test_the_switch_cost_server_can_bound_the_tokens_of_an_engine_step():
     bounded = server_command("python", ROOT, {"maps": "hub_cards"}, 8000, max_num_batched_tokens=32)
     assert bounded[bounded.index("--max-num-batched-tokens") + 1] == "32"
     assert "--max-num-batched-tokens" not in server_command("python", ROOT, None, 8000)  # vLLM's default otherwise
+
+
+# ----- a request's record and the worker's reports -----
+
+
+def test_a_failed_load_after_a_preemption_keeps_the_approximate_admission_before_it():
+    """A request ran on mapped KV, was preempted, and its load failed when admitted again: what it computed on the
+    mapped prefix may still sit in vLLM's prefix cache, so its record stays approximate (the label, the evictions);
+    a first admission whose load fails is exact, prefilled, said so."""
+    from peft_kvcache.runtime.reuse import Made
+    from peft_kvcache.vllm.scheduler import RequestRecord
+
+    mapped = Made("mapped", None, 384)
+    record = RequestRecord(SHOUT, None, "map", 500)
+    record.admitted(0, 384, mapped, None)
+    record.admitted(128, 256, mapped, None)  # after a preemption: vLLM's own hit, the rest loaded again
+    record.load_failed()
+    assert record.made == mapped and (record.local_tokens, record.loaded_tokens) == (0, 384)
+    first = RequestRecord(SHOUT, None, "map", 500)
+    first.admitted(128, 256, mapped, None)
+    first.load_failed()
+    assert first.made.exact and (first.local_tokens, first.loaded_tokens, first.fallback) == (128, 0, "load_error")
+
+
+def test_a_load_is_reported_done_only_after_the_writes_queued_on_its_stream(monkeypatch):
+    """On a GPU the job thread writes a load's blocks on its own stream while vLLM's forward runs on another: the load
+    is reported done (vLLM then schedules the request) only once that stream's work is done, failed loads too."""
+    from peft_kvcache.vllm import worker as worker_module
+    from peft_kvcache.vllm.jobs import LoadJob
+    from peft_kvcache.vllm.parallel import Shard
+
+    side = worker_module.WorkerSide(None, shard=Shard())
+    side.layers = [torch.zeros(1)]
+    synced = []
+    monkeypatch.setattr(worker_module, "_copies_done",
+                        lambda device: synced.append("request" in side._loaded))
+    job = LoadJob("request", "mapped", ("key",), 0, (0,), (), None, False)
+    for _ in side._load_steps(job, report_done=True):  # no layout: the load fails
+        pass
+    assert synced == [False] and side.finished()[1] == {"request"}

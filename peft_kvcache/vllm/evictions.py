@@ -27,22 +27,22 @@ class PrefixCacheEvictions:
         if self.pool is not None and block_ids:
             self.pool.evict_blocks(set(block_ids))
 
-    def hashes(self, block_hashes) -> bool:
-        """Take every block cached under one of ``block_hashes`` out; whether there was any."""
-        found = False
+    def hashes(self, block_hashes) -> set:
+        """Take every block cached under one of ``block_hashes`` out; the hashes some block was cached under."""
+        found = set()
         if self.pool is not None:
             for block_hash in block_hashes:
                 for _ in range(COPIES_PER_HASH):
                     cached = self.pool.get_cached_block(block_hash, [0])
                     if not cached:
                         break
-                    found = True
+                    found.add(block_hash)
                     self.blocks({block.block_id for block in cached})
         return found
 
-    def request(self, request, first: int, block_ids=()) -> bool:
+    def request(self, request, first: int, block_ids=()) -> set:
         """Take the request's blocks from block ``first`` on out: those it holds (``block_ids``: all of them) and
-        every block cached under their hashes; whether any was cached under them."""
+        every block cached under their hashes; the hashes some block was cached under."""
         found = self.hashes(getattr(request, "block_hashes", ())[first:])
         self.blocks(block_ids[first:])
         return found
@@ -61,14 +61,16 @@ class PrefixCacheEvictions:
         """The request's load failed: vLLM computes those blocks itself, exactly."""
         self.later.pop(request_id, None)
 
-    def hashed_later(self, variant: Variant) -> bool:
+    def hashed_later(self, variant: Variant) -> set:
         """Take out the pending blocks of ``variant``'s asynchronous loads that vLLM has hashed already, before their
-        requests' next call; whether there were any."""
+        requests' next call; the hashes they were cached under."""
         if self.pool is None:
-            return False
-        hashed = {block for owner, ids in self.later.values() if owner == variant for block in ids
-                  if self.pool.blocks[block].block_hash is not None}
-        self.blocks(hashed)
-        return bool(hashed)
+            return set()
+        from vllm.v1.core.kv_cache_utils import get_block_hash  # the hash without the group id a block carries
+
+        hashed = {block: self.pool.blocks[block].block_hash for owner, ids in self.later.values() if owner == variant
+                  for block in ids if self.pool.blocks[block].block_hash is not None}
+        self.blocks(set(hashed))
+        return {get_block_hash(block_hash) for block_hash in hashed.values()}
 
 __all__ = ["PrefixCacheEvictions"]

@@ -76,6 +76,7 @@ class RequestRecord:
     made: Made = EXACT
     fallback: str | None = None
     fingerprint: str | None = None  # of the files its variant loaded when it was first admitted
+    earlier: tuple | None = None  # (local, loaded, made, fallback) of the admission the last one replaced
 
     def admitted(self, local_tokens: int, loaded_tokens: int, made: Made, fallback: str | None) -> None:
         """One admission (the first, or one after a preemption): kept unless an earlier one was approximate and this
@@ -84,7 +85,17 @@ class RequestRecord:
             return
         local_tokens = min(local_tokens, self.prompt_tokens)
         loaded_tokens = min(loaded_tokens, self.prompt_tokens - local_tokens)
+        self.earlier = (self.local_tokens, self.loaded_tokens, self.made, self.fallback)
         self.local_tokens, self.loaded_tokens, self.made, self.fallback = local_tokens, loaded_tokens, made, fallback
+
+    def load_failed(self) -> None:
+        """The last admission's load failed: vLLM computes those tokens itself. An approximate admission before it (the
+        request ran on mapped KV, was preempted, and its load failed when admitted again) stays what the label and the
+        evictions go by: what it computed then may still sit in vLLM's prefix cache."""
+        if self.earlier is not None and self.earlier[2].approximate:
+            self.local_tokens, self.loaded_tokens, self.made, self.fallback = self.earlier
+        else:
+            self.loaded_tokens, self.made, self.fallback = 0, EXACT, "load_error"
 
     def label(self, base: str) -> dict:
         """The response's ``kv_transfer_params.peft_kvcache``: where the context came from (`reuse.label`, ``base``:
@@ -141,6 +152,7 @@ class SchedulerSide:
         self.plans: dict[str, Plan] = {}
         self.records: dict[str, RequestRecord] = {}
         self.running: dict[str, object] = {}  # vLLM's requests admitted and not finished (their block hashes)
+        self.loading: set[str] = set()  # requests whose asynchronous load vLLM still waits on
         self.ops: list = []  # store operations for the next step, in order
         self.loads: list[LoadJob] = []
         self.counts = Counts()
@@ -150,13 +162,16 @@ class SchedulerSide:
 
     def matched_tokens(self, request, local_tokens: int) -> int | None:
         """Tokens beyond vLLM's own hit (``local_tokens``) the connector will write (whole blocks; 0 for none), or
-        None: ask again next step (vLLM's hit was on a variant whose files changed, and is evicted now). Side-effect
-        free but for the plan it keeps: vLLM may ask again for the same request."""
+        None: ask again next step (vLLM's hit was on a variant whose files changed, or read blocks taken out of its
+        cache just now: approximate ones). Side-effect free but for the plan it keeps and those evictions: vLLM may ask
+        again for the same request."""
         variant = _variant(request)
         if self._changed(variant) and local_tokens:
             return None
-        if local_tokens and (self.evictions.hashed_later(variant) | self._evict_running(variant)):
-            return None  # vLLM's hit may have read another request's approximate blocks: it asks again without them
+        if local_tokens:  # approximate blocks vLLM cached since: out, and where its hit read one, it asks again
+            evicted = self.evictions.hashed_later(variant) | self._evict_running(variant)
+            if evicted & set(request.block_hashes[: local_tokens // self.block_size]):
+                return None
         plan = self._plan(request, variant, local_tokens)
         self.plans[request.request_id] = plan
         return plan.tokens * self.block_size
@@ -173,7 +188,7 @@ class SchedulerSide:
         if self.refused:
             plan.fallback = "unsupported_parallelism"
             return plan
-        if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+        if _not_its_tokens(request):
             plan.fallback = "multimodal"  # its placeholder tokens would match another input's KV
             return plan
         if self.worker_problem:
@@ -255,8 +270,9 @@ class SchedulerSide:
         the load, and take approximate blocks out of vLLM's prefix cache once vLLM has hashed them (a synchronous load
         now; an asynchronous one when vLLM calls again after it, with no external tokens)."""
         rid = request.request_id
-        if not num_external_tokens:
+        if not num_external_tokens:  # vLLM calls again, with none, once an asynchronous load is done
             self.evictions.take_later(rid)
+            self.loading.discard(rid)
         plan = self.plans.pop(rid, None)
         if plan is None:
             return
@@ -271,6 +287,8 @@ class SchedulerSide:
             self.loads.append(LoadJob(rid, plan.kind, plan.entry.key, first * self.block_size, ids, folders,
                                       plan.sink_key, per_shard))
             self.index.touch(plan.entry)
+            if self.async_loads:
+                self.loading.add(rid)
             if plan.made.approximate:
                 if self.async_loads:
                     self.evictions.later_for(rid, _variant(request), ids)
@@ -290,13 +308,17 @@ class SchedulerSide:
         record.admitted(plan.local_blocks * self.block_size, num_external_tokens if loaded else 0,
                         plan.made if loaded else EXACT, None if loaded else plan.fallback)
 
-    def _evict_running(self, variant: Variant) -> bool:
+    def _evict_running(self, variant: Variant) -> set:
         """Take out of vLLM's prefix cache what ``variant``'s running requests on approximate KV computed so far (a
-        request that computed their mapped prefix exactly would chain into it as exact); whether there was any. Every
-        hash from the first approximate block on is looked up each time: vLLM caches a running request's blocks as it
-        goes, with speculative tokens or a resumed streaming session ahead of what its counters say."""
-        return any([self.evictions.request(request, record.local_tokens // self.block_size)
-                    for request, record in self._running_of(variant) if record.made.approximate])
+        request that computed their mapped prefix exactly would chain into it as exact), and all that those running on
+        files since replaced computed; the hashes some block was cached under. Every hash from the first approximate
+        (or old) block on is looked up each time: vLLM caches a running request's blocks as it goes, with speculative
+        tokens or a resumed streaming session ahead of what its counters say."""
+        now = self.files.fingerprint(variant)
+        return set().union(*(self.evictions.request(request, 0 if record.fingerprint != now else
+                                                    record.local_tokens // self.block_size)
+                             for request, record in self._running_of(variant)
+                             if record.made.approximate or record.fingerprint != now))
 
     def _running_of(self, variant: Variant) -> list[tuple[object, RequestRecord]]:
         """``variant``'s running requests, each with its record."""
@@ -312,6 +334,8 @@ class SchedulerSide:
         record = self.records.pop(request.request_id, None)
         self.plans.pop(request.request_id, None)
         self.running.pop(request.request_id, None)
+        loading = request.request_id in self.loading
+        self.loading.discard(request.request_id)
         self.evictions.take_later(request.request_id)  # ended before vLLM called again after its load, say
         now = self.files.fingerprint(_variant(request))
         if record is None:  # never admitted through the connector (aborted while waiting)
@@ -321,6 +345,9 @@ class SchedulerSide:
         if record.loaded_tokens:
             self.counts.tokens[record.made.context_source] += record.loaded_tokens
         self.counts.tokens["prefilled"] += record.prompt_tokens - record.local_tokens - record.loaded_tokens
+        if loading:  # ended (aborted) while its load ran: its blocks are not all written, and vLLM frees them when the
+            # worker reports the load (holding them for a copy too would have them freed twice)
+            return False, record.label(self.base_name)
         if record.fingerprint != now:  # its variant's files changed while it ran: its KV is of the old weights
             self._say("changed_while_running", f"{record.variant.label}'s files changed while request "
                       f"{request.request_id} ran: nothing it computed is kept")
@@ -335,7 +362,7 @@ class SchedulerSide:
 
     def _keep(self, request, record: RequestRecord, block_ids: list[int]) -> bool:
         """Queue the copy of the request's whole computed blocks (and the variant's sink); whether one was queued."""
-        if self.refused:
+        if self.refused or _not_its_tokens(request):  # its KV is never served from the store: nor kept there
             return False
         mapping = self.maps is not None and self.options.mode == "map"
         # in mode "map", only what a map can take somewhere (vLLM's own cache keeps a variant's exact prefixes) and the
@@ -385,10 +412,10 @@ class SchedulerSide:
 
     def reset(self) -> bool:
         """Drop every stored entry and sink (vLLM resets its prefix cache: a weight update, sleep and wake); the worker
-        frees their tensors with the next step."""
+        frees their tensors with the next step. The files' fingerprints are kept: vLLM calls this even where its own
+        reset failed (running requests hold blocks), and a variant whose files change later must still be recognised."""
         self.ops.append(DropJob(None))  # None: everything
         self.index.clear()
-        self.files.clear()
         logger.info("peft-kvcache: the store was reset")
         return True
 
@@ -414,9 +441,9 @@ class SchedulerSide:
         for request_id in set(report.failed_loads):  # vLLM recomputes the request's loaded blocks
             record = self.records.get(request_id)
             self.evictions.cancel_later(request_id)
+            self.loading.discard(request_id)
             if record is not None:
-                record.local_tokens, record.loaded_tokens, record.made, record.fallback = (
-                    record.local_tokens, 0, EXACT, "load_error")
+                record.load_failed()
             self.counts.fallbacks["load_error"] += 1
             self._say("load_error", f"request {request_id}")
 
@@ -433,6 +460,12 @@ class SchedulerSide:
         if reason not in self._logged:
             self._logged.add(reason)
             logger.warning("peft-kvcache: %s (%s; logged once per reason)", detail, reason)
+
+
+def _not_its_tokens(request) -> bool:
+    """Whether a request's KV is of more than its token ids (multimodal inputs behind placeholder tokens, prompt
+    embeddings behind placeholder ids): KV kept under its tokens would be another input's."""
+    return bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
 
 
 def _variant(request) -> Variant:

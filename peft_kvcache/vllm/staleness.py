@@ -69,10 +69,6 @@ class FileWatch:
         while len(tracked) > TRACKED_HASHES:
             tracked.popitem(last=False)
 
-    def clear(self) -> None:
-        """Forget every fingerprint (the store and vLLM's prefix cache were reset)."""
-        self.prints.clear()
-
 
 def _model_folder(model: str) -> Path | None:
     """The folder the engine's model was loaded from, or None (its files cannot be fingerprinted: said once)."""

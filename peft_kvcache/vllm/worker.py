@@ -296,6 +296,8 @@ class WorkerSide:
                            job.request_id, err)
         finally:
             if report_done:
+                if self.layers:  # a GPU's writes, queued on this thread's stream, land before vLLM's forward reads
+                    _copies_done(self.layers[0].device)  # the blocks (or recomputes the failed ones) on its own stream
                 with self._lock:
                     self._loaded.add(job.request_id)
 
@@ -411,7 +413,8 @@ def _layer_index(name: str) -> int:
 
 
 def _copies_done(device: torch.device) -> None:
-    """Wait (on the job thread) until the copies queued on ``device``'s stream, `_to_host`'s among them, are done."""
+    """Wait (on the job thread) until the work queued on its stream of ``device`` is done: `_to_host`'s copies, a load's
+    writes (vLLM's forward runs on another stream, which nothing orders after this one)."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 

@@ -91,6 +91,36 @@ def test_the_store_is_bounded_and_evicts_the_least_recently_used(model_folder, p
     assert evictions >= 1
 
 
+def test_a_switch_aborted_while_its_load_runs_leaves_the_engine_serving(model_folder, maps_folder, prompt):
+    """A client that leaves while its switch's mapped load still runs (a CPU engine spreads a load over the steps of
+    a stream that keeps decoding): vLLM holds the request's blocks until the load is reported done, so the connector
+    keeps nothing of it (a copy would report the same request twice: vLLM frees it at the first report and fails an
+    assertion at the second, killing the engine). The stream decodes to its end, and the next switch is mapped."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    with engine(model_folder, maps=maps_folder, min_mapped_tokens=MIN_MAPPED) as llm:
+        core = llm.llm_engine
+        run(llm, prompt(1), None)  # the base model's KV of the context, stored
+        stream = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+        core.add_request("stream", {"prompt_token_ids": prompt(0, system=f"Stream. {SYSTEM}")}, stream)
+        for _ in range(3):
+            core.step()
+        # docstring is a map's source (docstring -> base): what its requests compute would be kept
+        adapter = LoRARequest("docstring", 2, str(ADAPTERS["docstring"]))
+        core.add_request("switch", {"prompt_token_ids": prompt(1)}, SamplingParams(temperature=0.0, max_tokens=8),
+                         lora_request=adapter)
+        core.step()  # admitted: its load starts
+        core.abort_request(["switch"])
+        outputs = {}
+        while core.has_unfinished_requests():
+            for out in core.step():
+                outputs[out.request_id] = out
+        assert len(outputs["stream"].outputs[0].token_ids) == 48
+        after = run(llm, prompt(1), "docstring")
+    assert source_of(after).startswith("mapped:"), after.kv_transfer_params
+
+
 def test_a_source_adapter_replaced_at_the_same_path_is_never_mapped_from_its_old_kv(model_folder, prompt, tmp_path):
     """The store keeps the KV of an adapter (the docstring adapter's weights); its files are then replaced by another
     adapter's (shout's) at the same path. A switch to the base model must not map the old weights' KV with the map the

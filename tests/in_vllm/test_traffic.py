@@ -117,6 +117,13 @@ def test_requests_that_are_not_plain_token_ids_are_never_served_from_the_store(s
                           lora_request=LoRARequest("shout", 1, str(ADAPTERS["shout"])), use_tqdm=False)[0]
     label = _label(out)
     assert label["context_source"] == "prefilled" and label["fallback"] == "multimodal"
+    # nor kept there: a prompt-embeds request's token ids are placeholders (zeros), under which a plain request of
+    # those ids would be served its KV (mapped, once shout's own sink for a first token 0 is known)
+    served.generate([{"prompt_embeds": embeds}], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    zeros = [0] * len(ids)
+    run(served, zeros[:8] + ids, "shout", reuse="none")
+    plain = _label(run(served, zeros, "shout"))
+    assert plain["context_source"] == "prefilled", plain
 
 
 def test_careless_options_are_read_as_exact_and_named_briefly(served, prompt):
