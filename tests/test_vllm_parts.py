@@ -414,7 +414,7 @@ def test_a_failed_load_after_a_preemption_keeps_the_approximate_admission_before
     mapped prefix may still sit in vLLM's prefix cache, so its record stays approximate (the label, the evictions);
     a first admission whose load fails is exact, prefilled, said so."""
     from peft_kvcache.runtime.reuse import Made
-    from peft_kvcache.vllm.scheduler import RequestRecord
+    from peft_kvcache.vllm.records import RequestRecord
 
     mapped = Made("mapped", None, 384)
     record = RequestRecord(SHOUT, None, "map", 500)
