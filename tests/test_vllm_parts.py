@@ -426,6 +426,11 @@ def test_a_failed_load_after_a_preemption_keeps_the_approximate_admission_before
     first.admitted(128, 256, mapped, None)
     first.load_failed()
     assert first.made.exact and (first.local_tokens, first.loaded_tokens, first.fallback) == (128, 0, "load_error")
+    exact_after = RequestRecord(SHOUT, None, "map", 500)
+    exact_after.admitted(0, 384, mapped, None)
+    exact_after.admitted(384, 0, Made(), None)  # after a preemption: the exact admission does not replace it
+    exact_after.load_failed()  # nor does the failure of its load take the mapped one back
+    assert exact_after.made == mapped and (exact_after.local_tokens, exact_after.loaded_tokens) == (0, 384)
 
 
 def test_a_load_is_reported_done_only_after_the_writes_queued_on_its_stream(monkeypatch):
@@ -444,3 +449,32 @@ def test_a_load_is_reported_done_only_after_the_writes_queued_on_its_stream(monk
     for _ in side._load_steps(job, report_done=True):  # no layout: the load fails
         pass
     assert synced == [False] and side.finished()[1] == {"request"}
+
+
+def test_a_load_whose_stream_cannot_be_synced_is_reported_failed_and_the_job_thread_goes_on(monkeypatch):
+    """A device error while a load's writes are synced: the load is reported done and failed (vLLM recomputes its
+    blocks; a request never waits forever on it), and the job thread serves the jobs queued after it."""
+    import threading
+
+    from peft_kvcache.vllm import worker as worker_module
+    from peft_kvcache.vllm.jobs import LoadJob
+    from peft_kvcache.vllm.parallel import Shard
+
+    side = worker_module.WorkerSide(None, shard=Shard())
+    side.layers = [torch.zeros(1)]
+    calls = []
+
+    def sync_fails_once(device):
+        calls.append(device)
+        if len(calls) == 1:
+            raise RuntimeError("a device error")
+
+    monkeypatch.setattr(worker_module, "_copies_done", sync_fails_once)
+    for block, request_id in enumerate(("first", "second")):  # no layout: both loads fail, and are reported
+        side._queue(LoadJob(request_id, "mapped", ("key",), 0, (block,), (), None, False))
+    waiter = threading.Thread(target=side._jobs.join, daemon=True)
+    waiter.start()
+    waiter.join(timeout=30)
+    assert not waiter.is_alive(), "the job thread stopped serving"
+    assert side.finished()[1] == {"first", "second"} and side.load_errors() == {0, 1}
+    assert side.take_report().failed_loads == ["first", "second"]

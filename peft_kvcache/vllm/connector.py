@@ -170,7 +170,10 @@ class PeftKVCacheConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, PeftKVCacheWorkerMetadata):
-            self.scheduler.worker_said(meta.report)
+            try:
+                self.scheduler.worker_said(meta.report)
+            except Exception:  # never fail the engine for a report (its failed loads are recomputed by vLLM anyway)
+                logger.exception("peft-kvcache: taking in the worker's report failed")
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         try:

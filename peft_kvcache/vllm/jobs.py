@@ -32,12 +32,16 @@ class DropJob:
     key: str | tuple | None
 
 
+UNPLANNED = "unplanned"  # a LoadJob kind: the scheduler could not plan the load, which the worker reports failed
+
+
 @dataclass(frozen=True)
 class LoadJob:
     """Fill ``block_ids`` of request ``request_id`` with the positions ``start`` onwards of entry ``source_key``:
-    as they are (``kind`` "reused": the variant's own; "naive": another variant's, the baseline) or mapped
-    by the maps in ``map_folders``, in order (``kind`` "mapped"), the leading positions replaced by the target's own
-    sink: ``("store", key)`` kept from its earlier request, or ``("map", folder, start)`` shipped in a map.
+    as they are (``kind`` "reused": the variant's own; "naive": another variant's, the baseline) or mapped by the
+    maps in ``map_folders``, in order (``kind`` "mapped"), the leading positions replaced by the target's own sink:
+    ``("store", key)`` kept from its earlier request, or ``("map", folder, start)`` shipped in a map; or not at all
+    (`UNPLANNED`: the worker reports the load failed, and vLLM recomputes the blocks).
     ``per_shard``: every map was fitted per shard for the engine's split of the KV heads, so each rank maps its own
     heads without gathering the others' (decided here, once, so that every rank takes the same path)."""
 

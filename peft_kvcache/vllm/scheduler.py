@@ -25,11 +25,13 @@ from the store (its tokens do not say what it holds).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
+
 import torch
 
 from ..runtime.reuse import EXACT, Made, mapping_pays
 from .evictions import PrefixCacheEvictions
-from .jobs import DropJob, LoadJob, SaveJob, WorkerReport
+from .jobs import UNPLANNED, DropJob, LoadJob, SaveJob, WorkerReport
 from .options import ConnectorOptions, request_reuse
 from .pairs import Variant, VariantMaps, local_model_folder
 from .records import Counts, Plan, RequestRecord
@@ -197,6 +199,16 @@ class SchedulerSide:
         plan = self.plans.pop(rid, None)
         if plan is None:
             return
+        before = self.records.get(rid)
+        before = None if before is None else replace(before)  # what a failed admission's record goes back to
+        try:
+            self._admit(request, plan, block_ids, num_external_tokens)
+        except Exception:  # never fail the engine; vLLM skips the external tokens whatever happened here
+            logger.exception("peft-kvcache: admitting request %s failed; its loaded tokens are recomputed", rid)
+            self._admission_failed(request, plan, block_ids, num_external_tokens, before)
+
+    def _admit(self, request, plan: Plan, block_ids: list[int], num_external_tokens: int) -> None:
+        rid = request.request_id
         loaded = bool(num_external_tokens and plan.kind is not None)
         ids: tuple[int, ...] = ()
         if loaded:  # first of all: vLLM will skip these tokens, so they must be written (or reported as failed)
@@ -215,19 +227,47 @@ class SchedulerSide:
                     self.evictions.later_for(rid, _variant(request), ids)
                 else:
                     self.evictions.blocks(ids)
-        record = self.records.get(rid)
-        if record is None:
-            reuse, _ = request_reuse(request.kv_transfer_params)
-            variant = _variant(request)
-            record = self.records[rid] = RequestRecord(variant, request.cache_salt, reuse, request.num_prompt_tokens,
-                                                       fingerprint=self.files.fingerprint(variant))
-            self.running[rid] = request
-            self.files.made_with(variant, record.fingerprint)  # the files its blocks are of, from its first block on
-            if plan.fallback and not loaded:
-                self.counts.fallbacks[plan.fallback] += 1
-                self._say(plan.fallback, f"{record.variant.label} request {rid}")
+        record = self.records.get(rid) or self._first_record(request, plan, loaded)
         record.admitted(plan.local_blocks * self.block_size, num_external_tokens if loaded else 0,
                         plan.made if loaded else EXACT, None if loaded else plan.fallback)
+
+    def _first_record(self, request, plan: Plan, loaded: bool) -> RequestRecord:
+        """The record of a request admitted for the first time (its fallback counted, said once)."""
+        rid, variant = request.request_id, _variant(request)
+        reuse, _ = request_reuse(request.kv_transfer_params)
+        record = self.records[rid] = RequestRecord(variant, request.cache_salt, reuse, request.num_prompt_tokens,
+                                                   fingerprint=self.files.fingerprint(variant))
+        self.running[rid] = request
+        self.files.made_with(variant, record.fingerprint)  # the files its blocks are of, from its first block on
+        if plan.fallback and not loaded:
+            self.counts.fallbacks[plan.fallback] += 1
+            self._say(plan.fallback, f"{record.variant.label} request {rid}")
+        return record
+
+    def _admission_failed(self, request, plan: Plan, block_ids: list[int], num_external_tokens: int,
+                          before: RequestRecord | None) -> None:
+        """`_admit` raised halfway: what it queued for the request is withdrawn, and the tokens vLLM will skip are
+        handed to the worker as a load that fails, so that vLLM recomputes them (labelled ``load_error``); then the
+        record goes back to ``before`` (the record as it was) and takes the planned admission, which the worker's
+        failure report takes back as for any failed load."""
+        rid, first = request.request_id, plan.local_blocks
+        self.loads = [job for job in self.loads if job.request_id != rid]
+        self.evictions.cancel_later(rid)
+        self.loading.discard(rid)
+        if num_external_tokens:  # first: nothing below may keep vLLM from recomputing them
+            ids = tuple(block_ids[first: first + num_external_tokens // self.block_size])
+            self.loads.append(LoadJob(rid, UNPLANNED, "", first * self.block_size, ids))
+            if self.async_loads:
+                self.loading.add(rid)
+        self.records.pop(rid, None)  # as it was (or none): what the failed admission recorded is not what runs
+        if before is not None:
+            self.records[rid] = before
+        try:
+            record = before or self._first_record(request, plan, bool(num_external_tokens))
+            record.admitted(first * self.block_size, num_external_tokens, plan.made if num_external_tokens else EXACT,
+                            None if num_external_tokens else plan.fallback)
+        except Exception:  # never fail the engine: a request without a record is counted as prefilled when it ends
+            logger.exception("peft-kvcache: recording request %s failed", rid)
 
     def _evict_running(self, variant: Variant) -> set:
         """Take out of vLLM's prefix cache what ``variant``'s running requests on approximate KV computed so far (a

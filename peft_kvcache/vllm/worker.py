@@ -30,7 +30,7 @@ from ..maps.apply import iter_map_cache, place_map
 from ..maps.kvmap import KVMap
 from ..maps.registry import MapRegistry
 from ..modeling.layout import KVLayout
-from .jobs import DropJob, LoadJob, SaveJob, WorkerReport
+from .jobs import UNPLANNED, DropJob, LoadJob, SaveJob, WorkerReport
 from .layout import CpuLayout, LogicalLayout, PagedLayout
 from .parallel import Shard, shard_of, unsupported_parallelism
 from .slices import DEFAULT_SHARE, StepSlicer
@@ -235,6 +235,8 @@ class WorkerSide:
             try:
                 for _ in self._job_steps(job):
                     pass
+            except Exception:  # the thread must outlive any job: a synchronous load joins the queue it serves
+                logger.exception("peft-kvcache: a %s failed", type(job).__name__)
             finally:
                 self._jobs.task_done()
 
@@ -282,24 +284,33 @@ class WorkerSide:
     def _load_steps(self, job: LoadJob, report_done: bool) -> Iterator[None]:
         """A load as slices; ``report_done``: say it is done (an asynchronous load) when it ends, failed or not."""
         try:
+            if job.kind == UNPLANNED:
+                raise CacheMismatchError("the scheduler could not plan this load")
             if self.layout is None:
                 raise CacheMismatchError(self.problem or "no layout")
             yield from self._load(job)
         except Exception as err:  # vLLM recomputes the failed blocks
-            self._unwritten[job.request_id] = None  # a save of the request (aborted, never recomputed) stores nothing
-            while len(self._unwritten) > 4096:
-                self._unwritten.popitem(last=False)
-            with self._lock:
-                self._failed_blocks.update(job.block_ids)
-                self._report.failed_loads.append(job.request_id)
-            logger.warning("peft-kvcache: the %s load of request %s failed and is recomputed: %s", job.kind,
-                           job.request_id, err)
+            self._load_failed(job, err)
         finally:
             if report_done:
-                if self.layers:  # a GPU's writes, queued on this thread's stream, land before vLLM's forward reads
-                    _copies_done(self.layers[0].device)  # the blocks (or recomputes the failed ones) on its own stream
+                try:
+                    if self.layers:  # a GPU's writes, queued on this thread's stream, land before vLLM's forward reads
+                        _copies_done(self.layers[0].device)  # the blocks (or recomputes the failed ones) on its stream
+                except Exception as err:  # a request never waits forever on its load
+                    self._load_failed(job, err)
                 with self._lock:
                     self._loaded.add(job.request_id)
+
+    def _load_failed(self, job: LoadJob, err: Exception) -> None:
+        self._unwritten[job.request_id] = None  # a save of the request (aborted, never recomputed) stores nothing
+        while len(self._unwritten) > 4096:
+            self._unwritten.popitem(last=False)
+        with self._lock:
+            self._failed_blocks.update(job.block_ids)
+            if job.request_id not in self._report.failed_loads:
+                self._report.failed_loads.append(job.request_id)
+        logger.warning("peft-kvcache: the %s load of request %s failed and is recomputed: %s", job.kind, job.request_id,
+                       err)
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         """The requests whose copy (vLLM may free their blocks) and whose load (vLLM may schedule them) are done

@@ -38,6 +38,25 @@ def test_a_load_that_fails_in_the_worker_is_recomputed_by_the_engine(model_folde
     assert unloadable.kv_transfer_params["peft_kvcache"]["fallback"] == "unusable_map"
 
 
+def test_an_admission_that_fails_after_queuing_its_load_is_recomputed_and_the_engine_goes_on(model_folder,
+                                                                                              maps_folder, prompt):
+    """vLLM asks the connector to admit a request after agreeing to skip its loaded tokens: when the admission raises
+    (tests/in_vllm/failing_admission_connector.py, after it queued the load and the evictions), the engine is not
+    failed, the half-planned load is withdrawn, the tokens are recomputed (the adapter's own reply, labelled
+    ``load_error``), and later requests are served."""
+    with engine(model_folder, maps=maps_folder, min_mapped_tokens=MIN_MAPPED,
+                transfer_args={"kv_connector_module_path": "failing_admission_connector"}) as llm:
+        run(llm, prompt(1), None)
+        out = run(llm, prompt(1), "shout")
+        reference = run(llm, prompt(1), "shout", salt="reference", reuse="none")
+        later = run(llm, prompt(2), None)
+    label = out.kv_transfer_params["peft_kvcache"]
+    assert label["context_source"] == "prefilled" and label["fallback"] == "load_error", label
+    assert label["loaded_tokens"] == 0
+    assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert source_of(later) in ("prefilled", "reused")
+
+
 def test_without_vllms_block_pool_nothing_is_mapped_and_each_problem_is_said_once(model_folder, maps_folder, prompt,
                                                                                   capfd):
     """A vLLM that never hands the connector its block pool (tests/in_vllm/no_pool_connector.py): mapped blocks could
