@@ -46,27 +46,23 @@ class RequestRecord:
     made: Made = EXACT
     fallback: str | None = None
     fingerprint: str | None = None  # of the files its variant loaded when it was first admitted
-    earlier: tuple | None = None  # (local, loaded, made, fallback) of the admission the last one replaced
-    kept_last: bool = True  # whether the last admission replaced the one before it
+    earlier: tuple | None = None  # (local, loaded, made, fallback) as they were before the last admission
 
     def admitted(self, local_tokens: int, loaded_tokens: int, made: Made, fallback: str | None) -> None:
         """One admission (the first, or one after a preemption): kept unless an earlier one was approximate and this
         one is not. Only prompt tokens count: after a preemption vLLM's own hit covers the reply so far too."""
-        self.kept_last = not (self.made.approximate and not made.approximate)
-        if not self.kept_last:
+        self.earlier = (self.local_tokens, self.loaded_tokens, self.made, self.fallback)
+        if self.made.approximate and not made.approximate:
             return
         local_tokens = min(local_tokens, self.prompt_tokens)
         loaded_tokens = min(loaded_tokens, self.prompt_tokens - local_tokens)
-        self.earlier = (self.local_tokens, self.loaded_tokens, self.made, self.fallback)
         self.local_tokens, self.loaded_tokens, self.made, self.fallback = local_tokens, loaded_tokens, made, fallback
 
     def load_failed(self) -> None:
         """The last admission's load failed: vLLM computes those tokens itself. An approximate admission before it (the
         request ran on mapped KV, was preempted, and its load failed when admitted again) stays what the label and the
         evictions go by: what it computed then may still sit in vLLM's prefix cache (so does the approximate admission
-        an exact one after a preemption did not replace)."""
-        if not self.kept_last:
-            return
+        an exact one after a preemption did not replace: then ``earlier`` is that admission itself)."""
         if self.earlier is not None and self.earlier[2].approximate:
             self.local_tokens, self.loaded_tokens, self.made, self.fallback = self.earlier
         else:

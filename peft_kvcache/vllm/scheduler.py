@@ -213,7 +213,7 @@ class SchedulerSide:
         ids: tuple[int, ...] = ()
         if loaded:  # first of all: vLLM will skip these tokens, so they must be written (or reported as failed)
             first = plan.local_blocks
-            ids = tuple(block_ids[first: first + num_external_tokens // self.block_size])
+            ids = self._external_blocks(plan, block_ids, num_external_tokens)
             folders = plan.choice.folders if plan.choice else ()
             per_shard = bool(folders) and all(self.maps.registry.configs[f].calibration.options.head_shards
                                               == self.head_groups for f in folders)
@@ -230,6 +230,11 @@ class SchedulerSide:
         record = self.records.get(rid) or self._first_record(request, plan, loaded)
         record.admitted(plan.local_blocks * self.block_size, num_external_tokens if loaded else 0,
                         plan.made if loaded else EXACT, None if loaded else plan.fallback)
+
+    def _external_blocks(self, plan: Plan, block_ids: list[int], num_external_tokens: int) -> tuple[int, ...]:
+        """The blocks of the tokens vLLM skips: those after vLLM's own hit."""
+        first = plan.local_blocks
+        return tuple(block_ids[first: first + num_external_tokens // self.block_size])
 
     def _first_record(self, request, plan: Plan, loaded: bool) -> RequestRecord:
         """The record of a request admitted for the first time (its fallback counted, said once)."""
@@ -255,12 +260,13 @@ class SchedulerSide:
         self.evictions.cancel_later(rid)
         self.loading.discard(rid)
         if num_external_tokens:  # first: nothing below may keep vLLM from recomputing them
-            ids = tuple(block_ids[first: first + num_external_tokens // self.block_size])
+            ids = self._external_blocks(plan, block_ids, num_external_tokens)
             self.loads.append(LoadJob(rid, UNPLANNED, "", first * self.block_size, ids))
             if self.async_loads:
                 self.loading.add(rid)
-        self.records.pop(rid, None)  # as it was (or none): what the failed admission recorded is not what runs
-        if before is not None:
+        if before is None:  # as it was (or none): what the failed admission recorded is not what runs
+            self.records.pop(rid, None)
+        else:
             self.records[rid] = before
         try:
             record = before or self._first_record(request, plan, bool(num_external_tokens))
