@@ -77,7 +77,8 @@ def control_of(variant: str, compute: int) -> str | None:
 def choose_default(rows: dict[str, dict], budget: int, costs: dict[str, int] | None = None,
                    cost_limit: int | None = None) -> dict:
     """Among the recipes at the direction's budget that use no oracle, on the published maps or a lever's (a variant
-    ``label:recipe``): those whose continuation interval against the window-only control is not below zero, whose
+    ``label:recipe``): those whose continuation interval against the window-only control is not below zero (its upper
+    end at or above zero: not measurably worse than the control; above zero, its lower end, is the goal), whose
     pooled recall keeps `RECALL_FLOOR`, and whose maps' multiply-adds per token (``costs[label]``) stay within
     ``cost_limit`` (a lever's maps need both; without a limit only the published maps compete), and that were scored on
     every example the control was; the best continuation wins. While a candidate that may compete is scored on fewer
@@ -105,7 +106,7 @@ def choose_default(rows: dict[str, dict], budget: int, costs: dict[str, int] | N
                           "recall": recall.get("normalized", nan), "examples": counts, "complete": complete,
                           "multiply_adds_per_token": cost, "within_cost": affordable,
                           "qualifies": complete and affordable and interval[1] >= 0
-                          and recall["normalized"] >= RECALL_FLOOR}
+                          and recall.get("normalized", nan) >= RECALL_FLOOR}
     # a candidate that may compete but is not yet scored on every example (a run under way, maps fitted again) could
     # still win: the choice waits for it instead of falling to the runner-up
     waiting = sorted(n for n, v in verdicts.items() if v["within_cost"] and not v["complete"])
@@ -151,7 +152,8 @@ def lever_gains(scores: Scores, budget: int) -> list[dict]:
 def trade_off(rows: dict[str, dict]) -> dict[str, dict[str, list[dict]]]:
     """Per budget, the points of continuation against pooled recall as the budget moves from the recent window to
     picked positions: ``index`` (the mapped middle dropped) and ``refresh`` (kept) from the window-only control (no
-    picked position) up, ordered by the positions picked; ``hybrid`` (the mapped prefix, a recent window) alone."""
+    picked position) up, ordered by the positions picked; ``hybrid`` (the mapped prefix, a recent window) alone. A
+    lever's maps make series of their own (``label:refresh``): one line never joins two map sets."""
     def point(name: str, picked: int) -> dict | None:
         cont, recall = rows[name].get("continuation", {}), rows[name].get(RECALL, {})
         if not cont.get("examples") or not recall.get("examples"):
@@ -165,13 +167,14 @@ def trade_off(rows: dict[str, dict]) -> dict[str, dict[str, list[dict]]]:
         picked = int(name.rsplit("/p", 1)[1]) if "/p" in name else 0
         found = point(name, picked)
         if found is not None:
-            out.setdefault(str(row["budget"]), {}).setdefault(row["kind"], []).append(found)
+            family = row["kind"] if row.get("maps", "published") == "published" else f"{row['maps']}:{row['kind']}"
+            out.setdefault(str(row["budget"]), {}).setdefault(family, []).append(found)
     for budget, series in out.items():
         window = f"window@{budget}"
         start = point(window, 0) if window in rows else None
-        for kind in ("index", "refresh"):
-            if kind in series:
-                series[kind] = ([start] if start else []) + sorted(series[kind], key=lambda p: p["picked"])
+        for family in series:
+            if family.rpartition(":")[2] in ("index", "refresh"):
+                series[family] = ([start] if start else []) + sorted(series[family], key=lambda p: p["picked"])
     return out
 
 
@@ -189,11 +192,10 @@ def plot_trade_off(payload: dict, path) -> None:
     for ax, direction in zip(axes[0], directions):
         budgets = sorted(payload["directions"][direction]["trade_off"].items(), key=lambda item: int(item[0]))
         for color, (budget, series) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], budgets):
-            for kind, style in (("index", "-o"), ("refresh", "--s"), ("hybrid", "^")):
-                points = series.get(kind, [])
-                if points:
-                    ax.plot([p["recall"] for p in points], [p["continuation"] for p in points], style, color=color,
-                            label=f"{kind} @{budget}")
+            for family, points in sorted(series.items()):
+                style = {"index": "-o", "refresh": "--s", "hybrid": "^"}[family.rpartition(":")[2]]
+                ax.plot([p["recall"] for p in points], [p["continuation"] for p in points], style, color=color,
+                        label=f"{family} @{budget}")
         ax.set(xlabel="far-fact recall (normalized)", ylabel="continuation (normalized)",
                title=f"{payload['directions'][direction]['pair']} ({payload['role']}, {payload['context']} tokens)")
         ax.legend(fontsize="x-small")
@@ -331,8 +333,8 @@ def report(role: str, context: int) -> dict:
             lines += [f"## {siblings.pair_name(direction)}, the default", "",
                       *([note, ""] if (note := budget_note(runs, direction)) else []),
                       f"Candidates at the budget, scored on every example the window-only control was (continuation / "
-                      f"recall examples): continuation interval against the control not below zero, pooled recall >= "
-                      f"{RECALL_FLOOR}"
+                      "recall examples): continuation interval against the control not below zero (its upper end "
+                      f"at or above zero), pooled recall >= {RECALL_FLOOR}"
                       + ("" if limit is None else f", maps within {limit:,} multiply-adds per token (the least of "
                          f"the target's prefill per token at {TTFT_LENGTH} tokens over the {TTFT_GOAL}x TTFT goal and "
                          "the maps the budget's TTFT sweep timed)") + ".", "",

@@ -91,10 +91,22 @@ def recipe_figures(direction: str) -> dict[str, Figure]:
     return figures
 
 
-def ttft_figures(stem: str) -> dict[str, Figure]:
+def ttft_figures(stem: str, recipe: str | None = None) -> dict[str, Figure]:
+    """A TTFT results file's speedups per context; ``recipe`` (a default recipe's name): the recipe's speedup only
+    where the row timed that recipe (a row of another, stale since the default changed, is left off)."""
     rows = results(stem)["rows"]
     return {f"ttft.speedup_{kind}_{row['context']}": figure(stem, f"rows/context={row['context']}/speedup_{kind}")
-            for row in rows for kind in ("cold", "warm", "recipe") if f"speedup_{kind}" in row}
+            for row in rows for kind in ("cold", "warm", "recipe") if f"speedup_{kind}" in row
+            and not (kind == "recipe" and recipe is not None and row.get("recipe_name") != recipe)}
+
+
+def final_example_counts(report: dict) -> list[tuple[str, int, int]]:
+    """A final report's (`final_recipe_reports`) examples per task: ``(task, the default's, its window-only control's)``
+    for continuation and pooled recall."""
+    rows = report["rows"]
+    default, control = rows[report["default"]], rows.get(f"window@{rows[report['default']]['compute']}", {})
+    return [(task, default.get(task, {}).get("examples", 0), control.get(task, {}).get("examples", 0))
+            for task in ("continuation", RECALL)]
 
 
 def budget_figures(direction: str, context: int = 1024) -> dict[str, Figure]:

@@ -310,17 +310,30 @@ class Publisher:
             _publish(kv_map, name, dtypes[name])
 
     def check_final_maps(self, direction: str) -> None:
-        """Refuse (`RecordError`) a card whose default's figures on the final texts ran on other weights than the ones
-        it would publish (`chosen_folder`: a lever's maps fitted again since, say)."""
+        """Refuse (`RecordError`) a card whose default's figures on the final texts are not what it would publish: a
+        report of another default than the selection texts chose, one of other weights than the folder holds
+        (`chosen_folder`: a lever's maps fitted again since, say), or one whose default ran on fewer examples than its
+        window-only control (a final run stopped halfway: its figures would stand beside the control's over more)."""
         folder = self.chosen_folder(direction)
         held = recipes.map_fingerprint(folder) if (folder / WEIGHTS_NAME).is_file() else None
+        chosen = recipes.chosen_defaults().get(direction)
         for context, report in figures.final_recipe_reports(direction).items():
-            if report["default_map"] != held:
+            stem, default = report["stem"], report["default"]
+            run = (f"`python -m benchmarks.recipes run --role final --context {context}` with the same maps, then its "
+                   "report")
+            if default != chosen:
+                raise RecordError(f"{stem}.json reports the {direction} default {default!r}; the selection texts chose "
+                                  f"{chosen!r}: run {run} before publishing the card")
+            if held is None or report["default_map"] != held:
                 raise RecordError(
-                    f"{report['stem']}.json reports the {direction} default {report['default']!r} on maps "
+                    f"{stem}.json reports the {direction} default {default!r} on maps "
                     f"{report['default_map'] or '(not recorded)'}; {folder} holds {held or 'no weights'}: measure "
-                    f"them (`python -m benchmarks.recipes run --role final --context {context}` with the same maps, "
-                    "then its report) before publishing their card")
+                    f"them ({run}) before publishing their card")
+            for task, have, want in figures.final_example_counts(report):
+                if have < want:
+                    raise RecordError(f"{stem}.json reports the {direction} default {default!r} on {have} {task} "
+                                      f"examples, its window-only control on {want}: finish them ({run}) before "
+                                      "publishing the card")
 
     def storage(self) -> None:
         """Whether each published map stores its weights in bfloat16 (`benchmarks.storage`): both sibling maps and
@@ -502,7 +515,9 @@ def sibling_figures(direction: str, recipe: Refresh | None) -> dict:
     reported = figures.recipe_figures(direction)
     own = default_maps(direction) == "published"
     plain = figures.task_figures("siblings", f"results/{siblings.pair_name(direction)}", None if reported else recipe)
-    return {**(plain if own else {}), **reported, **figures.ttft_figures(f"ttft-{siblings.pair_name(direction)}"),
+    default = next(iter(figures.final_recipe_reports(direction).values()), {}).get("default")
+    return {**(plain if own else {}), **reported,
+            **figures.ttft_figures(f"ttft-{siblings.pair_name(direction)}", recipe=default),
             **(figures.budget_figures(direction) if own else {})}
 
 

@@ -268,6 +268,8 @@ def test_the_default_is_the_best_recipe_not_below_the_control_that_keeps_recall(
     assert choice["default"] == "refresh@160/p64" and not choice["candidates"]["attn:refresh@160/p64"]["within_cost"]
     assert recipe_report.choose_default(rows, 160, {"published": 100}, cost_limit=400)["default"] == \
         "refresh@160/p64"  # maps whose cost nobody recorded never win
+    unscored = {name: {k: v for k, v in row.items() if k != recipe_scores.RECALL} for name, row in rows.items()}
+    assert recipe_report.choose_default(unscored, 160)["default"] is None  # recall never scored: none keeps it
     rows["refresh@160/p64"]["continuation"]["minus_control_interval"] = [-0.2, -0.01]
     assert recipe_report.choose_default(rows, 160)["default"] == "refresh@160/p128"
 
@@ -293,10 +295,12 @@ def test_the_trade_off_runs_from_the_window_to_more_picked_positions_per_budget(
             "refresh@160/p20": _row("refresh", 160, 0.79, (-0.1, 0.0), 0.95),
             "hybrid@160": _row("hybrid", 160, 0.74, (-0.2, 0.1), 0.04),
             "hybrid@160+true-keys": _row("hybrid", 160, 0.77, (-0.1, 0.1), 0.98),  # an oracle: no point
-            "index@320/p80": _row("index", 320, 0.88, (-0.05, 0.05), 0.97)}
+            "index@320/p80": _row("index", 320, 0.88, (-0.05, 0.05), 0.97),
+            "top4:refresh@160/p20": {**_row("refresh", 160, 0.9, (0.0, 0.1), 0.99), "maps": "top4"}}
     for name, row in rows.items():
         row["budget"] = row["compute"]
     curve = recipe_report.trade_off(rows)
+    assert [p["variant"] for p in curve["160"]["top4:refresh"]] == ["window@160", "top4:refresh@160/p20"]
     assert [p["variant"] for p in curve["160"]["index"]] == ["window@160", "index@160/p20", "index@160/p80"]
     assert [p["picked"] for p in curve["160"]["refresh"]] == [0, 20]
     assert [p["variant"] for p in curve["160"]["hybrid"]] == ["hybrid@160"]

@@ -153,7 +153,9 @@ def test_a_default_on_a_levers_maps_publishes_those_maps(results, monkeypatch, t
 
 def test_a_card_is_never_published_with_figures_measured_on_other_weights(results, monkeypatch, tmp_path):
     """The final texts measured the default on one fit of a lever's maps; the folder now holds another (fitted again
-    since): sibling_cards refuses before writing either card, until the final texts measure the weights it holds."""
+    since): sibling_cards refuses before writing either card, until the final texts measure the weights it holds. It
+    refuses as well a final run stopped halfway (the default on fewer examples than its control) and a final report
+    of a default the selection texts no longer choose."""
     monkeypatch.setattr(recipe_report, "map_cost_limit", lambda direction: 1000)
     monkeypatch.setattr(publish.lever_maps, "LEVERS", tmp_path / "levers")
     shutil.copy(common.ROOT / "benchmarks" / "results" / "sibling-scaling.json", results)  # down: the capture's maps
@@ -184,6 +186,23 @@ def test_a_card_is_never_published_with_figures_measured_on_other_weights(result
     final_report(recipes.map_fingerprint(folder))
     publisher.check_final_maps("up")  # measured on the weights it holds: passes
     publisher.check_final_maps("down")  # no default reported going down: nothing to check
+
+    path = results / "sibling-recipes" / "final-2048.jsonl"
+    complete = path.read_text()
+    stopped = [line for line in complete.splitlines(keepends=True)
+               if not ('"attn:index@160/p40"' in line and '"continuation/5"' in line)]
+    path.write_text("".join(stopped))
+    recipe_report.report("final", 2048)
+    with pytest.raises(RecordError, match="on 5 continuation examples, its window-only control on 6: finish them"):
+        publisher.check_final_maps("up")
+    path.write_text(complete)
+    recipe_report.report("final", 2048)
+    publisher.check_final_maps("up")
+    selection["directions"]["up"]["choice"]["default"] = "attn:hybrid@160"  # chosen again since
+    (results / "sibling-recipes-selection-2048.json").write_text(json.dumps(selection))
+    with pytest.raises(RecordError, match="reports the up default 'attn:index@160/p40'; the selection texts chose "
+                                          "'attn:hybrid@160'"):
+        publisher.check_final_maps("up")
 
 
 def test_a_levers_maps_carry_their_own_gate_never_the_captures(results, monkeypatch, tmp_path):
@@ -253,6 +272,14 @@ def test_a_default_that_misses_a_ttft_goal_is_said_so_below_the_table(monkeypatc
         "11.9x] against a prefill of 13.96 s.")
     files[f"ttft-{DOWN}"]["rows"][0]["speedup_recipe"] = 10.0
     assert figures.ttft_goal_notes(reports) == []
+
+
+def test_a_cards_recipe_speedup_is_the_default_recipes_own(results):
+    """A TTFT row timed for another recipe (the default changed since) gives the card no recipe speedup."""
+    timed = common.read_results(f"ttft-{UP}")["rows"][0]["recipe_name"]
+    assert "ttft.speedup_recipe_2048" in figures.ttft_figures(f"ttft-{UP}", recipe=timed)
+    other = figures.ttft_figures(f"ttft-{UP}", recipe="hybrid@160")
+    assert "ttft.speedup_recipe_2048" not in other and "ttft.speedup_cold_2048" in other
 
 
 def test_the_final_texts_report_a_default_only_on_the_maps_the_selection_texts_chose_it_on(results):
