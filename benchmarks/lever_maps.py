@@ -5,10 +5,10 @@ and options (`siblings.CONFIG`) with the lever's changes, both directions from o
     python -m benchmarks.lever_maps --label attention --attention-weighting 0.5
     python -m benchmarks.lever_maps --label l2048 --max-length 2048
     python -m benchmarks.lever_maps --label joint --joint-kinds
-    python -m benchmarks.lever_maps --label distill --distill      # the published maps, distilled
+    python -m benchmarks.lever_maps --label distill --distill --on capture-top2   # the capture's fit, distilled
     python -m benchmarks.lever_maps --label basis512-distill --distill --on basis512   # a lever's maps, distilled
-    python -m benchmarks.lever_maps --label nonlinear --nonlinear  # the published maps with nonlinear heads
-    python -m benchmarks.recipes run --maps hub_cards --role selection --lever attention=runs/levers/attention
+    python -m benchmarks.lever_maps --label nonlinear --nonlinear --on top4     # a lever's maps with nonlinear heads
+    python -m benchmarks.recipes run --maps runs/levers/capture-top2 --role selection --lever attention=runs/levers/attention
 
 Writes ``runs/levers/<label>/<pair>`` (maps named as the published ones). The statistics are checkpointed under
 ``runs/levers/statistics/<the options that shape them>``, so a stopped capture resumes and levers that differ only in
@@ -36,10 +36,12 @@ from peft_kvcache.calibration.loop import statistics_options
 from peft_kvcache.calibration.nonlinear import fit_nonlinear_heads
 from peft_kvcache.errors import RecordError
 from peft_kvcache.maps.config import CalibrationConfig
+from peft_kvcache.maps.storage import WEIGHTS_NAME
 from peft_kvcache.lab.corpus import stdlib_texts
 
 from . import siblings
 from .common import ROOT, read_results, start_run
+from .recipes import map_fingerprint
 
 LEVERS = ROOT / "runs" / "levers"
 
@@ -80,31 +82,35 @@ def fit(label: str, changes: dict, files: int, progress: bool = True) -> Path:
 ADDITIONS = {"distill": distill_map, "nonlinear": fit_nonlinear_heads}
 
 
-def add_to_maps(label: str, addition: str, options: dict, files: int, on: str = "published",
-                progress: bool = True) -> Path:
-    """Both maps of ``on`` (``published``: ``hub_cards``; else a lever's, ``runs/levers/<on>``) with ``addition``
-    (`ADDITIONS`: distillation, nonlinear heads) fitted on their own calibration files (the first ``files``: their
-    held-out texts stay held out) into ``runs/levers/<label>``; a direction already done with these options is kept
-    (``lever.json`` beside it says what was done), so a stopped run resumes with the next direction."""
-    folder, base = LEVERS / label, ROOT / "hub_cards" if on == "published" else LEVERS / on
+def add_to_maps(label: str, addition: str, options: dict, files: int, on: str, progress: bool = True) -> Path:
+    """Both maps of the lever ``on`` (``runs/levers/<on>``; ``capture-top2``: the capture's fit, what the recipes
+    benchmark calls the published maps) with ``addition`` (`ADDITIONS`: distillation, nonlinear heads) fitted on their
+    own calibration files (the first ``files``: their held-out texts stay held out) into ``runs/levers/<label>``. A
+    direction already done from the same maps (their weights' fingerprint) with these options is kept (``lever.json``
+    beside it says what was done), so a stopped run resumes with the next direction."""
+    folder, base = LEVERS / label, LEVERS / on
     if folder == base:
         raise RecordError(f"--label {label} would write over the maps it adds to: choose another label")
-    what = {"addition": addition, "options": options, "files": files, **({} if on == "published" else {"on": on})}
     models = tokenizer = None
     for direction in siblings.DIRECTIONS:
         out = folder / siblings.pair_name(direction)
+        if not (base / out.name / WEIGHTS_NAME).is_file():
+            raise RecordError(f"{base / out.name} holds no map: fit the {on!r} lever first")
+        what = {"addition": addition, "options": options, "files": files, "on": on,
+                "base": map_fingerprint(base / out.name)}
         if out.is_dir():
             done = json.loads((out / "lever.json").read_text()) if (out / "lever.json").is_file() else None
             if done != what:
                 raise RecordError(f"{out} holds a map made otherwise ({done}, not {what}); remove it or choose "
                                   "another label")
             continue
-        if not (base / out.name).is_dir():
-            raise RecordError(f"{base / out.name} holds no map: fit the {on!r} lever first")
         fitted = KVMap.from_pretrained(base / out.name)
         if len(fitted.config.calibration.data.names()) != files:
             raise RecordError(f"the {on} {direction} map was fitted on "
                               f"{len(fitted.config.calibration.data.names())} files, not {files}: pass --files")
+        if addition == "nonlinear" and fitted.config.basis_rank:
+            raise RecordError(f"the {on} {direction} map reads a shared basis: nonlinear heads need each layer's own "
+                              "weights (add them to a lever fitted without --basis-rank)")
         if models is None:
             models, tokenizer = siblings.load_pair()
         source, target = (models[name] for name in siblings.DIRECTIONS[direction])
@@ -139,11 +145,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--joint-kinds", action="store_true", default=None,
                         help="CalibrationConfig.joint_kinds (each kind from the source's keys and values together)")
     parser.add_argument("--distill", action="store_true",
-                        help="distill the published maps (peft_kvcache.calibration.distill) instead of fitting new ones")
+                        help="distill a lever's maps (--on; peft_kvcache.calibration.distill) instead of fitting new "
+                             "ones")
     parser.add_argument("--nonlinear", action="store_true",
-                        help="add nonlinear heads to the published maps (peft_kvcache.calibration.nonlinear)")
-    parser.add_argument("--on", default="published", metavar="LABEL",
-                        help="--distill / --nonlinear: add to this lever's maps (runs/levers/LABEL) instead")
+                        help="add nonlinear heads to a lever's maps (--on; peft_kvcache.calibration.nonlinear)")
+    parser.add_argument("--on", metavar="LABEL",
+                        help="--distill / --nonlinear: the lever's maps to add to (runs/levers/LABEL; capture-top2: "
+                             "the capture's fit)")
     parser.add_argument("--rank", type=int, default=8, help="--distill: the correction's rank")
     parser.add_argument("--steps", type=int, default=100, help="--distill: Adam steps")
     parser.add_argument("--learning-rate", type=float, default=1e-3, help="--distill: Adam's learning rate")
@@ -162,14 +170,14 @@ def main(argv: list[str] | None = None) -> None:
         raise RecordError(f"the published maps were fitted on different scales {sorted(scales)}: pass --files")
     files = args.files or scales.pop()
     if args.distill or args.nonlinear:
-        if changes or (args.distill and args.nonlinear):
-            raise RecordError("--distill and --nonlinear each add to the published maps: pass one, with no "
+        if changes or (args.distill and args.nonlinear) or args.on is None:
+            raise RecordError("--distill and --nonlinear each add to a lever's maps: pass one, with --on LABEL and no "
                               "calibration options")
         addition, options = ("distill", {"rank": args.rank, "steps": args.steps, "learning_rate": args.learning_rate}) \
             if args.distill else ("nonlinear", {})
         print(add_to_maps(args.label, addition, options, files, args.on))
     else:
-        if args.on != "published":
+        if args.on is not None:
             raise RecordError("--on names the maps --distill or --nonlinear add to; a fit takes no --on")
         print(fit(args.label, changes, files))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -103,23 +104,27 @@ def test_the_lever_distills_each_published_map_once_and_resumes(tmp_path, monkey
     for direction, (src, tgt) in siblings.DIRECTIONS.items():
         kv_map = sibling_map if (src, tgt) == ("small", "large") else \
             KVMap.calibrate(models[src], models[tgt], texts, progress=False)
-        kv_map.save_pretrained(tmp_path / "hub_cards" / siblings.pair_name(direction), chart=False)
-    monkeypatch.setattr(lever_maps, "ROOT", tmp_path)
+        kv_map.save_pretrained(tmp_path / "levers" / "capture" / siblings.pair_name(direction), chart=False)
     monkeypatch.setattr(lever_maps, "LEVERS", tmp_path / "levers")
     monkeypatch.setattr(siblings, "load_pair", lambda: (models, None))
     monkeypatch.setattr(lever_maps, "stdlib_texts", lambda split, files: dict(list(texts.items())[:files]))
     options = {"rank": 2, "steps": 2, "learning_rate": 1e-3}
     monkeypatch.setitem(lever_maps.ADDITIONS, "distill", lambda *a, **k: distill_map(*a, recent_tokens=RECENT,
                                                                                        scored_tokens=SCORED, **k))
-    folder = lever_maps.add_to_maps("distill", "distill", options, files=12, progress=False)
+    folder = lever_maps.add_to_maps("distill", "distill", options, files=12, on="capture", progress=False)
     for direction in siblings.DIRECTIONS:
         assert KVMap.from_pretrained(folder / siblings.pair_name(direction)).config.distillation.rank == 2
     monkeypatch.setattr(siblings, "load_pair", lambda: pytest.fail("both directions are done: nothing runs again"))
-    assert lever_maps.add_to_maps("distill", "distill", options, files=12, progress=False) == folder
+    assert lever_maps.add_to_maps("distill", "distill", options, files=12, on="capture", progress=False) == folder
     with pytest.raises(RecordError, match="made otherwise"):
-        lever_maps.add_to_maps("distill", "distill", {**options, "rank": 4}, files=12, progress=False)
+        lever_maps.add_to_maps("distill", "distill", {**options, "rank": 4}, files=12, on="capture", progress=False)
     with pytest.raises(RecordError, match="fitted on 12 files, not 5"):
-        lever_maps.add_to_maps("other", "distill", options, files=5, progress=False)
+        lever_maps.add_to_maps("other", "distill", options, files=5, on="capture", progress=False)
+    # the maps it added to fitted again since: what was done from the old ones is not resumed as theirs
+    up = tmp_path / "levers" / "capture" / siblings.pair_name("up")
+    KVMap.calibrate(source, target, dict(list(texts.items())[:10]), progress=False).save_pretrained(up, chart=False)
+    with pytest.raises(RecordError, match="made otherwise"):
+        lever_maps.add_to_maps("distill", "distill", options, files=12, on="capture", progress=False)
     # on a lever's maps (the distilled ones here): read from runs/levers/<on>, said in lever.json
     monkeypatch.setattr(siblings, "load_pair", lambda: (models, None))
     given = []
@@ -131,6 +136,16 @@ def test_the_lever_distills_each_published_map_once_and_resumes(tmp_path, monkey
         lever_maps.add_to_maps("distill", "distill", options, files=12, on="distill", progress=False)
     with pytest.raises(RecordError, match="fit the 'missing' lever first"):
         lever_maps.add_to_maps("third", "distill", options, files=12, on="missing", progress=False)
+
+    def with_basis(folder):  # maps whose layers read a shared basis (a basis_rank fit)
+        kv_map = KVMap.from_pretrained(folder)
+        kv_map.config.calibration.options.basis_rank = 4
+        return kv_map
+
+    monkeypatch.setattr(lever_maps, "KVMap", SimpleNamespace(from_pretrained=with_basis))
+    monkeypatch.setattr(siblings, "load_pair", lambda: pytest.fail("refused before any model loads"))
+    with pytest.raises(RecordError, match="reads a shared basis"):
+        lever_maps.add_to_maps("heads", "nonlinear", {}, files=12, on="distill", progress=False)
 
 
 def test_the_card_says_what_was_distilled_and_what_it_gained(distilled):

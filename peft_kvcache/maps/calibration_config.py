@@ -52,8 +52,9 @@ class CalibrationConfig:
                                  "readout; 0: each layer's own weights", default=0)
     attention_weighting: float = help_field("weight each token in the fit (and in the held-out choice of ridge "
                                             "strengths and layers) by the attention the target gives it: a token "
-                                            "counts 1 - a + a * (its received attention / the mean over its batch), so "
-                                            "the map is fitted hardest where the target reads; 0: every token alike",
+                                            "counts 1 - a + a * (its received attention / the mean over its own "
+                                            "sequence), so the map is fitted hardest where the target reads; 0: every "
+                                            "token alike",
                                             default=0.0)
     joint_kinds: bool = help_field("predict each kind of the target (keys, values) from the source's keys and values "
                                    "together: every source layer offers two candidates to the top_k choice, its keys "
