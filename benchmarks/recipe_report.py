@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 
 from . import siblings
-from .common import RESULTS, save, table
+from .common import RESULTS, ROOT, save, table
 from .ttft import prefill_multiply_adds_per_token
 from peft_kvcache.errors import RecordError
+from peft_kvcache.maps.storage import WEIGHTS_NAME
 
 from .recipe_budget import TTFT_GOALS
 from .recipe_scores import RECALL, Scores, current_maps, group, normalized, refit_differences, summary
-from .recipes import check_chosen_maps, chosen_defaults, read_records, records_path
+from .recipes import check_chosen_maps, chosen_defaults, map_fingerprint, read_records, records_path
 
 RECALL_FLOOR = 0.95  # a default keeps at least this normalized far-fact recall
 TTFT_LENGTH = max(TTFT_GOALS)  # the goal at the longest context bounds the maps' cost
@@ -75,15 +76,17 @@ def control_of(variant: str, compute: int) -> str | None:
 
 
 def choose_default(rows: dict[str, dict], budget: int, costs: dict[str, int] | None = None,
-                   cost_limit: int | None = None) -> dict:
+                   cost_limit: int | None = None, gone: frozenset[str] = frozenset()) -> dict:
     """Among the recipes at the direction's budget that use no oracle, on the published maps or a lever's (a variant
     ``label:recipe``): those whose continuation interval against the window-only control is not below zero (its upper
     end at or above zero: not measurably worse than the control; above zero, its lower end, is the goal), whose
     pooled recall keeps `RECALL_FLOOR`, and whose maps' multiply-adds per token (``costs[label]``) stay within
     ``cost_limit`` (a lever's maps need both; without a limit only the published maps compete), and that were scored on
     every example the control was; the best continuation wins. While a candidate that may compete is scored on fewer
-    examples (a run stopped halfway, a lever's maps fitted again), nothing is chosen: it is ``waiting``. Returns the
-    choice (None if no recipe qualifies or one is waited for) and why each candidate passed or failed."""
+    examples (a run stopped halfway, a lever's maps fitted again), nothing is chosen: it is ``waiting``; unless its
+    maps are ``gone`` (labels no folder holds the weights of any more: nothing can complete them), when it just does
+    not qualify. Returns the choice (None if no recipe qualifies or one is waited for) and why each candidate passed or
+    failed."""
     control = rows.get(f"window@{budget}", {})
     wanted = {task: control.get(task, {}).get("examples", 0) for task in ("continuation", RECALL)}
     verdicts = {}
@@ -104,12 +107,12 @@ def choose_default(rows: dict[str, dict], budget: int, costs: dict[str, int] | N
         verdicts[name] = {"maps": label, "continuation": cont.get("normalized", nan),
                           "minus_control": cont.get("minus_control", nan), "interval": interval,
                           "recall": recall.get("normalized", nan), "examples": counts, "complete": complete,
-                          "multiply_adds_per_token": cost, "within_cost": affordable,
+                          "multiply_adds_per_token": cost, "within_cost": affordable, "maps_gone": label in gone,
                           "qualifies": complete and affordable and interval[1] >= 0
                           and recall.get("normalized", nan) >= RECALL_FLOOR}
     # a candidate that may compete but is not yet scored on every example (a run under way, maps fitted again) could
     # still win: the choice waits for it instead of falling to the runner-up
-    waiting = sorted(n for n, v in verdicts.items() if v["within_cost"] and not v["complete"])
+    waiting = sorted(n for n, v in verdicts.items() if v["within_cost"] and not v["complete"] and not v["maps_gone"])
     passing = {n: v for n, v in verdicts.items() if v["qualifies"]}
     best = max(passing, key=lambda n: passing[n]["continuation"]) if passing and not waiting else None
     return {"default": best, "maps": None if best is None else passing[best]["maps"], "cost_limit": cost_limit,
@@ -204,6 +207,16 @@ def plot_trade_off(payload: dict, path) -> None:
     plt.close(fig)
 
 
+def maps_gone(labels: set[str], facts: dict[str, dict]) -> frozenset[str]:
+    """The map sets among ``labels`` whose weights no folder holds any more: none recorded (runs before map facts), or
+    the recorded folder holds other weights (fitted again) or none."""
+    def held(f: dict) -> bool:
+        folder = ROOT / f.get("folder", "")  # recorded relative to the repository (or absolute)
+        return bool(f.get("folder")) and (folder / WEIGHTS_NAME).is_file() and map_fingerprint(folder) == f["fingerprint"]
+
+    return frozenset(label for label in labels if label not in facts or not held(facts[label]))
+
+
 def latest_map_facts(runs: list[dict], direction: str, current: dict[str, str] | None = None) -> dict[str, dict]:
     """Each map set's facts in ``direction`` (`recipes.map_facts`) as the latest run that used it recorded them (older
     runs recorded none); with ``current`` (label -> the fingerprint its records hold), only a run of those maps counts
@@ -256,7 +269,8 @@ def report(role: str, context: int) -> dict:
         if role == "selection":
             levers_compete = any(row.get("maps", "published") != "published" for row in rows.values())
             choice = choose_default(rows, budget, {label: f["multiply_adds_per_token"] for label, f in facts.items()},
-                                    cost_limit(runs, direction) if levers_compete else None)
+                                    cost_limit(runs, direction) if levers_compete else None,
+                                    maps_gone({row.get("maps", "published") for row in rows.values()}, facts))
         # the default these texts choose (selection) or report (final: the one the selection texts chose, on the
         # very maps they chose it on)
         if choice and choice["waiting"]:

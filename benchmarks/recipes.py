@@ -12,7 +12,7 @@ The models' full passes over each example, most of its time, are kept under ``ru
 so a lever or variant added later computes only itself.
 
 Target compute counts the context tokens the target runs (the probe pass counted once, the sink not counted: every
-variant has the target's own sink). At a budget B: ``window@B`` keeps the sink and the last B tokens and nothing
+variant has the target's own sink, but ``no_context``, the floor, which is the last context token alone). At a budget B: ``window@B`` keeps the sink and the last B tokens and nothing
 else; ``hybrid@B`` is the mapped prefix with the last B computed by the target; ``refresh@B/pP`` runs the last 16
 tokens (the probe) on the mapped cache, recomputes the P positions its last token attends to most (spans of 8) and
 the last ``B - 16 - P`` tokens (the probe included) exactly: ``refresh@B/p(B-32)`` is the published recipe;
@@ -29,6 +29,12 @@ fingerprint and a run on refitted maps starts those rows over:
     python -m benchmarks.recipes run --maps runs/levers/capture-top2 --role selection --context 2048 \
         --lever basis512=runs/levers/basis512 --lever top4=runs/levers/top4
     python -m benchmarks.recipes report --role selection --context 2048
+
+Examples are rebuilt from the texts at every run and checked against the records' digests: after a fix to how a
+task's examples are built, ``supersede`` moves that task's records aside (to ``<role>-<context>.superseded.jsonl``,
+each with the reason) and the next run measures the task again:
+
+    python -m benchmarks.recipes supersede --role final --context 2048 --task recall-prose --reason "..."
 
 Selection texts choose the default recipes (the full grid of variants); final texts report them
 (`benchmarks.siblings.ROLES`): there a run measures the controls, the hybrid, today's refresh and the default the
@@ -53,6 +59,7 @@ import torch
 from tqdm.auto import tqdm
 
 from peft_kvcache import KVMap, MappedCache
+from peft_kvcache._files import atomic_write
 from peft_kvcache.calibration.retention import cached_logits, token_kl, window_logits
 from peft_kvcache.errors import RecordError
 from peft_kvcache.lab.corpus import prose_texts, stdlib_texts, token_ids
@@ -341,6 +348,28 @@ def records_path(role: str, context: int) -> Path:
     return RECORDS / f"{role}-{context}.jsonl"
 
 
+def supersede(role: str, context: int, task: str, reason: str) -> int:
+    """Move every record of the tasks whose name starts with ``task`` from the role's records to
+    ``<role>-<context>.superseded.jsonl``, each with ``superseded: reason`` (what was measured on examples built
+    otherwise stays on record, apart; the next run measures the task again). Both files are replaced atomically, the
+    archive first and without a line twice, so a stop between them loses nothing and a second call completes the
+    first. Returns how many records moved."""
+    if not task or not reason:
+        raise RecordError("supersede needs a task (a prefix of the tasks' names, e.g. recall-prose) and a reason")
+    path = records_path(role, context)
+    records = read_records(path)
+    moved = [r for r in records if r["task"].startswith(task)]
+    if not moved:
+        return 0
+    archive = path.with_name(f"{role}-{context}.superseded.jsonl")
+    lines = archive.read_text().splitlines(keepends=True) if archive.exists() else []
+    lines += [line for line in (json.dumps({**r, "superseded": reason}) + "\n" for r in moved) if line not in lines]
+    atomic_write(archive, lambda tmp: Path(tmp).write_text("".join(lines)))
+    kept = "".join(json.dumps(r) + "\n" for r in records if not r["task"].startswith(task))
+    atomic_write(path, lambda tmp: Path(tmp).write_text(kept))
+    return len(moved)
+
+
 def read_records(path: Path) -> list[dict]:
     """Every complete record of ``path`` (a line cut short by a stop mid-write is skipped)."""
     if not path.exists():
@@ -495,10 +524,17 @@ def main(argv: list[str] | None = None) -> None:
                     help="keep passes while the folder holds less than this")
     go.add_argument("--no-passes", action="store_true", help="compute every pass, keep none")
     go.add_argument("--threads", type=int, default=2)
-    for p in (go, sub.add_parser("report", help="tables from the records (benchmarks.recipe_report)")):
+    gone = sub.add_parser("supersede", help="move a task's records aside after a fix to how its examples are built")
+    gone.add_argument("--task", required=True, help="a prefix of the tasks' names (recall-prose: every depth)")
+    gone.add_argument("--reason", required=True, help="what changed in the examples (kept with each record moved)")
+    for p in (go, sub.add_parser("report", help="tables from the records (benchmarks.recipe_report)"), gone):
         p.add_argument("--role", choices=list(siblings.ROLES), required=True)
         p.add_argument("--context", type=int, default=2048)
     args = parser.parse_args(argv)
+    if args.command == "supersede":
+        moved = supersede(args.role, args.context, args.task, args.reason)
+        print(f"{moved} records of {args.task}* moved to {records_path(args.role, args.context).stem}.superseded.jsonl")
+        return
     if args.command == "report":
         from .recipe_report import report
 

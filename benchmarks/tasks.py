@@ -28,6 +28,16 @@ def continuation_examples(tokenizer, texts: dict[str, str], context: int, contin
     return examples, names
 
 
+def question_and_answer(tokenizer, asked: str, answer: str) -> tuple[list[int], list[int]]:
+    """``asked`` and the first `ANSWER_TOKENS` of ``answer`` tokenized together, as a model reads the whole text: the
+    answer starts at the first token that covers one of its characters. A space the tokenizer merges into the answer's
+    first token (``" k"``) is the answer's, as it was where the context stated the value; tokenized apart, the answer
+    would start with a token (``"k"`` after a lone ``" "``) the context never holds, which no model can copy."""
+    encoded = tokenizer(asked + answer, add_special_tokens=False, return_offsets_mapping=True)
+    first = next(i for i, (_, end) in enumerate(encoded["offset_mapping"]) if end > len(asked))
+    return encoded["input_ids"][:first], encoded["input_ids"][first:first + ANSWER_TOKENS]
+
+
 def recall_examples(tokenizer, fillers: dict[str, str], context: int, count: int, depth: float, prose: bool = False,
                     seed: int = 0) -> tuple[list[torch.Tensor], list[str]]:
     """``count`` contexts of about ``context`` tokens: a filler text with a random 10-character value stated at
@@ -49,8 +59,7 @@ def recall_examples(tokenizer, fillers: dict[str, str], context: int, count: int
         else:
             stated, asked = f'\n{key}_TOKEN = "{value}"\n\n', f'\n\nassert {key}_TOKEN == "'
         head = tokenizer(stated, add_special_tokens=False).input_ids
-        question = tokenizer(asked, add_special_tokens=False).input_ids
-        answer = tokenizer(value + ('.' if prose else '"'), add_special_tokens=False).input_ids[:ANSWER_TOKENS]
+        question, answer = question_and_answer(tokenizer, asked, value + ('.' if prose else '"'))
         if len(answer) < ANSWER_TOKENS:
             continue
         body = filler[: context - len(head) - len(question)]

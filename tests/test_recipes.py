@@ -268,6 +268,14 @@ def test_the_default_is_the_best_recipe_not_below_the_control_that_keeps_recall(
     assert choice["default"] == "refresh@160/p64" and not choice["candidates"]["attn:refresh@160/p64"]["within_cost"]
     assert recipe_report.choose_default(rows, 160, {"published": 100}, cost_limit=400)["default"] == \
         "refresh@160/p64"  # maps whose cost nobody recorded never win
+    # a lever scored on fewer examples blocks the choice, unless its maps are gone (nothing can complete it)
+    rows["top8:refresh@160/p64"] = {**_row("refresh", 160, 0.99, (0.2, 0.3), 1.0, examples=(40, 20)), "maps": "top8"}
+    costs["top8"] = 100
+    assert recipe_report.choose_default(rows, 160, costs, cost_limit=400)["waiting"] == ["top8:refresh@160/p64"]
+    choice = recipe_report.choose_default(rows, 160, costs, cost_limit=400, gone=frozenset({"top8"}))
+    assert choice["default"] == "attn:refresh@160/p64" and choice["waiting"] == []
+    assert choice["candidates"]["top8:refresh@160/p64"]["maps_gone"]
+    del rows["top8:refresh@160/p64"]
     unscored = {name: {k: v for k, v in row.items() if k != recipe_scores.RECALL} for name, row in rows.items()}
     assert recipe_report.choose_default(unscored, 160)["default"] is None  # recall never scored: none keeps it
     rows["refresh@160/p64"]["continuation"]["minus_control_interval"] = [-0.2, -0.01]
@@ -596,3 +604,38 @@ def test_a_text_under_two_paths_is_one_file_for_continuation_windows_and_recall_
     found = recipes.examples(None, "selection", 100 - recipes.CONTINUATION, 10, 1, 1)
     assert [e.file for e in found] == ["a.py", "c.py"]  # one window per distinct text
     assert ["a.py", "c.py"] in fillers and all("copy/a.py" not in f for f in fillers)
+
+
+def test_supersede_moves_a_tasks_records_aside_and_a_stop_between_its_writes_loses_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(recipes, "RECORDS", tmp_path)
+    records = [{"example": f"{task}/{i}", "task": task, "variant": "full", "correct": i}
+               for task in ("continuation", "recall-prose-top", "recall-code-top", "recall-prose-end") for i in range(2)]
+    path = recipes.records_path("final", 2048)
+    original = "".join(json.dumps(r) + "\n" for r in records)
+    path.write_text(original)
+    with pytest.raises(RecordError, match="a reason"):
+        recipes.supersede("final", 2048, "recall-prose", "")
+    assert recipes.supersede("final", 2048, "recall-prose", "answers tokenized with the question") == 4
+    assert [r["task"] for r in recipes.read_records(path)] == ["continuation"] * 2 + ["recall-code-top"] * 2
+    archive = tmp_path / "final-2048.superseded.jsonl"
+    moved = recipes.read_records(archive)
+    assert [r["example"] for r in moved] == ["recall-prose-top/0", "recall-prose-top/1", "recall-prose-end/0",
+                                             "recall-prose-end/1"]
+    assert {r["superseded"] for r in moved} == {"answers tokenized with the question"}
+    assert recipes.supersede("final", 2048, "recall-prose", "again") == 0  # nothing left to move
+    path.write_text(original)  # as if a stop came after the archive was written, before the records were
+    assert recipes.supersede("final", 2048, "recall-prose", "answers tokenized with the question") == 4
+    assert recipes.read_records(archive) == moved  # no line twice
+    assert len(recipes.read_records(path)) == 4
+
+
+def test_maps_are_gone_where_no_folder_holds_the_weights_their_rows_were_measured_on(tmp_path):
+    kept, refitted = tmp_path / "kept", tmp_path / "refitted"
+    for folder, weights in ((kept, b"weights"), (refitted, b"refitted weights")):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(weights)
+    facts = {"published": {"folder": str(kept), "fingerprint": recipes.map_fingerprint(kept)},
+             "refit": {"folder": str(refitted), "fingerprint": recipes.map_fingerprint(kept)},
+             "deleted": {"folder": str(tmp_path / "deleted"), "fingerprint": "0" * 16}}
+    labels = {"published", "refit", "deleted", "unrecorded"}
+    assert recipe_report.maps_gone(labels, facts) == {"refit", "deleted", "unrecorded"}

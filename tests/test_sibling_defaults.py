@@ -111,15 +111,23 @@ def test_the_lever_table_states_each_lever_maps_size_as_its_run_recorded_it(resu
     # the lever's maps fitted again: while its rows are measured again, the report refuses to choose (the runner-up
     # would win meanwhile) and leaves the report on disk as it was
     written = (results / "sibling-recipes-selection-2048.json").read_text()
-    again = [{**r, "map": "a2"} for r in records if r["maps"] == "attn"][:3]
+    folder = results / "attn-refitted"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"the lever's weights, fitted again")
+    refit = recipes.map_fingerprint(folder)
+    again = [{**r, "map": refit} for r in records if r["maps"] == "attn"][:3]
     with open(results / "sibling-recipes" / "selection-2048.jsonl", "a") as out:
         out.write("".join(json.dumps(r) + "\n" for r in again))
     with open(results / "sibling-recipes" / "runs.jsonl", "a") as out:
-        out.write(json.dumps({"role": "selection", "context": 2048,
-                              "map_sets": {"attn": {"up": {**facts, "fingerprint": "a2"}}}}) + "\n")
+        out.write(json.dumps({"role": "selection", "context": 2048, "map_sets": {"attn": {"up": {
+            **facts, "folder": str(folder), "fingerprint": refit}}}}) + "\n")
     with pytest.raises(RecordError, match="attn:hybrid@160 are scored on fewer examples"):
         recipe_report.report("selection", 2048)
     assert (results / "sibling-recipes-selection-2048.json").read_text() == written
+    # the refitted maps deleted before their rows were complete: nothing can complete them, the choice goes on
+    (folder / "model.safetensors").unlink()
+    choice = recipe_report.report("selection", 2048)["directions"]["up"]["choice"]
+    assert choice["waiting"] == [] and choice["candidates"]["attn:hybrid@160"]["maps_gone"]
 
 
 def test_a_default_on_a_levers_maps_publishes_those_maps(results, monkeypatch, tmp_path):
