@@ -218,7 +218,7 @@ def examples(tokenizer, role: str, context: int, windows: int, per_file: int, re
                 by_task["continuation"].append(Example(f"continuation/{name}@{start}", name, "continuation",
                                                        window, CONTINUATION))
     if recall_cases:
-        prose = prose_texts(prose_to - prose_from, prose_from)
+        prose = distinct_texts(prose_texts(prose_to - prose_from, prose_from))
         for seed, (depth_name, depth) in enumerate(DEPTHS.items()):
             for kind, fillers in (("code", code), ("prose", prose)):
                 task = f"recall-{kind}-{depth_name}"

@@ -596,7 +596,7 @@ def test_map_facts_come_from_a_run_of_the_maps_the_records_hold():
 def test_a_text_under_two_paths_is_one_file_for_continuation_windows_and_recall_fillers(monkeypatch):
     code = {"a.py": "x = 1\n" * 40, "copy/a.py": "x = 1\n" * 40, "c.py": "y = 2\n" * 40}
     monkeypatch.setattr(recipes, "stdlib_texts", lambda *args: dict(code))
-    monkeypatch.setattr(recipes, "prose_texts", lambda *args: {"p.txt": "words " * 40})
+    monkeypatch.setattr(recipes, "prose_texts", lambda *args: {"p.txt": "words " * 40, "q.txt": "words " * 40})
     monkeypatch.setattr(recipes, "token_ids", lambda tokenizer, text: torch.tensor([ord(c) for c in text]))
     fillers = []
     monkeypatch.setattr(recipes, "recall_examples",
@@ -604,6 +604,7 @@ def test_a_text_under_two_paths_is_one_file_for_continuation_windows_and_recall_
     found = recipes.examples(None, "selection", 100 - recipes.CONTINUATION, 10, 1, 1)
     assert [e.file for e in found] == ["a.py", "c.py"]  # one window per distinct text
     assert ["a.py", "c.py"] in fillers and all("copy/a.py" not in f for f in fillers)
+    assert ["p.txt"] in fillers and all("q.txt" not in f for f in fillers)  # prose fillers too
 
 
 def test_supersede_moves_a_tasks_records_aside_and_a_stop_between_its_writes_loses_nothing(tmp_path, monkeypatch):
