@@ -10,10 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
+from peft_kvcache.calibration.retention import MIN_GAP
+
 BOOTSTRAP, SEED = 2000, 0
 # normalized retention divides by full - no context: resamples whose gap is below MIN_GAP (mean accuracy) make the
 # ratio meaningless; past DEGENERATE_SHARE of them an interval is not given (NaN), however the others fall
-MIN_GAP, DEGENERATE_SHARE = 0.01, 0.01
+DEGENERATE_SHARE = 0.01
 # below this many files a bootstrap over files has too few distinct resamples to be an interval (2 files: 3)
 MIN_FILES = 5
 RECALL = "recall (pooled)"

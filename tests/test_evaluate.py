@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 from conftest import random_ids, tiny_model
@@ -93,6 +95,9 @@ def test_normalized_retention_is_the_share_of_the_context_gain():
     assert rows["mapped@1"]["normalized_retention"] == pytest.approx(0.5)  # (0.6 - 0.4) / (0.8 - 0.4)
     assert rows["mapped@1"]["raw_retention"] == pytest.approx(0.75)       # 0.6 / 0.8: not the headline figure
     assert rows["no_context"]["normalized_retention"] == 0 and rows["full"]["normalized_retention"] == 1
+    # where the context barely helps the full prefill, a share of its gain means nothing: no figure, not a huge one
+    flat = _report({"full": [0.8, 0.8], "no_context": [0.8, 0.8], "mapped@1": [0.6, 0.6]})
+    assert math.isnan(flat.normalized("mapped@1"))
 
 
 def test_intervals_are_paired_over_examples():

@@ -92,6 +92,10 @@ def _per_example(values: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([v.mean() for v in values])
 
 
+# normalized retention divides by what the context adds to the full prefill's mean accuracy: below this, NaN
+MIN_GAP = 0.01
+
+
 @dataclass
 class RetentionReport:
     """Scores of every variant on the same examples, with paired bootstrap intervals."""
@@ -125,7 +129,8 @@ class RetentionReport:
             return per_example.mean() if index is None else per_example[index].mean(-1)
 
         full, none = mean("full"), mean("no_context")
-        return (mean(name) - none) / (full - none)
+        gap = full - none  # where the context barely helps the full prefill itself, a share of it means nothing: NaN
+        return torch.where(gap >= MIN_GAP, (mean(name) - none) / gap, torch.nan)
 
     def interval(self, statistic: Callable[[torch.Tensor | None], torch.Tensor]) -> tuple[float, float]:
         """95% paired bootstrap interval of ``statistic(index)`` over examples."""
