@@ -81,7 +81,8 @@ def direction_budget(direction: str) -> dict:
     stem = sweep_stem(direction)
     if not (RESULTS / f"{stem}.json").is_file():
         raise RecordError(f"no {stem}.json: the budget comes from a TTFT sweep; run `python -m benchmarks.ttft --pair "
-                          f"{direction} --lengths 2048 8192 --sweep refresh@64/p32 refresh@80/p48 ...` first")
+                          f"{direction} --label LABEL --lengths 2048 8192 --sweep refresh@64/p32 refresh@80/p48 ...` "
+                          "first (LABEL: the lever whose maps the sweep times)")
     sweep = read_results(stem)
     runs = runs_of_the_same_maps(sweep)
     # every run's rows at once: a budget holds where its slowest refresh in any run meets the goals

@@ -12,8 +12,12 @@ side in one run, each the median of ``--repeats`` runs with min and max.
 - ``map only``: the mapping alone, its tokens/s, and its floors: cache bytes written over the measured memory
   bandwidth, and the map's multiply-adds over the measured matmul throughput.
 
-    python -m benchmarks.ttft --pair up --lengths 512 2048 8192
-    python -m benchmarks.ttft --pair up --lengths 2048 --sweep refresh@64/p32 refresh@96/p64 refresh@160/p128
+    python -m benchmarks.ttft --pair up --label basis512 --lengths 512 2048 8192
+    python -m benchmarks.ttft --pair up --label basis512 --lengths 2048 --sweep refresh@64/p32 refresh@96/p64
+
+A sibling run names the maps it times (``--label``: the lever whose maps ``--map`` holds, by default the published
+folder's) and writes ``ttft-<pair>-<label>``: the published table ``ttft-<pair>`` is `scripts.publish`'s, which
+labels the folder's maps by the lever they came from.
     python -m benchmarks.ttft --random-models qwen2.5-1.5b qwen2.5-7b --device cuda --dtype bfloat16
 
 Writes benchmarks/results/ttft-<name>.json/.md and a plot.
@@ -303,7 +307,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", choices=["up", "down"], default="up", help="the Qwen2.5-Coder sibling direction")
     parser.add_argument("--map", default=None, help="map folder (default: hub_cards/<the pair's map>)")
-    parser.add_argument("--label", help="another map than the published one (--map): results ttft-<pair>-<label>")
+    parser.add_argument("--label", help="a sibling pair: the maps timed (the lever --map's maps come from, e.g. "
+                        "basis512 for the published up map): results ttft-<pair>-<label>, a sweep records it")
     parser.add_argument("--recipe", help="the recipe timed, by name (`Refresh.named`; default the map's own)")
     parser.add_argument("--sweep", nargs="+", metavar="RECIPE",
                         help="time these recipes instead (results ttft-<pair>-sweep, whichever --map): the budget a TTFT goal leaves")
@@ -319,6 +324,10 @@ def main() -> None:
         parser.error("--repeats must be at least 1")
     if args.sweep and (args.recipe or len(set(args.sweep)) < len(args.sweep)):
         parser.error("--sweep takes distinct recipes and no --recipe (it times each recipe it names)")
+    if not args.random_models and not args.label:  # the published table is scripts.publish's: it knows which
+        # lever's maps the folder holds
+        parser.error("--label names the maps timed (the lever they come from: basis512 for the published up map, "
+                     "top4 down); results go to ttft-<pair>-<label>, never the published table")
     torch.set_num_threads(args.threads)
     dtype, device = getattr(torch, args.dtype), torch.device(args.device)
     if args.random_models:
@@ -331,8 +340,6 @@ def main() -> None:
         small_to_large = args.pair == "up"
         source, target = (models["small"], models["large"]) if small_to_large else (models["large"], models["small"])
         name = siblings.pair_name(args.pair)
-        if bool(args.map) != bool(args.label):  # the published map's results are never overwritten by another's
-            parser.error("--map and --label go together")
         kv_map = KVMap.from_pretrained(args.map or Path(RESULTS.parents[1] / "hub_cards" / name))
     if args.recipe:
         kv_map.config.refresh = Refresh.named(args.recipe)
@@ -340,7 +347,7 @@ def main() -> None:
         generator, source_run = torch.Generator().manual_seed(0), lambda ids: run_with_cache(source, ids)
         rows = [sweep(source_run, target, kv_map, torch.randint(100, 20000, (1, n), generator=generator), args.sweep,
                       args.repeats) for n in args.lengths]
-        payload = {"name": name, "maps": args.label or "published", "map_parameters": kv_map.num_parameters,
+        payload = {"name": name, "maps": args.label, "map_parameters": kv_map.num_parameters,
                    "map_multiply_adds_per_token": kv_map.multiply_adds_per_token, "repeats": args.repeats, "rows": rows}
         stem = f"ttft-{name}-sweep"
         payload = with_earlier_runs(payload, read_results(stem) if (RESULTS / f"{stem}.json").is_file() else None)

@@ -91,12 +91,25 @@ def recipe_figures(direction: str) -> dict[str, Figure]:
     return figures
 
 
+def maps_of(recipe: str) -> str:
+    """The maps a sibling recipe runs on: a lever's label (``label:recipe``), else ``published``."""
+    return recipe.rpartition(":")[0] or "published"
+
+
+def timed_maps(payload: dict, recipe: str | None) -> bool:
+    """Whether a TTFT results file timed the maps ``recipe`` runs on (any, for no recipe: an adapter map's)."""
+    return recipe is None or payload.get("maps", "published") == maps_of(recipe)
+
+
 def ttft_figures(stem: str, recipe: str | None = None) -> dict[str, Figure]:
-    """A TTFT results file's speedups per context; ``recipe`` (a default recipe's name): the recipe's speedup only
-    where the row timed that recipe (a row of another, stale since the default changed, is left off)."""
-    rows = results(stem)["rows"]
+    """A TTFT results file's speedups per context; ``recipe`` (a default recipe's name): none where the file timed
+    other maps than the recipe's, and the recipe's speedup only where the row timed that recipe (a row of another,
+    stale since the default changed, is left off)."""
+    payload = results(stem)
+    if not timed_maps(payload, recipe):
+        return {}
     return {f"ttft.speedup_{kind}_{row['context']}": figure(stem, f"rows/context={row['context']}/speedup_{kind}")
-            for row in rows for kind in ("cold", "warm", "recipe") if f"speedup_{kind}" in row
+            for row in payload["rows"] for kind in ("cold", "warm", "recipe") if f"speedup_{kind}" in row
             and not (kind == "recipe" and recipe is not None and row.get("recipe_name") != recipe)}
 
 
@@ -189,9 +202,11 @@ def ttft_goal_notes(reports: dict[str, dict]) -> list[str]:
             continue
         swept = results(f"ttft-{name}-sweep") if (RESULTS / f"ttft-{name}-sweep.json").is_file() else {"rows": []}
         sweep_rows = {r["context"]: r for r in swept["rows"]}
-        for row in results(f"ttft-{name}")["rows"]:
+        default = next(iter(reports[name].values()))["default"]
+        timed = results(f"ttft-{name}")
+        for row in timed["rows"] if timed_maps(timed, default) else []:
             goal = TTFT_GOALS.get(row["context"])
-            if goal is None or "speedup_recipe" not in row or row["speedup_recipe"] >= goal:
+            if goal is None or row.get("recipe_name") != default or row["speedup_recipe"] >= goal:
                 continue
             passes = row["recipe_passes"]
             note = (f"Going {direction} (`{name}`), the default recipe `{row['recipe_name']}` runs "
@@ -201,11 +216,11 @@ def ttft_goal_notes(reports: dict[str, dict]) -> list[str]:
                     f"{passes['recompute']:.2f} / {passes['first_token']:.2f} s) make most of its "
                     f"{row['recipe']['median']:.2f} s, against a prefill of {row['full']['median']:.2f} s.")
             sweep_row = sweep_rows.get(row["context"], {})
-            timed = sweep_row.get("recipes", {}).get(row["recipe_name"].rpartition(":")[2])
-            if timed is not None:
+            swept_recipe = sweep_row.get("recipes", {}).get(row["recipe_name"].rpartition(":")[2])
+            if swept_recipe is not None:
                 note += (f" The TTFT sweep that set its budget (`ttft-{name}-sweep.json`, on the {swept['maps']} maps) "
-                         f"measured {timed['speedup']:.1f}x [{timed['speedup_min']:.1f}x, {timed['speedup_max']:.1f}x] "
-                         f"against a prefill of {sweep_row['full']['median']:.2f} s.")
+                         f"measured {swept_recipe['speedup']:.1f}x [{swept_recipe['speedup_min']:.1f}x, "
+                         f"{swept_recipe['speedup_max']:.1f}x] against a prefill of {sweep_row['full']['median']:.2f} s.")
             notes.append(note)
     return notes
 
@@ -214,10 +229,11 @@ def _recipe_rows(name: str, reported: dict[int, dict]) -> list[list[str]]:
     """README rows of a sibling map's default recipe per final context: continuation and pooled recall, the plain
     switch, the recipe (and minus the window-only control, paired), the control, and TTFT at that context."""
     fmt = lambda r: f"{r['normalized']:.2f} [{r['interval'][0]:.2f}, {r['interval'][1]:.2f}]"  # noqa: E731
-    ttft = {r["context"]: r for r in results(f"ttft-{name}")["rows"]}
+    timed = results(f"ttft-{name}")
     out = []
     for context, report in reported.items():
         rows, default = report["rows"], report["default"]
+        ttft = {r["context"]: r for r in timed["rows"]} if timed_maps(timed, default) else {}  # not other maps' times
         control = f"window@{rows[default]['compute']}"
         label = default.rpartition(":")[0]  # the maps the default runs on: a lever's, or the run's own
         own_plain = f"{label}:plain" if label else "plain"

@@ -263,7 +263,7 @@ def test_a_default_that_misses_a_ttft_goal_is_said_so_below_the_table(monkeypatc
                 "recipe_passes": {"probe": 0.29, "recompute": 0.47, "first_token": 0.15}, "recipe": {"median": 1.04},
                 "full": {"median": 9.28}}
 
-    files = {f"ttft-{DOWN}": {"rows": [ttft_row(2048, 8.9), ttft_row(8192, 33.0)]},
+    files = {f"ttft-{DOWN}": {"maps": "top4", "rows": [ttft_row(2048, 8.9), ttft_row(8192, 33.0)]},
              f"ttft-{DOWN}-sweep": {"maps": "top4", "rows": [{"context": 2048, "full": {"median": 13.96}, "recipes": {
                  "refresh@64/p32": {"speedup": 11.2, "speedup_min": 7.7, "speedup_max": 11.9}}}]}}
     monkeypatch.setattr(figures, "results", files.__getitem__)
@@ -278,6 +278,12 @@ def test_a_default_that_misses_a_ttft_goal_is_said_so_below_the_table(monkeypatc
     assert figures.ttft_goal_notes(reports)[0].endswith(
         f"The TTFT sweep that set its budget (`ttft-{DOWN}-sweep.json`, on the top4 maps) measured 11.2x [7.7x, "
         "11.9x] against a prefill of 13.96 s.")
+    files[f"ttft-{DOWN}"]["maps"] = "top8"  # another lever's maps timed: their speed is not the default's
+    assert figures.ttft_goal_notes(reports) == []
+    files[f"ttft-{DOWN}"]["maps"] = "top4"
+    files[f"ttft-{DOWN}"]["rows"][0]["recipe_name"] = "top4:refresh@96/p64"  # a recipe that is not the default
+    assert figures.ttft_goal_notes(reports) == []
+    files[f"ttft-{DOWN}"]["rows"][0]["recipe_name"] = "top4:refresh@64/p32"
     files[f"ttft-{DOWN}"]["rows"][0]["speedup_recipe"] = 10.0
     assert figures.ttft_goal_notes(reports) == []
 
@@ -286,8 +292,10 @@ def test_a_cards_recipe_speedup_is_the_default_recipes_own(results):
     """A TTFT row timed for another recipe (the default changed since) gives the card no recipe speedup."""
     timed = common.read_results(f"ttft-{UP}")["rows"][0]["recipe_name"]
     assert "ttft.speedup_recipe_2048" in figures.ttft_figures(f"ttft-{UP}", recipe=timed)
-    other = figures.ttft_figures(f"ttft-{UP}", recipe="hybrid@160")
+    maps = timed.rpartition(":")[0]
+    other = figures.ttft_figures(f"ttft-{UP}", recipe=f"{maps}:hybrid@160")  # the same maps, another recipe
     assert "ttft.speedup_recipe_2048" not in other and "ttft.speedup_cold_2048" in other
+    assert figures.ttft_figures(f"ttft-{UP}", recipe="top8:refresh@64/p32") == {}  # other maps: none of their times
 
 
 def test_the_final_texts_report_a_default_only_on_the_maps_the_selection_texts_chose_it_on(results):
