@@ -67,6 +67,7 @@ from peft_kvcache.lab.provenance import code_state, provenance
 from peft_kvcache.maps.config import CalibrationConfig, parameter_count
 from peft_kvcache.maps.recipe import Refresh
 from peft_kvcache.modeling.capture import CapturedKV
+from peft_kvcache.modeling.identity import cached_fingerprint
 from peft_kvcache.runtime.refresh import attention_scores, refresh_positions, select_spans
 
 from . import siblings
@@ -410,6 +411,25 @@ def append(path: Path, record: dict) -> None:
 # ----- the run -----
 
 
+def check_same_setup(runs_path: Path, role: str, context: int, setup: dict) -> None:
+    """Refuse (`RecordError`) a run whose models (their fingerprints) or probe and span differ from what an earlier run
+    of the role at ``context`` recorded: rows without a map (the references, the controls) and recipe names would be
+    read as the same measurement (runs before these were recorded pass)."""
+    if not runs_path.exists():
+        return
+    for line in runs_path.read_text().splitlines():
+        try:
+            earlier = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if earlier.get("role") != role or earlier.get("context") != context:
+            continue
+        for key, value in setup.items():
+            if key in earlier and earlier[key] != value:
+                raise RecordError(f"the {role} records at {context} were measured with {key} {earlier[key]}, this run "
+                                  f"has {value}: write them to a new records file (records must not mix)")
+
+
 @torch.no_grad()
 def map_facts(folder: Path, kv_map: KVMap, fingerprint: str) -> dict:
     """What a run records about one map it uses: where it is, what it is (its records' ``map``), its size and cost, and
@@ -452,8 +472,11 @@ def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str
     for d, name in chosen.items():
         if d in directions:
             check_chosen_maps(d, name, prints[d][Variant.recipe(name).maps])
+    setup = {"models": {size: cached_fingerprint(model) for size, model in sorted(models.items())},
+             "probe": PROBE, "span": SPAN}
+    check_same_setup(path.with_name("runs.jsonl"), role, context, setup)
     append(path.with_name("runs.jsonl"), {"run": run_id, "role": role, "context": context, "budgets": budgets,
-                                          "budget_sources": sources,
+                                          "budget_sources": sources, **setup,
                                           **provenance(),
                                           "map_sets": {label: {d: map_facts(folders[d], maps[d][label], prints[d][label])
                                                                for d in directions}
