@@ -187,7 +187,8 @@ def readme_table() -> str:
             "; a sibling map's default recipe on the final texts from `sibling-recipes-final-<context>.json` "
             "(`python -m benchmarks.recipes`, the default chosen on the selection texts)." if recipes else ".") + (
             " A plain switch marked (base maps), and its KL, ran on the final run's base maps (its `--maps`), not on "
-            "the maps the default recipe runs on, which that run did not switch plainly." if plain_on_base_maps else "")
+            "the maps the default recipe runs on, which that run did not switch plainly; the TTFT column times the "
+            "default's own maps, plain and with the recipe." if plain_on_base_maps else "")
         + "".join(f"\n\n{note}" for note in ttft_goal_notes(reports)))
 
 
