@@ -16,6 +16,7 @@ from peft_kvcache.calibration.fit import LayerFit, SufficientStatistics, _Center
 from peft_kvcache.calibration.loop import calibrate
 from peft_kvcache.calibration.nonlinear import fit_nonlinear_heads
 from peft_kvcache.errors import CalibrationError, RecordError
+from peft_kvcache.maps import apply
 from peft_kvcache.maps.apply import map_cache
 from peft_kvcache.maps.config import CalibrationConfig
 from peft_kvcache.modeling.capture import run_with_cache
@@ -147,6 +148,30 @@ def test_a_basis_map_maps_as_its_dense_weights_and_costs_less(sibling_pair, basi
     features = basis_map.tensors["keys.basis"].shape[0]
     assert loaded.multiply_adds_per_token == 2 * (features * 3 + layers * 3 * width)
     assert loaded.multiply_adds_per_token < dense.multiply_adds_per_token
+
+
+def test_a_basis_map_drops_the_source_features_once_it_has_projected_them(sibling_pair, basis_map, monkeypatch):
+    """Every layer reads the projection: the position-free features of the source layers are kept no longer than the
+    first layer (not, as the last reader of every source layer, until the last one)."""
+    source, target = sibling_pair
+    ids = random_ids(1, 24, seed=3)[0][None]
+    source_kv = run_with_cache(source, ids)
+    positions = torch.arange(ids.shape[1])[None]
+    placements = [(torch.device("cpu"), torch.float32)] * target.config.num_hidden_layers
+    held = []
+    real_heads = apply.SourceFeatures.heads
+
+    def heads(self, kind, layer, device):
+        held.append(self)
+        return real_heads(self, kind, layer, device)
+
+    monkeypatch.setattr(apply.SourceFeatures, "heads", heads)
+    layers = apply.iter_map_cache(basis_map, source_kv.keys, source_kv.values, positions, positions, placements)
+    next(layers)
+    assert held and held[-1]._cache == {}  # both kinds projected at the first layer, their features gone
+    calls = len(held)
+    list(layers)
+    assert len(held) == calls  # the later layers read the projection alone
 
 
 def test_a_basis_needs_every_source_layer_and_is_refused_before_the_capture(sibling_pair, monkeypatch):

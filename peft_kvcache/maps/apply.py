@@ -34,7 +34,7 @@ class SourceFeatures:
         contiguous, on ``device`` (the cache's own layout: a head's rows are one matrix)."""
         key = (kind, layer)
         if key not in self._cache:
-            states = self.keys[layer] if kind == "keys" else self.values[layer]
+            states = self.states(kind, layer)
             if kind == "keys":
                 if states.device not in self._rotations:
                     self._rotations[states.device] = rotary_cos_sin(self.spec, self.positions, device=states.device)
@@ -44,6 +44,10 @@ class SourceFeatures:
         # a copy onto an accelerator may run on while the host goes on; one to the host must be whole before a CPU
         # matmul reads it
         return self._cache[key].to(device, non_blocking=torch.device(device).type != "cpu")
+
+    def states(self, kind: str, layer: int) -> torch.Tensor:
+        """One source layer's states as the cache holds them (keys still rotated)."""
+        return self.keys[layer] if kind == "keys" else self.values[layer]
 
     def release(self, kind: str, layer: int) -> None:
         """Drop one source layer's features (no later target layer reads them): the next layer's reuse their memory
@@ -256,6 +260,7 @@ def _mapped_layers(kv_map, features: SourceFeatures, target_spec: RotarySpec, ta
     same_rotation = factored and rotates_alike(features.spec, features.positions, target_spec, target_positions)
     rotations = {}
     projected = {}  # (kind, device) -> the source through the shared basis, once for every layer placed there
+    devices = {device for device, _ in placements}
     for t, (device, dtype) in enumerate(placements):
         if device not in rotations:  # one cos/sin per device, shared by the layers placed there
             rotations[device] = rotary_cos_sin(target_spec, target_positions, device=device)
@@ -263,12 +268,17 @@ def _mapped_layers(kv_map, features: SourceFeatures, target_spec: RotarySpec, ta
         layer = []
         for kind in ("keys", "values"):
             sources = kv_map.source_inputs(kind, t)
-            inputs = [features.heads(*source, device) for source in sources]
-            read = inputs  # what the layer's weight multiplies: the source layers, or their shared projection
-            if kv_map.config.basis_rank:
+            if kv_map.config.basis_rank:  # every layer reads one projection of the source layers per device
                 if (kind, device) not in projected:
-                    projected[kind, device] = project_basis(inputs, kv_map.layer_basis(kind, device, compute_dtype))
-                read = [projected[kind, device]]
+                    projected[kind, device] = project_basis([features.heads(*s, device) for s in sources],
+                                                            kv_map.layer_basis(kind, device, compute_dtype))
+                    if all((kind, d) in projected for d in devices):  # no layer reads the features any more
+                        for source in sources:
+                            features.release(*source)
+                inputs, read = None, [projected[kind, device]]
+            else:
+                inputs = [features.heads(*source, device) for source in sources]
+                read = inputs  # what the layer's weight multiplies
             rotated = None  # keys the factored layer returns rotated already
             if factored:  # the one input is source layer t
                 if kind == "keys" and same_rotation:  # the source keys are rotated as the target's must be
@@ -283,7 +293,7 @@ def _mapped_layers(kv_map, features: SourceFeatures, target_spec: RotarySpec, ta
                     states = map_layer([layer_features(x) for x in inputs], weight, bias, head_dim, mlp)
             if kind == "keys" and rotated is None:
                 states = rotate_(states.float(), cos, sin)
-            layer.append(_cast_checked(states, dtype, t, kind, dict(zip(sources, inputs))))
+            layer.append(_cast_checked(states, dtype, t, kind, {s: features.states(*s) for s in sources}))
         for source in {s for kind in ("keys", "values") for s in kv_map.source_inputs(kind, t)}:
             if last[source] == t:
                 features.release(*source)
@@ -308,7 +318,7 @@ def map_cache(kv_map, *args, **kwargs) -> list[tuple[torch.Tensor, torch.Tensor]
 def _cast_checked(states: torch.Tensor, dtype: torch.dtype, layer: int, kind: str,
                   inputs: dict[tuple[str, int], torch.Tensor] | None = None) -> torch.Tensor:
     """Cast to the target dtype, refusing NaN/Inf (from a bad source cache or float16 overflow); the error
-    names the source inputs whose features were not finite (``inputs``: (kind, source layer) -> its features)."""
+    names the source inputs whose states were not finite (``inputs``: (kind, source layer) -> its states)."""
     cast = states.to(dtype)
     # A cheap reduction first (a NaN/Inf anywhere makes the sum non-finite), the elementwise check only to confirm.
     if not torch.isfinite(cast.sum(dtype=torch.float32)) and not torch.isfinite(cast).all():
