@@ -91,7 +91,7 @@ def add_to_maps(label: str, addition: str, options: dict, files: int, on: str, p
     folder, base = LEVERS / label, LEVERS / on
     if folder == base:
         raise RecordError(f"--label {label} would write over the maps it adds to: choose another label")
-    models = tokenizer = None
+    todo = {}  # both directions checked before any model loads
     for direction in siblings.DIRECTIONS:
         out = folder / siblings.pair_name(direction)
         if not (base / out.name / WEIGHTS_NAME).is_file():
@@ -111,6 +111,9 @@ def add_to_maps(label: str, addition: str, options: dict, files: int, on: str, p
         if addition == "nonlinear" and fitted.config.basis_rank:
             raise RecordError(f"the {on} {direction} map reads a shared basis: nonlinear heads need each layer's own "
                               "weights (add them to a lever fitted without --basis-rank)")
+        todo[direction] = (out, what, fitted)
+    models = tokenizer = None
+    for direction, (out, what, fitted) in todo.items():
         if models is None:
             models, tokenizer = siblings.load_pair()
         source, target = (models[name] for name in siblings.DIRECTIONS[direction])

@@ -194,11 +194,14 @@ def plot_trade_off(payload: dict, path) -> None:
     fig, axes = plt.subplots(1, len(directions), figsize=(5.5 * len(directions), 4.2), squeeze=False)
     for ax, direction in zip(axes[0], directions):
         budgets = sorted(payload["directions"][direction]["trade_off"].items(), key=lambda item: int(item[0]))
+        map_sets = sorted({family.rpartition(":")[0] for _, series in budgets for family in series})
+        markers = dict(zip(map_sets, "osDv^<>ph*"))  # one marker per map set, one line style per kind
         for color, (budget, series) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], budgets):
             for family, points in sorted(series.items()):
-                style = {"index": "-o", "refresh": "--s", "hybrid": "^"}[family.rpartition(":")[2]]
-                ax.plot([p["recall"] for p in points], [p["continuation"] for p in points], style, color=color,
-                        label=f"{family} @{budget}")
+                maps, _, kind = family.rpartition(":")
+                ax.plot([p["recall"] for p in points], [p["continuation"] for p in points], color=color,
+                        linestyle={"index": "-", "refresh": "--", "hybrid": "none"}[kind],
+                        marker=markers.get(maps, "x"), label=f"{family} @{budget}")
         ax.set(xlabel="far-fact recall (normalized)", ylabel="continuation (normalized)",
                title=f"{payload['directions'][direction]['pair']} ({payload['role']}, {payload['context']} tokens)")
         ax.legend(fontsize="x-small")

@@ -354,7 +354,8 @@ def supersede(role: str, context: int, task: str, reason: str) -> int:
     ``<role>-<context>.superseded.jsonl``, each with ``superseded: reason`` (what was measured on examples built
     otherwise stays on record, apart; the next run measures the task again). Both files are replaced atomically, the
     archive first and without a line twice, so a stop between them loses nothing and a second call completes the
-    first. Returns how many records moved."""
+    first; never while a run appends to the same records (what it appends meanwhile would be lost). Returns how many
+    records moved."""
     if not task or not reason:
         raise RecordError("supersede needs a task (a prefix of the tasks' names, e.g. recall-prose) and a reason")
     path = records_path(role, context)
@@ -411,10 +412,11 @@ def append(path: Path, record: dict) -> None:
 # ----- the run -----
 
 
-def check_same_setup(runs_path: Path, role: str, context: int, setup: dict) -> None:
+def check_same_setup(runs_path: Path, role: str, context: int, setup: dict, live_runs: set[str]) -> None:
     """Refuse (`RecordError`) a run whose models (their fingerprints) or probe and span differ from what an earlier run
-    of the role at ``context`` recorded: rows without a map (the references, the controls) and recipe names would be
-    read as the same measurement (runs before these were recorded pass)."""
+    of the role at ``context`` recorded, where records of that run remain (``live_runs``: the run ids the records
+    hold): rows without a map (the references, the controls) and recipe names would be read as the same measurement.
+    Runs before these were recorded pass."""
     if not runs_path.exists():
         return
     for line in runs_path.read_text().splitlines():
@@ -422,12 +424,14 @@ def check_same_setup(runs_path: Path, role: str, context: int, setup: dict) -> N
             earlier = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if earlier.get("role") != role or earlier.get("context") != context:
+        if earlier.get("role") != role or earlier.get("context") != context or earlier.get("run") not in live_runs:
             continue
         for key, value in setup.items():
             if key in earlier and earlier[key] != value:
                 raise RecordError(f"the {role} records at {context} were measured with {key} {earlier[key]}, this run "
-                                  f"has {value}: write them to a new records file (records must not mix)")
+                                  f"has {value}: records must not mix; move them aside first (`python -m "
+                                  f"benchmarks.recipes supersede --role {role} --context {context} --task continuation`"
+                                  ", then `--task recall`)")
 
 
 @torch.no_grad()
@@ -474,7 +478,7 @@ def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str
             check_chosen_maps(d, name, prints[d][Variant.recipe(name).maps])
     setup = {"models": {size: cached_fingerprint(model) for size, model in sorted(models.items())},
              "probe": PROBE, "span": SPAN}
-    check_same_setup(path.with_name("runs.jsonl"), role, context, setup)
+    check_same_setup(path.with_name("runs.jsonl"), role, context, setup, {r.get("run") for r in read_records(path)})
     append(path.with_name("runs.jsonl"), {"run": run_id, "role": role, "context": context, "budgets": budgets,
                                           "budget_sources": sources, **setup,
                                           **provenance(),

@@ -14,11 +14,11 @@ side in one run, each the median of ``--repeats`` runs with min and max.
 
     python -m benchmarks.ttft --pair up --label basis512 --lengths 512 2048 8192
     python -m benchmarks.ttft --pair up --label basis512 --lengths 2048 --sweep refresh@64/p32 refresh@96/p64
+    python -m benchmarks.ttft --random-models qwen2.5-1.5b qwen2.5-7b --device cuda --dtype bfloat16
 
 A sibling run names the maps it times (``--label``: the lever whose maps ``--map`` holds, by default the published
 folder's) and writes ``ttft-<pair>-<label>``: the published table ``ttft-<pair>`` is `scripts.publish`'s, which
 labels the folder's maps by the lever they came from.
-    python -m benchmarks.ttft --random-models qwen2.5-1.5b qwen2.5-7b --device cuda --dtype bfloat16
 
 Writes benchmarks/results/ttft-<name>.json/.md and a plot.
 """

@@ -203,11 +203,13 @@ def ttft_goal_notes(reports: dict[str, dict]) -> list[str]:
             continue
         swept = results(f"ttft-{name}-sweep") if (RESULTS / f"ttft-{name}-sweep.json").is_file() else {"rows": []}
         sweep_rows = {r["context"]: r for r in swept["rows"]}
-        default = next(iter(reports[name].values()))["default"]
+        first = next(iter(reports[name].values()))["default"]
         timed = results(f"ttft-{name}")
-        for row in timed["rows"] if timed_maps(timed, default) else []:
+        for row in timed["rows"]:
+            default = reports[name].get(row["context"], {}).get("default", first)  # the report at the row's context
             goal = TTFT_GOALS.get(row["context"])
-            if goal is None or row.get("recipe_name") != default or row["speedup_recipe"] >= goal:
+            if (goal is None or not timed_maps(timed, default) or row.get("recipe_name") != default
+                    or row["speedup_recipe"] >= goal):
                 continue
             passes = row["recipe_passes"]
             note = (f"Going {direction} (`{name}`), the default recipe `{row['recipe_name']}` runs "

@@ -316,8 +316,8 @@ class Publisher:
         window-only control (a final run stopped halfway: its figures would stand beside the control's over more)."""
         folder = self.chosen_folder(direction)
         held = recipes.map_fingerprint(folder) if (folder / WEIGHTS_NAME).is_file() else None
-        chosen = recipes.chosen_defaults().get(direction)
         for context, report in figures.final_recipe_reports(direction).items():
+            chosen = recipes.chosen_defaults().get(direction)
             stem, default = report["stem"], report["default"]
             run = (f"`python -m benchmarks.recipes run --role final --context {context}` with the same maps, then its "
                    "report")

@@ -645,13 +645,15 @@ def test_maps_are_gone_where_no_folder_holds_the_weights_their_rows_were_measure
 def test_a_run_refuses_records_measured_with_other_models_or_probe(tmp_path):
     runs = tmp_path / "runs.jsonl"
     setup = {"models": {"large": "l1", "small": "s1"}, "probe": 16, "span": 8}
-    recipes.check_same_setup(runs, "final", 2048, setup)  # no run yet
-    runs.write_text(json.dumps({"role": "final", "context": 2048}) + "\n"  # a run before setups were recorded
-                    + json.dumps({"role": "final", "context": 2048, **setup}) + "\n"
-                    + json.dumps({"role": "final", "context": 4096, **setup, "probe": 32}) + "\n")
-    recipes.check_same_setup(runs, "final", 2048, setup)
-    with pytest.raises(RecordError, match="measured with models .*'l1'.*this run has .*'l2'"):
-        recipes.check_same_setup(runs, "final", 2048, {**setup, "models": {"large": "l2", "small": "s1"}})
+    live = {"r0", "r1", "r2"}
+    recipes.check_same_setup(runs, "final", 2048, setup, live)  # no run yet
+    runs.write_text(json.dumps({"run": "r0", "role": "final", "context": 2048}) + "\n"  # before setups were recorded
+                    + json.dumps({"run": "r1", "role": "final", "context": 2048, **setup}) + "\n"
+                    + json.dumps({"run": "r2", "role": "final", "context": 4096, **setup, "probe": 32}) + "\n")
+    recipes.check_same_setup(runs, "final", 2048, setup, live)
+    with pytest.raises(RecordError, match="measured with models .*'l1'.*this run has .*'l2'.*supersede"):
+        recipes.check_same_setup(runs, "final", 2048, {**setup, "models": {"large": "l2", "small": "s1"}}, live)
     with pytest.raises(RecordError, match="measured with probe 16, this run has 32"):
-        recipes.check_same_setup(runs, "final", 2048, {**setup, "probe": 32})
-    recipes.check_same_setup(runs, "final", 4096, {**setup, "probe": 32})  # that context's own records
+        recipes.check_same_setup(runs, "final", 2048, {**setup, "probe": 32}, live)
+    recipes.check_same_setup(runs, "final", 4096, {**setup, "probe": 32}, live)  # that context's own records
+    recipes.check_same_setup(runs, "final", 2048, {**setup, "probe": 32}, {"r0", "r2"})  # r1's records moved aside

@@ -272,9 +272,9 @@ def _mapped_layers(kv_map, features: SourceFeatures, target_spec: RotarySpec, ta
                 if (kind, device) not in projected:
                     projected[kind, device] = project_basis([features.heads(*s, device) for s in sources],
                                                             kv_map.layer_basis(kind, device, compute_dtype))
-                    if all((kind, d) in projected for d in devices):  # no layer reads the features any more
-                        for source in sources:
-                            features.release(*source)
+                    if all((k, d) in projected for k in ("keys", "values") for d in devices):
+                        for source in {s for k in ("keys", "values") for s in kv_map.source_inputs(k, t)}:
+                            features.release(*source)  # no layer reads the features any more
                 inputs, read = None, [projected[kind, device]]
             else:
                 inputs = [features.heads(*source, device) for source in sources]
