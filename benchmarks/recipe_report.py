@@ -214,7 +214,7 @@ def maps_gone(labels: set[str], facts: dict[str, dict]) -> frozenset[str]:
     """The map sets among ``labels`` whose weights no folder holds any more: none recorded (runs before map facts), or
     the recorded folder holds other weights (fitted again) or none."""
     def held(f: dict) -> bool:
-        folder = ROOT / f.get("folder", "")  # recorded relative to the repository (or absolute)
+        folder = ROOT / f.get("folder", "")  # as the run was given it: relative to the repository root (or absolute)
         return bool(f.get("folder")) and (folder / WEIGHTS_NAME).is_file() and map_fingerprint(folder) == f["fingerprint"]
 
     return frozenset(label for label in labels if label not in facts or not held(facts[label]))
