@@ -12,11 +12,12 @@ The models' full passes over each example, most of its time, are kept under ``ru
 so a lever or variant added later computes only itself.
 
 Target compute counts the context tokens the target runs (the probe pass counted once, the sink not counted: every
-variant has the target's own sink, but ``no_context``, the floor, which is the last context token alone). At a budget B: ``window@B`` keeps the sink and the last B tokens and nothing
-else; ``hybrid@B`` is the mapped prefix with the last B computed by the target; ``refresh@B/pP`` runs the last 16
-tokens (the probe) on the mapped cache, recomputes the P positions its last token attends to most (spans of 8) and
-the last ``B - 16 - P`` tokens (the probe included) exactly: ``refresh@B/p(B-32)`` is the published recipe;
-``index@B/pP`` is the same with the mapped middle dropped (the map used only to choose positions).
+variant has the target's own sink, but ``no_context``, the floor, which is the last context token alone). At a
+budget B: ``window@B`` keeps the sink and the last B tokens and nothing else; ``hybrid@B`` is the mapped prefix with
+the last B computed by the target; ``refresh@B/pP`` runs the last 16 tokens (the probe) on the mapped cache,
+recomputes the P positions its last token attends to most (spans of 8) and the last ``B - 16 - P`` tokens (the probe
+included) exactly: ``refresh@B/p(B-32)`` is the published recipe; ``index@B/pP`` is the same with the mapped middle
+dropped (the map used only to choose positions).
 
 ``--maps`` names the run's base maps (the records call them ``published``: the rows without a label); each
 ``--lever LABEL=FOLDER`` adds a lever's maps, whose rows are named ``LABEL:recipe``. The recorded runs took as base
