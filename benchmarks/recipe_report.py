@@ -126,10 +126,12 @@ def map_cost_limit(direction: str) -> int:
     return prefill_multiply_adds_per_token(target, TTFT_LENGTH) // TTFT_GOAL
 
 
-def lever_gains(scores: Scores, budget: int) -> list[dict]:
+def lever_gains(scores: Scores, budget: int, added_to: dict[str, str] | None = None) -> list[dict]:
     """Each lever's recipes (variants ``label:recipe``) against the published maps' same recipe, paired on the same
     examples, and for the hybrid at the budget the share of the oracle gap it closes: (lever - published) /
-    (oracle - published), the oracle being the target's own keys (or values) in the mapped prefix."""
+    (oracle - published), the oracle being the target's own keys (or values) in the mapped prefix. A lever added to
+    another's maps (``added_to[label]``: distillation or nonlinear heads ``--on`` that lever) is also paired against
+    that lever's same recipe (``minus_on``): what the addition itself gains."""
     out = []
     for name in sorted(scores.accuracy):
         label, _, recipe = name.partition(":")
@@ -140,6 +142,12 @@ def lever_gains(scores: Scores, budget: int) -> list[dict]:
             continue
         entry = {"lever": label, "recipe": recipe, "examples": paired["examples"], "normalized": paired["normalized"],
                  "minus_published": paired["minus_control"], "interval": paired["minus_control_interval"]}
+        base = f"{(added_to or {}).get(label)}:{recipe}"
+        if base in scores.accuracy:
+            on = summary(scores, name, base)
+            if on["examples"]:
+                entry.update(on=base.partition(":")[0], minus_on=on["minus_control"],
+                             minus_on_interval=on["minus_control_interval"])
         for oracle in ("keys", "values"):
             swap = f"hybrid@{budget}+true-{oracle}"
             if recipe != f"hybrid@{budget}" or swap not in scores.accuracy:
@@ -288,7 +296,8 @@ def report(role: str, context: int) -> dict:
                               "chose: run `python -m benchmarks.recipes run --role final` again")
         if role == "final" and default is not None:
             check_chosen_maps(direction, default, fingerprints.get(rows[default]["maps"]))
-        levers = lever_gains(tasks["continuation"], budget)
+        levers = lever_gains(tasks["continuation"], budget,
+                             {label: f["added_to"] for label, f in facts.items() if f.get("added_to")})
         for entry in levers:
             known = facts.get(entry["lever"])
             entry["map"] = None if known is None else {k: known[k] for k in
@@ -322,14 +331,17 @@ def report(role: str, context: int) -> dict:
             size = lambda m: "-" if m is None else f"{m['parameters']:,} / {m['multiply_adds_per_token']:,}"  # noqa: E731
             cells = [[e["lever"], e["recipe"], e["examples"], f"{e['normalized']:.3f}",
                       f"{e['minus_published']:+.3f} [{e['interval'][0]:+.3f}, {e['interval'][1]:+.3f}]",
-                      f"{share(e.get('keys_gap_closed'))} / {share(e.get('values_gap_closed'))}", size(e["map"])]
+                      f"{share(e.get('keys_gap_closed'))} / {share(e.get('values_gap_closed'))}",
+                      f"{e['on']}: {e['minus_on']:+.3f} [{e['minus_on_interval'][0]:+.3f}, "
+                      f"{e['minus_on_interval'][1]:+.3f}]" if "on" in e else "-", size(e["map"])]
                      for e in levers]
             lines += [f"## {siblings.pair_name(direction)}, levers (continuation)", "",
                       "Each lever's maps against the published maps on the same recipe and examples (paired); for the "
-                      "hybrid, the share of the gap to the target's own keys / values in the mapped prefix it closes.",
+                      "hybrid, the share of the gap to the target's own keys / values in the mapped prefix it closes; "
+                      "a lever added to another's maps (distillation, nonlinear heads) also against those.",
                       "", table(["lever", "recipe", "examples", "normalized", "minus the published maps",
-                                 "oracle gap closed: keys / values", "map parameters / multiply-adds per token"],
-                                cells), ""]
+                                 "oracle gap closed: keys / values", "minus the maps it adds to",
+                                 "map parameters / multiply-adds per token"], cells), ""]
         if refitted:
             cells = [[e["maps"], e["variant"], f"{e['previous']} -> {e['current']}", refit_cell(e, "continuation"),
                       refit_cell(e, RECALL)] for e in refitted]

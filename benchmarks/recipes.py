@@ -442,9 +442,11 @@ def map_facts(folder: Path, kv_map: KVMap, fingerprint: str) -> dict:
     config = kv_map.config
     options = {f.name: getattr(config.calibration.options, f.name) for f in fields(CalibrationConfig)
                if getattr(config.calibration.options, f.name) != getattr(CalibrationConfig(), f.name)}
+    added = folder / "lever.json"  # a lever added to another's maps (benchmarks.lever_maps --on) says which
     return {"folder": str(folder), "fingerprint": fingerprint, "parameters": parameter_count(config),
             "multiply_adds_per_token": kv_map.multiply_adds_per_token, "options": options,
-            "distilled": config.distillation is not None and config.distillation.kept}
+            "distilled": config.distillation is not None and config.distillation.kept,
+            **({"added_to": json.loads(added.read_text())["on"]} if added.is_file() else {})}
 
 
 def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str, context: int, windows: int,

@@ -437,6 +437,14 @@ def test_a_lever_is_paired_with_the_published_maps_and_credited_with_the_oracle_
     assert hybrid["keys_gap_closed"] == pytest.approx(0.5, abs=0.05)  # 0.2 of the 0.4 the target's own keys add
     assert hybrid["values_gap_closed"] == pytest.approx(2.0, abs=0.2)  # beyond what the values oracle adds
     assert "keys_gap_closed" not in gains["plain"]  # the oracle swaps are the hybrid's
+    assert "on" not in hybrid
+    # distillation on the attn lever's maps: paired against those as well (what the addition gains)
+    scores.accuracy["attn-distill:hybrid@160"] = {e: 0.75 * (1 - jitter[e]) for e in examples}
+    scores.kl["attn-distill:hybrid@160"] = dict.fromkeys(examples, 0.1)
+    distilled = next(g for g in recipe_report.lever_gains(scores, 160, {"attn-distill": "attn"})
+                     if g["lever"] == "attn-distill")
+    assert distilled["on"] == "attn" and distilled["minus_on"] == pytest.approx(0.05, abs=0.01)
+    assert distilled["minus_published"] == pytest.approx(0.25, abs=0.02)
 
 
 def test_records_of_maps_since_replaced_are_dropped_not_mixed_with_the_new_ones():
@@ -657,3 +665,11 @@ def test_a_run_refuses_records_measured_with_other_models_or_probe(tmp_path):
         recipes.check_same_setup(runs, "final", 2048, {**setup, "probe": 32}, live)
     recipes.check_same_setup(runs, "final", 4096, {**setup, "probe": 32}, live)  # that context's own records
     recipes.check_same_setup(runs, "final", 2048, {**setup, "probe": 32}, {"r0", "r2"})  # r1's records moved aside
+
+
+def test_a_run_records_which_lever_an_addition_was_made_on(sibling_map, tmp_path):
+    sibling_map.save_pretrained(tmp_path / "plain", chart=False)
+    assert "added_to" not in recipes.map_facts(tmp_path / "plain", sibling_map, "f")
+    sibling_map.save_pretrained(tmp_path / "distilled", chart=False)
+    (tmp_path / "distilled" / "lever.json").write_text(json.dumps({"addition": "distill", "on": "basis512"}))
+    assert recipes.map_facts(tmp_path / "distilled", sibling_map, "f")["added_to"] == "basis512"
