@@ -17,6 +17,7 @@ from peft_kvcache.calibration.loop import calibrate, calibrate_adapters
 from peft_kvcache.errors import CalibrationError
 from peft_kvcache.maps.apply import map_cache, map_layer_factored, map_layer_heads, rotates_alike
 from peft_kvcache.maps.kvmap import KVMap
+from peft_kvcache.maps.provenance import NonlinearRecord
 from peft_kvcache.modeling.capture import run_with_cache
 from peft_kvcache.modeling.positions import RotarySpec, apply_rotary, position_free_keys, rotary_cos_sin
 
@@ -133,6 +134,37 @@ def test_a_factored_map_equals_its_dense_weights_at_the_same_and_at_other_positi
     for (fk, fv), (dk, dv) in zip(factored, dense):
         torch.testing.assert_close(fk, dk, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(fv, dv, atol=1e-4, rtol=1e-4)
+
+
+def test_a_factored_map_with_a_residual_mlp_head_runs_the_head(factored_maps, exact_matmuls):
+    """Nonlinear heads on a reduced-rank map: the map runs its dense weights (identity plus correction) and the heads,
+    never the factored path, which has no head."""
+    model, maps = factored_maps
+    kv_map = maps.to_adapter["strong"]
+    width = kv_map.config.target_layout.layer_width
+    gen = torch.Generator().manual_seed(0)
+    head = {"w1": torch.randn(width, 8, generator=gen), "b1": torch.randn(8, generator=gen),
+            "w2": torch.randn(8, width, generator=gen), "b2": torch.randn(width, generator=gen)}
+    config = copy.deepcopy(kv_map.config)
+    config.nonlinear = NonlinearRecord(keys=[1], values=[0], hidden=8)
+    with_heads = KVMap(config, {**kv_map.tensors, **{f"{kind}.{t}.mlp.{p}": v for kind, t in (("keys", 1), ("values", 0))
+                                                    for p, v in head.items()}})
+    dense_config = copy.deepcopy(config)
+    dense_config.calibration.options.residual_rank = 0
+    dense = KVMap(dense_config, with_heads.tensors)
+    ids = random_ids(1, 30, seed=4)[0][None]
+    with model.disable_adapter():
+        cache = run_with_cache(model, ids)
+    positions = torch.arange(ids.shape[1])[None]
+    placements = [(torch.device("cpu"), torch.float32)] * len(cache.keys)
+    mapped = map_cache(with_heads, cache.keys, cache.values, positions, positions, placements)
+    without = map_cache(kv_map, cache.keys, cache.values, positions, positions, placements)
+    for (k, v), (dk, dv) in zip(mapped, map_cache(dense, cache.keys, cache.values, positions, positions, placements)):
+        torch.testing.assert_close(k, dk, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v, dv, atol=1e-4, rtol=1e-4)
+    assert with_heads.residual_rank == 0 and kv_map.residual_rank == 4
+    assert not torch.allclose(mapped[1][0], without[1][0]) and not torch.allclose(mapped[0][1], without[0][1])
+    torch.testing.assert_close(mapped[0][0], without[0][0], atol=1e-4, rtol=1e-4)  # no head: the same mapping
 
 
 @pytest.fixture(scope="module")
