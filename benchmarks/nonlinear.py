@@ -46,9 +46,19 @@ def compare(name: str, source, target, kv_map: KVMap, texts: dict, tokenizer, ta
     return out
 
 
+def skipped(name: str, kv_map: KVMap) -> dict | None:
+    """The result entry of a map nonlinear heads cannot extend (one whose layers read a shared basis), saying why;
+    None where they can."""
+    if not kv_map.config.basis_rank:
+        return None
+    return {"map": name, "skipped": f"its layers read a shared basis (basis_rank {kv_map.config.basis_rank}), and "
+                                    "heads extend each layer's own weights: the recipes benchmark measures them as "
+                                    "a lever on maps without one (benchmarks.lever_maps --nonlinear --on LABEL)"}
+
+
 def markdown(results: list[dict]) -> str:
     rows = []
-    for entry in results:
+    for entry in (e for e in results if "skipped" not in e):
         kept = entry["nonlinear"]
         for task, report in entry["tasks"].items():
             for d in report["nonlinear_minus_linear"]:
@@ -56,8 +66,10 @@ def markdown(results: list[dict]) -> str:
                 rows.append([entry["map"], f"{len(kept['keys'])} / {len(kept['values'])}", task,
                              f"{d['a'].removeprefix('nonlinear')or 'plain switch'}{unit}",
                              f"{d['difference']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]"])
+    notes = "".join(f"\n\n{e['map']}: not measured here; {e['skipped']}." for e in results if "skipped" in e)
     return ("# Nonlinear heads minus the linear map, same calibration data (paired 95% intervals; for KL below zero "
-            "is better)\n\n" + table(["map", "MLP layers keys / values", "task", "variant", "nonlinear - linear"], rows))
+            "is better)\n\n" + table(["map", "MLP layers keys / values", "task", "variant", "nonlinear - linear"], rows)
+            + notes)
 
 
 def main() -> None:
@@ -77,8 +89,8 @@ def main() -> None:
         name = siblings.pair_name(direction)
         kv_map = KVMap.from_pretrained(Path(args.maps) / name)
         source, target = (models[n] for n in siblings.DIRECTIONS[direction])
-        results.append(compare(name, source, target, kv_map, stdlib_texts("calibration", args.files), tokenizer, task_sets,
-                               1024, kv_map.config.refresh))
+        results.append(skipped(name, kv_map) or compare(name, source, target, kv_map, stdlib_texts(
+            "calibration", args.files), tokenizer, task_sets, 1024, kv_map.config.refresh))
     save("nonlinear", {"options": NONLINEAR, "results": results}, markdown(results))
 
 

@@ -256,10 +256,10 @@ class Publisher:
         task_sets = siblings.tasks(tokenizer, FINAL_CONTEXT, "selection", LEVER_FILES, NONLINEAR_RECALL)
         for direction in siblings.DIRECTIONS:
             source, target = (models[n] for n in siblings.DIRECTIONS[direction])
-            kv_map = self.chosen_map(direction)
-            results.append(nonlinear.compare(siblings.pair_name(direction), source, target, kv_map,
-                                             stdlib_texts("calibration", NONLINEAR_FILES), tokenizer, task_sets,
-                                             FINAL_CONTEXT, plain_refresh(kv_map.config.refresh), self.progress))
+            kv_map, name = self.chosen_map(direction), siblings.pair_name(direction)
+            results.append(nonlinear.skipped(name, kv_map) or nonlinear.compare(
+                name, source, target, kv_map, stdlib_texts("calibration", NONLINEAR_FILES), tokenizer, task_sets,
+                FINAL_CONTEXT, plain_refresh(kv_map.config.refresh), self.progress))
         model, tokenizer = self.adapter_model()
         base, _ = load_model(SMOLLM)
         held = stdlib_texts("calibration", 16, ADAPTER_FILES + BLEND_FILES + gates.FILES)

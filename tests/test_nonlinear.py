@@ -3,7 +3,9 @@ artifact round trip and the batched apply path."""
 
 from __future__ import annotations
 
+import copy
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -143,3 +145,20 @@ def test_apply_path_adds_the_mlp_residual_only_on_its_layers(pair, nonlinear_map
         assert torch.equal(v, v0) != (t in info.values)
     cache = MappedCache.from_source(source, nonlinear_map, target, input_ids=torch.stack(ids))
     assert cache.get_seq_length() == 12
+
+
+def test_the_comparison_says_which_maps_heads_cannot_extend_and_measures_the_others(nonlinear_map):
+    """A map whose layers read a shared basis gets no heads: the benchmark records why instead of failing, and its
+    table lists the maps it measured."""
+    from benchmarks import nonlinear
+
+    assert nonlinear.skipped("plain", nonlinear_map) is None
+    with_basis = SimpleNamespace(config=copy.deepcopy(nonlinear_map.config))  # what skipped reads of a map
+    with_basis.config.calibration.options.basis_rank = 4
+    entry = nonlinear.skipped("basis", with_basis)
+    assert "shared basis (basis_rank 4)" in entry["skipped"]
+    difference = {"metric": "normalized", "a": "nonlinear", "difference": 0.01, "low": -0.01, "high": 0.03}
+    measured = {"map": "top4", "nonlinear": {"keys": [1], "values": []},
+                "tasks": {"continuation": {"nonlinear_minus_linear": [difference]}}}
+    text = nonlinear.markdown([entry, measured])
+    assert "| top4 | 1 / 0 | continuation |" in text and "basis: not measured here; its layers read a shared" in text
