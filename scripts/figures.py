@@ -9,6 +9,7 @@ from benchmarks.common import ADAPTERS, RESULTS, ROOT, table
 from benchmarks.common import read_results as results
 from benchmarks.recipe_budget import TTFT_GOALS
 from benchmarks.recipe_scores import RECALL
+from benchmarks.recipes import parse_recipe
 from benchmarks.tp_shards import markdown as tp_markdown
 from benchmarks.vllm_report import markdown as vllm_markdown
 from benchmarks.vllm_switch_cost import markdown as switch_cost_markdown
@@ -91,14 +92,9 @@ def recipe_figures(direction: str) -> dict[str, Figure]:
     return figures
 
 
-def maps_of(recipe: str) -> str:
-    """The maps a sibling recipe runs on: a lever's label (``label:recipe``), else ``published``."""
-    return recipe.rpartition(":")[0] or "published"
-
-
 def timed_maps(payload: dict, recipe: str | None) -> bool:
     """Whether a TTFT results file timed the maps ``recipe`` runs on (any, for no recipe: an adapter map's)."""
-    return recipe is None or payload.get("maps", "published") == maps_of(recipe)
+    return recipe is None or payload.get("maps", "published") == parse_recipe(recipe)[0]
 
 
 def ttft_figures(stem: str, recipe: str | None = None) -> dict[str, Figure]:
