@@ -3,6 +3,7 @@ table formatting."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -133,3 +134,12 @@ def bootstrap_mean(values: list[float], resamples: int = 2000, seed: int = 0) ->
     data = torch.tensor(values, dtype=torch.float64)
     low, high = bootstrap_interval(data, resamples, seed)
     return {"mean": float(data.mean()), "low": low, "high": high, "samples": len(values)}
+
+
+def map_fingerprint(folder: Path) -> str:
+    """The first 16 hex digits of the sha256 of a map folder's weights (what a record was measured with)."""
+    digest = hashlib.sha256()
+    with open(folder / "model.safetensors", "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]

@@ -29,8 +29,7 @@ from peft_kvcache.maps.config import DataRecord, TextRecord
 from peft_kvcache.maps.records import to_json
 
 from . import adapters, scaling, siblings
-from .common import ADAPTERS, SMOLLM, save, start_run, table
-from .recipes import map_fingerprint
+from .common import ADAPTERS, SMOLLM, map_fingerprint, save, start_run, table
 
 FILES, TOKENS = 8, 512 + 16  # the gate's texts: calibration-split files, the first TOKENS tokens of each
 SIBLING_SKIP = max(scaling.SCALES)  # no sibling fit reads beyond the first max(SCALES) calibration files

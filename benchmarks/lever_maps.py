@@ -40,8 +40,7 @@ from peft_kvcache.maps.storage import WEIGHTS_NAME
 from peft_kvcache.lab.corpus import stdlib_texts
 
 from . import siblings
-from .common import ROOT, read_results, start_run
-from .recipes import map_fingerprint
+from .common import ROOT, map_fingerprint, read_results, start_run
 
 LEVERS = ROOT / "runs" / "levers"
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 import json
 
 from . import siblings
-from .common import RESULTS, ROOT, save, table
+from .common import RESULTS, ROOT, map_fingerprint, save, table
 from .ttft import prefill_multiply_adds_per_token
 from peft_kvcache.errors import RecordError
 from peft_kvcache.maps.storage import WEIGHTS_NAME
 
 from .recipe_budget import TTFT_GOALS
 from .recipe_scores import RECALL, Scores, current_maps, group, normalized, refit_differences, summary
-from .recipes import check_chosen_maps, chosen_defaults, map_fingerprint, read_records, records_path
+from .recipes import check_chosen_maps, chosen_defaults, read_records, records_path
 
 RECALL_FLOOR = 0.95  # a default keeps at least this normalized far-fact recall
 TTFT_LENGTH = max(TTFT_GOALS)  # the goal at the longest context bounds the maps' cost

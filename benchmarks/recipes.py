@@ -72,7 +72,7 @@ from peft_kvcache.modeling.identity import cached_fingerprint
 from peft_kvcache.runtime.refresh import attention_scores, refresh_positions, select_spans
 
 from . import siblings
-from .common import RESULTS, ROOT
+from .common import RESULTS, ROOT, map_fingerprint
 from .pass_store import PassStore
 from .recipe_budget import direction_budget
 from .tasks import ANSWER_TOKENS, DEPTHS, recall_examples
@@ -303,15 +303,6 @@ class ExampleRun:
 
 
 # ----- records -----
-
-
-def map_fingerprint(folder: Path) -> str:
-    """The first 16 hex digits of the sha256 of a map folder's weights (what a record was measured with)."""
-    digest = hashlib.sha256()
-    with open(folder / "model.safetensors", "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()[:16]
 
 
 def chosen_defaults(context: int = SELECTION_CONTEXT) -> dict[str, str]:

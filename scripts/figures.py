@@ -67,6 +67,13 @@ def final_recipe_reports(direction: str) -> dict[int, dict]:
     return out
 
 
+def reported_default(direction: str) -> str | None:
+    """The default recipe the final texts report for ``direction`` (the smallest context's report: every final
+    context reports the one default the selection texts chose), None before any final report."""
+    reported = final_recipe_reports(direction)
+    return reported[min(reported)]["default"] if reported else None
+
+
 def recipe_figures(direction: str) -> dict[str, Figure]:
     """The default recipe on the final texts, per context reported: continuation (normalized retention and minus
     the window-only control at equal target compute, each with its 95% interval), recall pooled and per kind and
@@ -199,7 +206,7 @@ def ttft_goal_notes(reports: dict[str, dict]) -> list[str]:
             continue
         swept = results(f"ttft-{name}-sweep") if (RESULTS / f"ttft-{name}-sweep.json").is_file() else {"rows": []}
         sweep_rows = {r["context"]: r for r in swept["rows"]}
-        first = next(iter(reports[name].values()))["default"]
+        first = reports[name][min(reports[name])]["default"]  # as `reported_default`, from the reports given
         timed = results(f"ttft-{name}")
         for row in timed["rows"]:
             default = reports[name].get(row["context"], {}).get("default", first)  # the report at the row's context

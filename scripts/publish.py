@@ -46,7 +46,8 @@ from benchmarks import (
 )
 from benchmarks.adapters import BLEND_FILES, PREFIX
 from benchmarks.adapters import CALIBRATION_FILES as ADAPTER_FILES
-from benchmarks.common import ADAPTERS, LARGE, RESULTS, ROOT, SMALL, SMOLLM, read_results, save, start_run
+from benchmarks.common import (ADAPTERS, LARGE, RESULTS, ROOT, SMALL, SMOLLM, map_fingerprint, read_results, save,
+                               start_run)
 from benchmarks.scaling import SCALES
 from benchmarks.tasks import continuation_examples
 from peft_kvcache import AdapterMaps, KVMap
@@ -206,7 +207,7 @@ class Publisher:
             measured = {}
         fingerprint = measured.get("fingerprints", {}).get(direction, {}).get(label)
         folder = self.chosen_folder(direction)
-        if fingerprint != recipes.map_fingerprint(folder):
+        if fingerprint != map_fingerprint(folder):
             raise RecordError(f"sibling-lever-gates.json holds no gate of the {label!r} maps now in {folder} "
                               f"({direction}): run the lever_gate stage again")
         return from_json(GateRecord, measured["gates"][direction][label], "sibling-lever-gates.json")
@@ -315,7 +316,7 @@ class Publisher:
         (`chosen_folder`: a lever's maps fitted again since, say), or one whose default ran on fewer examples than its
         window-only control (a final run stopped halfway: its figures would stand beside the control's over more)."""
         folder = self.chosen_folder(direction)
-        held = recipes.map_fingerprint(folder) if (folder / WEIGHTS_NAME).is_file() else None
+        held = map_fingerprint(folder) if (folder / WEIGHTS_NAME).is_file() else None
         for context, report in figures.final_recipe_reports(direction).items():
             chosen = recipes.chosen_defaults().get(direction)
             stem, default = report["stem"], report["default"]
@@ -485,17 +486,17 @@ class Publisher:
 def default_maps(direction: str) -> str:
     """The maps the final texts report the default on: ``published`` (the capture's fit) or a calibration lever's
     label (`benchmarks.lever_maps`), as the selection texts chose them."""
-    reported = figures.final_recipe_reports(direction)
-    return recipes.parse_recipe(reported[min(reported)]["default"])[0] if reported else "published"
+    default = figures.reported_default(direction)
+    return recipes.parse_recipe(default)[0] if default else "published"
 
 
 def default_recipe(direction: str) -> Refresh | None:
     """A sibling map's default recipe: the one the final texts report (chosen on the selection texts,
     `benchmarks.recipes`, on the maps `default_maps` names) once a final report exists, else the budget curve's
     (`benchmarks.budget`)."""
-    reported = figures.final_recipe_reports(direction)
-    if reported:
-        return recipes.parse_recipe(reported[min(reported)]["default"])[1]
+    default = figures.reported_default(direction)
+    if default:
+        return recipes.parse_recipe(default)[1]
     if not (RESULTS / "sibling-budget.json").is_file():
         return None
     k = read_results("sibling-budget")["recommended"][direction]
@@ -515,7 +516,7 @@ def sibling_figures(direction: str, recipe: Refresh | None) -> dict:
     reported = figures.recipe_figures(direction)
     own = default_maps(direction) == "published"
     plain = figures.task_figures("siblings", f"results/{siblings.pair_name(direction)}", None if reported else recipe)
-    default = next(iter(figures.final_recipe_reports(direction).values()), {}).get("default")
+    default = figures.reported_default(direction)
     return {**(plain if own else {}), **reported,
             **figures.ttft_figures(f"ttft-{siblings.pair_name(direction)}", recipe=default),
             **(figures.budget_figures(direction) if own else {})}

@@ -15,6 +15,7 @@ import torch
 from conftest import random_ids
 
 from benchmarks import pass_store, recipe_budget, recipe_report, recipe_scores, recipes
+from benchmarks.common import map_fingerprint
 from benchmarks.pass_store import PassStore, full_pass
 from benchmarks.recipes import PROBE, Example, ExampleRun, Variant
 from peft_kvcache import MappedCache
@@ -643,8 +644,8 @@ def test_maps_are_gone_where_no_folder_holds_the_weights_their_rows_were_measure
     for folder, weights in ((kept, b"weights"), (refitted, b"refitted weights")):
         folder.mkdir()
         (folder / "model.safetensors").write_bytes(weights)
-    facts = {"published": {"folder": str(kept), "fingerprint": recipes.map_fingerprint(kept)},
-             "refit": {"folder": str(refitted), "fingerprint": recipes.map_fingerprint(kept)},
+    facts = {"published": {"folder": str(kept), "fingerprint": map_fingerprint(kept)},
+             "refit": {"folder": str(refitted), "fingerprint": map_fingerprint(kept)},
              "deleted": {"folder": str(tmp_path / "deleted"), "fingerprint": "0" * 16}}
     labels = {"published", "refit", "deleted", "unrecorded"}
     assert recipe_report.maps_gone(labels, facts) == {"refit", "deleted", "unrecorded"}

@@ -114,7 +114,7 @@ def test_the_lever_table_states_each_lever_maps_size_as_its_run_recorded_it(resu
     folder = results / "attn-refitted"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"the lever's weights, fitted again")
-    refit = recipes.map_fingerprint(folder)
+    refit = common.map_fingerprint(folder)
     again = [{**r, "map": refit} for r in records if r["maps"] == "attn"][:3]
     with open(results / "sibling-recipes" / "selection-2048.jsonl", "a") as out:
         out.write("".join(json.dumps(r) + "\n" for r in again))
@@ -191,7 +191,7 @@ def test_a_card_is_never_published_with_figures_measured_on_other_weights(result
     monkeypatch.setattr(publisher, "chosen_map", lambda *a, **k: pytest.fail("a card was about to be written"))
     with pytest.raises(RecordError, match="on maps an earlier fit; .* holds [0-9a-f]{16}: measure them"):
         publisher.sibling_cards()
-    final_report(recipes.map_fingerprint(folder))
+    final_report(common.map_fingerprint(folder))
     publisher.check_final_maps("up")  # measured on the weights it holds: passes
     publisher.check_final_maps("down")  # no default reported going down: nothing to check
 
@@ -231,7 +231,7 @@ def test_a_levers_maps_carry_their_own_gate_never_the_captures(results, monkeypa
     (results / "sibling-lever-gates.json").write_text(json.dumps(measured))
     with pytest.raises(RecordError, match="run the lever_gate stage"):
         publisher.sibling_gate("up")  # measured on other weights (the lever refitted since)
-    measured["fingerprints"]["up"]["attn"] = recipes.map_fingerprint(folder)
+    measured["fingerprints"]["up"]["attn"] = common.map_fingerprint(folder)
     (results / "sibling-lever-gates.json").write_text(json.dumps(measured))
     assert publisher.sibling_gate("up").predicted_retention == 0.42
     scale = str(common.read_results("sibling-scaling")["curve"]["down"]["chosen_files"])
