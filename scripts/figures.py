@@ -7,7 +7,7 @@ from benchmarks import siblings
 from benchmarks.adapters import PREFIX, results_stem
 from benchmarks.common import ADAPTERS, RESULTS, ROOT, table
 from benchmarks.common import read_results as results
-from benchmarks.recipe_budget import TTFT_GOALS
+from benchmarks.recipe_budget import TTFT_GOALS, runs_of_the_same_maps, ttft_budget
 from benchmarks.recipe_scores import RECALL
 from benchmarks.recipes import parse_recipe
 from benchmarks.tp_shards import markdown as tp_markdown
@@ -224,9 +224,17 @@ def ttft_goal_notes(reports: dict[str, dict]) -> list[str]:
             sweep_row = sweep_rows.get(row["context"], {})
             swept_recipe = sweep_row.get("recipes", {}).get(row["recipe_name"].rpartition(":")[2])
             if swept_recipe is not None:
-                note += (f" The TTFT sweep that set its budget (`ttft-{name}-sweep.json`, on the {swept['maps']} maps) "
-                         f"measured {swept_recipe['speedup']:.1f}x [{swept_recipe['speedup_min']:.1f}x, "
-                         f"{swept_recipe['speedup_max']:.1f}x] against a prefill of {sweep_row['full']['median']:.2f} s.")
+                measured = (f"{swept_recipe['speedup']:.1f}x [{swept_recipe['speedup_min']:.1f}x, "
+                            f"{swept_recipe['speedup_max']:.1f}x] against a prefill of "
+                            f"{sweep_row['full']['median']:.2f} s")
+                runs = runs_of_the_same_maps(swept)
+                if ttft_budget({"rows": [r for run in runs for r in run["rows"]]})["budget"] is not None:
+                    note += (f" The TTFT sweep that set its budget (`ttft-{name}-sweep.json`, on the {swept['maps']} "
+                             f"maps) measured {measured}.")
+                else:  # `recipe_budget.direction_budget`: the runs then keep the published recipe's budget
+                    note += (f" Its TTFT sweep (`ttft-{name}-sweep.json`, on the {swept['maps']} maps) found no budget "
+                             f"that meets every goal in each of its {len(runs)} run(s), so the recipes kept the "
+                             f"published recipe's budget; its latest run measured this recipe at {measured}.")
             notes.append(note)
     return notes
 
