@@ -5,9 +5,10 @@ every swept budget up to B meets the goal at every swept context length that has
 noise above one that failed does not count), and a default's maps may cost no more per token than the maps the sweep
 timed. A sweep keeps the earlier runs, and the budget must meet the goals in every one of them that timed maps of the
 same label and size with as many threads (`same_maps`): on a machine whose speed drifts by a quarter within an hour,
-one run's pass at the margin is not a budget a user can count on. Goals at lengths no run timed are not checked here:
-the defaults' own TTFT run reports them. Where no swept budget meets the goals, the runs keep the published recipe's
-budget and say so."""
+one run's pass at the margin is not a budget a user can count on. A budget no run timed at some length with a goal is
+passed over: it neither qualifies nor stops the larger ones (only a miss stops the scan). Goals at lengths no run
+timed are not checked here: the defaults' own TTFT run reports them. Where no swept budget meets the goals, the runs
+keep the published recipe's budget and say so."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def ttft_budget(sweep: dict, goals: dict[int, int] = TTFT_GOALS) -> dict:
         verdict["meets"] &= not verdict["untimed"]
     budget = None
     for candidate, verdict in sorted(verdicts.items()):
+        if verdict["untimed"] and all(s >= goals[n] for n, s in verdict["speedups"].items()):
+            continue  # never timed at some length, not seen to miss: it neither counts nor stops larger budgets
         if not verdict["meets"]:
             break
         budget = candidate

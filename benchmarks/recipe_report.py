@@ -20,7 +20,7 @@ from peft_kvcache.maps.storage import WEIGHTS_NAME
 
 from .recipe_budget import TTFT_GOALS
 from .recipe_scores import RECALL, Scores, current_maps, group, normalized, refit_differences, summary
-from .recipes import check_chosen_maps, chosen_defaults, read_records, records_path
+from .recipes import check_chosen_maps, chosen_defaults, read_records, records_path, report_stem
 
 RECALL_FLOOR = 0.95  # a default keeps at least this normalized far-fact recall
 TTFT_LENGTH = max(TTFT_GOALS)  # the goal at the longest context bounds the maps' cost
@@ -108,7 +108,7 @@ def choose_default(rows: dict[str, dict], budget: int, costs: dict[str, int] | N
                           "minus_control": cont.get("minus_control", nan), "interval": interval,
                           "recall": recall.get("normalized", nan), "examples": counts, "complete": complete,
                           "multiply_adds_per_token": cost, "within_cost": affordable, "maps_gone": label in gone,
-                          "qualifies": complete and affordable and interval[1] >= 0
+                          "qualifies": complete and affordable and label not in gone and interval[1] >= 0
                           and recall.get("normalized", nan) >= RECALL_FLOOR}
     # a candidate that may compete but is not yet scored on every example (a run under way, maps fitted again) could
     # still win: the choice waits for it instead of falling to the runner-up
@@ -373,7 +373,7 @@ def report(role: str, context: int) -> dict:
         elif default:
             lines += [f"Default reported (chosen on the selection texts): **{default}**", ""]
     commits = sorted({r["commit"] for r in records if r.get("commit")})
-    stem = f"sibling-recipes-{role}-{context}"
+    stem = report_stem(role, context)
     plot_trade_off(payload, RESULTS / f"{stem}.png")
     lines += [f"![continuation against recall]({stem}.png): per budget, from the window-only control (no picked "
               "position) to more picked positions and fewer recent ones; `index` drops the mapped middle, `refresh` "

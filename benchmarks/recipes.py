@@ -305,10 +305,15 @@ class ExampleRun:
 # ----- records -----
 
 
+def report_stem(role: str, context: int) -> str:
+    """The results stem of a role's report at ``context`` (`benchmarks.recipe_report`)."""
+    return f"sibling-recipes-{role}-{context}"
+
+
 def chosen_defaults(context: int = SELECTION_CONTEXT) -> dict[str, str]:
     """The default recipe the selection texts chose per direction (``benchmarks.recipe_report``'s choice at
     ``context``); a direction where none qualified is absent. Refuses (`RecordError`) when no report exists."""
-    path = RESULTS / f"sibling-recipes-selection-{context}.json"
+    path = RESULTS / f"{report_stem('selection', context)}.json"
     if not path.is_file():
         raise RecordError(f"no {path.name}: the final texts report the defaults the selection texts chose; run "
                           f"`python -m benchmarks.recipes report --role selection --context {context}` first")
@@ -319,7 +324,7 @@ def chosen_defaults(context: int = SELECTION_CONTEXT) -> dict[str, str]:
 def check_chosen_maps(direction: str, default: str, fingerprint: str | None, context: int = SELECTION_CONTEXT) -> None:
     """Refuse (`RecordError`) final texts that would report ``default`` on other maps (``fingerprint``) than the ones
     the selection texts chose it on (reports written before choices recorded their maps pass)."""
-    path = RESULTS / f"sibling-recipes-selection-{context}.json"
+    path = RESULTS / f"{report_stem('selection', context)}.json"
     choice = json.loads(path.read_text())["directions"][direction].get("choice") or {}
     chosen = choice.get("fingerprint")
     if chosen is not None and choice.get("default") == default and fingerprint != chosen:
@@ -333,7 +338,7 @@ def budget_sources(role: str, directions) -> dict[str, dict]:
     if role != "final":
         return {d: {**direction_budget(d), "from": "the TTFT sweep"} for d in directions}
     chosen_defaults()  # refuses without a selection report
-    report = json.loads((RESULTS / f"sibling-recipes-selection-{SELECTION_CONTEXT}.json").read_text())["directions"]
+    report = json.loads((RESULTS / f"{report_stem('selection', SELECTION_CONTEXT)}.json").read_text())["directions"]
     return {d: {"budget": report[d]["budget"], "from": "the selection report"} for d in directions if d in report}
 
 
@@ -346,8 +351,10 @@ def supersede(role: str, context: int, task: str, reason: str) -> int:
     ``<role>-<context>.superseded.jsonl``, each with ``superseded: reason`` (what was measured on examples built
     otherwise stays on record, apart; the next run measures the task again). Both files are replaced atomically, the
     archive first and without a line twice, so a stop between them loses nothing and a second call completes the
-    first; never while a run appends to the same records (what it appends meanwhile would be lost). Returns how many
-    records moved."""
+    first; never while a run appends to the same records (what it appends meanwhile would be lost). The role's report
+    at ``context`` is removed with them (it counted them: a default chosen or a figure read from it would rest on
+    examples built otherwise) until ``report`` writes it again from the records left. Returns how many records
+    moved."""
     if not task or not reason:
         raise RecordError("supersede needs a task (a prefix of the tasks' names, e.g. recall-prose) and a reason")
     path = records_path(role, context)
@@ -361,6 +368,8 @@ def supersede(role: str, context: int, task: str, reason: str) -> int:
     atomic_write(archive, lambda tmp: Path(tmp).write_text("".join(lines)))
     kept = "".join(json.dumps(r) + "\n" for r in records if not r["task"].startswith(task))
     atomic_write(path, lambda tmp: Path(tmp).write_text(kept))
+    for suffix in (".json", ".md", ".png"):
+        (RESULTS / f"{report_stem(role, context)}{suffix}").unlink(missing_ok=True)
     return len(moved)
 
 
@@ -554,7 +563,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "supersede":
         moved = supersede(args.role, args.context, args.task, args.reason)
-        print(f"{moved} records of {args.task}* moved to {records_path(args.role, args.context).stem}.superseded.jsonl")
+        print(f"{moved} records of {args.task}* moved to {records_path(args.role, args.context).stem}.superseded.jsonl"
+              + (f"; {report_stem(args.role, args.context)} removed: run `report` again" if moved else ""))
         return
     if args.command == "report":
         from .recipe_report import report

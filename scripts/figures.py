@@ -9,7 +9,7 @@ from benchmarks.common import ADAPTERS, RESULTS, ROOT, table
 from benchmarks.common import read_results as results
 from benchmarks.recipe_budget import TTFT_GOALS, runs_of_the_same_maps, ttft_budget
 from benchmarks.recipe_scores import RECALL
-from benchmarks.recipes import parse_recipe
+from benchmarks.recipes import parse_recipe, report_stem
 from benchmarks.tp_shards import markdown as tp_markdown
 from benchmarks.vllm_report import markdown as vllm_markdown
 from benchmarks.vllm_switch_cost import markdown as switch_cost_markdown
@@ -58,7 +58,7 @@ def final_recipe_reports(direction: str) -> dict[int, dict]:
     fingerprint of the maps the default ran on, None in a report written before reports recorded it)."""
     out = {}
     for context in FINAL_CONTEXTS:
-        stem = f"sibling-recipes-final-{context}"
+        stem = report_stem("final", context)
         if (RESULTS / f"{stem}.json").is_file():
             report = results(stem)["directions"].get(direction, {})
             if report.get("default"):

@@ -276,6 +276,10 @@ def test_the_default_is_the_best_recipe_not_below_the_control_that_keeps_recall(
     choice = recipe_report.choose_default(rows, 160, costs, cost_limit=400, gone=frozenset({"top8"}))
     assert choice["default"] == "attn:refresh@160/p64" and choice["waiting"] == []
     assert choice["candidates"]["top8:refresh@160/p64"]["maps_gone"]
+    rows["top8:refresh@160/p64"]["continuation"]["examples"] = 40  # complete and best, but nothing can publish it
+    rows["top8:refresh@160/p64"][recipe_scores.RECALL]["examples"] = 48
+    choice = recipe_report.choose_default(rows, 160, costs, cost_limit=400, gone=frozenset({"top8"}))
+    assert choice["default"] == "attn:refresh@160/p64" and not choice["candidates"]["top8:refresh@160/p64"]["qualifies"]
     del rows["top8:refresh@160/p64"]
     unscored = {name: {k: v for k, v in row.items() if k != recipe_scores.RECALL} for name, row in rows.items()}
     assert recipe_report.choose_default(unscored, 160)["default"] is None  # recall never scored: none keeps it
@@ -518,6 +522,11 @@ def test_the_ttft_budget_is_the_largest_refresh_budget_meeting_every_goal():
                         row(8192, 240.0, {"refresh@64/p32": (64, 7.0)})]}  # 96 never timed at 8k
     choice = recipe_budget.ttft_budget(untimed, {2048: 10, 8192: 30})
     assert choice["budget"] == 64 and choice["budgets"][96]["untimed"] == [8192]
+    untimed["rows"][1]["recipes"]["refresh@128/p96"] = {"budget": 128, "speedup": 35.0}  # timed at 8k, not 2k
+    untimed["rows"][0]["recipes"]["refresh@128/p96"] = {"budget": 128, "speedup": 10.5}  # now at both
+    assert recipe_budget.ttft_budget(untimed, {2048: 10, 8192: 30})["budget"] == 128  # 96, untimed, stops nothing
+    untimed["rows"][0]["recipes"]["refresh@96/p64"]["speedup"] = 9.0  # 96 misses at 2k: a stop, timed or not at 8k
+    assert recipe_budget.ttft_budget(untimed, {2048: 10, 8192: 30})["budget"] == 64
 
 
 def test_a_direction_s_budget_comes_from_its_sweep_and_is_refused_without_one(tmp_path, monkeypatch):
@@ -618,6 +627,10 @@ def test_a_text_under_two_paths_is_one_file_for_continuation_windows_and_recall_
 
 def test_supersede_moves_a_tasks_records_aside_and_a_stop_between_its_writes_loses_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(recipes, "RECORDS", tmp_path)
+    monkeypatch.setattr(recipes, "RESULTS", tmp_path)
+    reports = [tmp_path / f"sibling-recipes-{role}-2048.json" for role in ("final", "selection")]
+    for report in reports:
+        report.write_text("{}")
     records = [{"example": f"{task}/{i}", "task": task, "variant": "full", "correct": i}
                for task in ("continuation", "recall-prose-top", "recall-code-top", "recall-prose-end") for i in range(2)]
     path = recipes.records_path("final", 2048)
@@ -627,6 +640,7 @@ def test_supersede_moves_a_tasks_records_aside_and_a_stop_between_its_writes_los
         recipes.supersede("final", 2048, "recall-prose", "")
     assert recipes.supersede("final", 2048, "recall-prose", "answers tokenized with the question") == 4
     assert [r["task"] for r in recipes.read_records(path)] == ["continuation"] * 2 + ["recall-code-top"] * 2
+    assert not reports[0].exists() and reports[1].exists()  # the report that counted them is gone, the other kept
     archive = tmp_path / "final-2048.superseded.jsonl"
     moved = recipes.read_records(archive)
     assert [r["example"] for r in moved] == ["recall-prose-top/0", "recall-prose-top/1", "recall-prose-end/0",

@@ -4,6 +4,7 @@ README cell about it is read from the final report."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 
@@ -55,10 +56,18 @@ def _records(role: str, accuracy: dict[str, float], map_print: str | None = None
     return out
 
 
-def _report(root, role: str, accuracy: dict[str, float], map_print: str | None = None) -> dict:
+def _report(root, role: str, accuracy: dict[str, float], weights: bytes = b"published") -> dict:
+    """The role's report of `_records` measured on maps whose weights are ``weights`` (a folder holds them, as the
+    run recorded it: maps no folder holds cannot be chosen)."""
+    folder = root / "maps" / weights.decode()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model.safetensors").write_bytes(weights)
+    map_print = common.map_fingerprint(folder)
     records = root / "sibling-recipes" / f"{role}-2048.jsonl"
     records.write_text("".join(json.dumps(r) + "\n" for r in _records(role, accuracy, map_print)))
-    (root / "sibling-recipes" / "runs.jsonl").write_text(json.dumps({"role": role, "context": 2048}) + "\n")
+    facts = {"published": {"up": {"folder": str(folder), "fingerprint": map_print, "multiply_adds_per_token": 100}}}
+    (root / "sibling-recipes" / "runs.jsonl").write_text(
+        json.dumps({"role": role, "context": 2048, "map_sets": facts}) + "\n")
     return recipe_report.report(role, 2048)
 
 
@@ -306,13 +315,20 @@ def test_a_cards_recipe_speedup_is_the_default_recipes_own(results):
 
 
 def test_the_final_texts_report_a_default_only_on_the_maps_the_selection_texts_chose_it_on(results):
-    selection = _report(results, "selection", ACCURACY, map_print="m1")
-    assert selection["directions"]["up"]["choice"]["fingerprint"] == "m1"
-    assert _report(results, "final", ACCURACY, map_print="m1")["directions"]["up"]["default"] == "index@160/p40"
-    with pytest.raises(RecordError, match="chose 'index@160/p40' on maps m1, the final texts run m2"):
-        _report(results, "final", ACCURACY, map_print="m2")  # the maps were refitted in between
-    with pytest.raises(RecordError, match="on maps m1"):  # and a final run refuses before computing anything
-        recipes.check_chosen_maps("up", "index@160/p40", "m2")
+    m1, m2 = (hashlib.sha256(weights).hexdigest()[:16] for weights in (b"m1", b"m2"))  # two fits' fingerprints
+    selection = _report(results, "selection", ACCURACY, weights=b"m1")
+    assert selection["directions"]["up"]["choice"]["fingerprint"] == m1
+    assert _report(results, "final", ACCURACY, weights=b"m1")["directions"]["up"]["default"] == "index@160/p40"
+    with pytest.raises(RecordError, match=f"chose 'index@160/p40' on maps {m1}, the final texts run {m2}"):
+        _report(results, "final", ACCURACY, weights=b"m2")  # the maps were refitted in between
+    with pytest.raises(RecordError, match=f"on maps {m1}"):  # and a final run refuses before computing anything
+        recipes.check_chosen_maps("up", "index@160/p40", m2)
+    (results / "maps" / "m1" / "model.safetensors").write_bytes(b"m3")  # refitted over the chosen maps' folder
+    assert _report(results, "selection", ACCURACY, weights=b"m3")["directions"]["up"]["default"] == "index@160/p40"
+    gone = _records("selection", ACCURACY, m1)  # the m1 records alone: no folder holds those maps any more
+    (results / "sibling-recipes" / "selection-2048.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gone))
+    choice = recipe_report.report("selection", 2048)["directions"]["up"]["choice"]
+    assert choice["default"] is None and choice["candidates"]["index@160/p40"]["maps_gone"]
 
 
 def test_a_workdir_fitted_with_other_options_is_refused_before_any_model_loads(tmp_path, monkeypatch):
