@@ -9,7 +9,7 @@ from benchmarks.common import ADAPTERS, RESULTS, ROOT, table
 from benchmarks.common import read_results as results
 from benchmarks.recipe_budget import TTFT_GOALS, runs_of_the_same_maps, ttft_budget
 from benchmarks.recipe_scores import RECALL
-from benchmarks.recipes import parse_recipe, report_stem
+from benchmarks.recipes import SELECTION_CONTEXT, parse_recipe, report_stem
 from benchmarks.tp_shards import markdown as tp_markdown
 from benchmarks.vllm_report import markdown as vllm_markdown
 from benchmarks.vllm_switch_cost import markdown as switch_cost_markdown
@@ -65,6 +65,25 @@ def final_recipe_reports(direction: str) -> dict[int, dict]:
                 out[context] = {"stem": stem, "default": report["default"], "rows": report["rows"],
                                 "default_map": report.get("default_map")}
     return out
+
+
+def final_report_problem(direction: str, report: dict) -> str | None:
+    """Why a final report (`final_recipe_reports`) of ``direction`` no longer stands for the default, from the results
+    files alone, or None: it reports another default than the selection texts chose, or its default ran on other maps
+    than they chose it on (or on maps it did not record, where they recorded theirs), or on fewer examples than its
+    window-only control (a final run stopped halfway)."""
+    path = RESULTS / f"{report_stem('selection', SELECTION_CONTEXT)}.json"
+    choice = (results(path.stem)["directions"].get(direction, {}).get("choice") or {}) if path.is_file() else {}
+    default = report["default"]
+    if choice.get("default") != default:
+        return f"it reports {default!r}; the selection texts chose {choice.get('default')!r}"
+    if choice.get("fingerprint") is not None and report["default_map"] != choice["fingerprint"]:
+        return (f"its {default!r} ran on maps {report['default_map'] or '(not recorded)'}; the selection texts chose it "
+                f"on {choice['fingerprint']}")
+    for task, have, want in final_example_counts(report):
+        if have < want:
+            return f"its {default!r} ran on {have} {task} examples, its window-only control on {want}"
+    return None
 
 
 def reported_default(direction: str) -> str | None:
@@ -156,10 +175,12 @@ def readme_table() -> str:
     fmt = lambda r: f"{r['normalized_retention']:.2f} [{r['normalized_low']:.2f}, {r['normalized_high']:.2f}]"  # noqa: E731
     evaluated = results("siblings")
     reports = {siblings.pair_name(d): final_recipe_reports(d) for d in siblings.DIRECTIONS}  # each file read once
+    withheld = {siblings.pair_name(d): {c: problem for c, r in reports[siblings.pair_name(d)].items()
+                                        if (problem := final_report_problem(d, r))} for d in siblings.DIRECTIONS}
     for name, tasks in evaluated["results"].items():
         reported = reports[name]
-        if reported:  # the default recipe, on the final texts of the recipes benchmark
-            rows += _recipe_rows(name, reported)
+        if reported:  # the default recipe, on the final texts of the recipes benchmark (none that no longer stands)
+            rows += _recipe_rows(name, {c: r for c, r in reported.items() if c not in withheld[name]})
             continue
         recipe = load_config(HUB_CARDS / name).refresh
         variant = f"mapped@{recipe.probe_tokens}+r{recipe.tokens}" if recipe else "mapped@1"
@@ -192,7 +213,10 @@ def readme_table() -> str:
             " A plain switch marked (base maps), and its KL, ran on the final run's base maps (its `--maps`), not on "
             "the maps the default recipe runs on, which that run did not switch plainly; the TTFT column times the "
             "default's own maps, plain and with the recipe." if plain_on_base_maps else "")
-        + "".join(f"\n\n{note}" for note in ttft_goal_notes(reports)))
+        + "".join(f"\n\n{note}" for note in ttft_goal_notes(reports))
+        + "".join(f"\n\nNot shown: `{reports[name][context]['stem']}.json` for `{name}`: {problem}; it is measured "
+                  f"again (`python -m benchmarks.recipes run --role final --context {context}`, then its report)."
+                  for name, problems in withheld.items() for context, problem in problems.items()))
 
 
 def ttft_goal_notes(reports: dict[str, dict]) -> list[str]:

@@ -318,23 +318,17 @@ class Publisher:
         folder = self.chosen_folder(direction)
         held = map_fingerprint(folder) if (folder / WEIGHTS_NAME).is_file() else None
         for context, report in figures.final_recipe_reports(direction).items():
-            chosen = recipes.chosen_defaults().get(direction)
             stem, default = report["stem"], report["default"]
             run = (f"`python -m benchmarks.recipes run --role final --context {context}` with the same maps, then its "
                    "report")
-            if default != chosen:
-                raise RecordError(f"{stem}.json reports the {direction} default {default!r}; the selection texts chose "
-                                  f"{chosen!r}: run {run} before publishing the card")
+            problem = figures.final_report_problem(direction, report)
+            if problem:
+                raise RecordError(f"{stem}.json ({direction}): {problem}: run {run} before publishing the card")
             if held is None or report["default_map"] != held:
                 raise RecordError(
                     f"{stem}.json reports the {direction} default {default!r} on maps "
                     f"{report['default_map'] or '(not recorded)'}; {folder} holds {held or 'no weights'}: measure "
                     f"them ({run}) before publishing their card")
-            for task, have, want in figures.final_example_counts(report):
-                if have < want:
-                    raise RecordError(f"{stem}.json reports the {direction} default {default!r} on {have} {task} "
-                                      f"examples, its window-only control on {want}: finish them ({run}) before "
-                                      "publishing the card")
 
     def storage(self) -> None:
         """Whether each published map stores its weights in bfloat16 (`benchmarks.storage`): both sibling maps and

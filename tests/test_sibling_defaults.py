@@ -210,14 +210,24 @@ def test_a_card_is_never_published_with_figures_measured_on_other_weights(result
                if not ('"attn:index@160/p40"' in line and '"continuation/5"' in line)]
     path.write_text("".join(stopped))
     recipe_report.report("final", 2048)
-    with pytest.raises(RecordError, match="on 5 continuation examples, its window-only control on 6: finish them"):
+    with pytest.raises(RecordError, match="ran on 5 continuation examples, its window-only control on 6: run"):
         publisher.check_final_maps("up")
+    readme = figures.readme_table()  # the README withholds it too, and says why
+    assert "`attn:index@160/p40`" not in readme.split("\n\n")[0]
+    assert (f"Not shown: `sibling-recipes-final-2048.json` for `{UP}`: its 'attn:index@160/p40' ran on 5 "
+            "continuation examples, its window-only control on 6;") in readme
     path.write_text(complete)
     recipe_report.report("final", 2048)
     publisher.check_final_maps("up")
-    selection["directions"]["up"]["choice"]["default"] = "attn:hybrid@160"  # chosen again since
+    assert "`attn:index@160/p40`" in figures.readme_table() and "Not shown" not in figures.readme_table()
+    selection["directions"]["up"]["choice"]["fingerprint"] = "another fit"  # chosen on maps fitted otherwise
     (results / "sibling-recipes-selection-2048.json").write_text(json.dumps(selection))
-    with pytest.raises(RecordError, match="reports the up default 'attn:index@160/p40'; the selection texts chose "
+    with pytest.raises(RecordError, match="ran on maps [0-9a-f]{16}; the selection texts chose it on another fit"):
+        publisher.check_final_maps("up")
+    assert "the selection texts chose it on another fit; it is measured again" in figures.readme_table()
+    selection["directions"]["up"]["choice"] = {"default": "attn:hybrid@160", "maps": "attn"}  # chosen again since
+    (results / "sibling-recipes-selection-2048.json").write_text(json.dumps(selection))
+    with pytest.raises(RecordError, match="it reports 'attn:index@160/p40'; the selection texts chose "
                                           "'attn:hybrid@160'"):
         publisher.check_final_maps("up")
 
