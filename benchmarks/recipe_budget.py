@@ -20,9 +20,10 @@ TTFT_GOALS = {2048: 10, 8192: 30}  # the sibling defaults' TTFT speedup goals by
 
 
 def ttft_budget(sweep: dict, goals: dict[int, int] = TTFT_GOALS) -> dict:
-    """The budget a sweep's payload leaves (None if its smallest refresh already misses a goal), per swept budget the
-    slowest refresh's speedup at each length with a goal, the checked lengths it was not timed at and whether it met
-    every goal (timed at each checked length), the lengths checked and the goals' lengths the sweep did not time."""
+    """The budget a sweep's payload leaves (None if the smallest refresh timed at every goal's length misses one, or
+    none was), per swept budget the slowest refresh's speedup at each length with a goal, the checked lengths it was
+    not timed at and whether it met every goal (timed at each checked length), the lengths checked and the goals'
+    lengths the sweep did not time."""
     verdicts: dict[int, dict] = {}
     for row in sweep["rows"]:
         goal = goals.get(row["context"])
@@ -77,8 +78,8 @@ def sweep_stem(direction: str) -> str:
 
 def direction_budget(direction: str) -> dict:
     """Where ``direction``'s budget comes from: its sweep's choice over its runs of the same maps (``budget``: the
-    `ttft_budget` of all their rows, so a budget holds only where every run that swept it met the goals; None where the
-    smallest swept refresh missed one: the runs then keep the published recipe's), the maps it ran and their
+    `ttft_budget` of all their rows, so a budget holds only where every run that swept it met the goals; None where no
+    swept budget meets them: the runs then keep the published recipe's), the maps it ran and their
     multiply-adds per token (a default's maps may cost no more: only those were timed), the number of runs, the lengths
     some run checked and those none did. Refuses (`RecordError`) without a sweep."""
     stem = sweep_stem(direction)

@@ -84,9 +84,10 @@ def choose_default(rows: dict[str, dict], budget: int, costs: dict[str, int] | N
     ``cost_limit`` (a lever's maps need both; without a limit only the published maps compete), and that were scored on
     every example the control was; the best continuation wins. While a candidate that may compete is scored on fewer
     examples (a run stopped halfway, a lever's maps fitted again), nothing is chosen: it is ``waiting``; unless its
-    maps are ``gone`` (labels no folder holds the weights of any more: nothing can complete them), when it just does
-    not qualify. Returns the choice (None if no recipe qualifies or one is waited for) and why each candidate passed or
-    failed."""
+    maps are ``gone`` (labels no folder holds the weights of any more: nothing can complete them). A gone candidate
+    never qualifies (it can be neither measured on the final texts nor published), and where it would have won
+    (``gone_best``) nothing is chosen either: the runner-up never takes its place. Returns the choice (None if no
+    recipe qualifies, one is waited for or the best is gone) and why each candidate passed or failed."""
     control = rows.get(f"window@{budget}", {})
     wanted = {task: control.get(task, {}).get("examples", 0) for task in ("continuation", RECALL)}
     verdicts = {}
@@ -108,15 +109,20 @@ def choose_default(rows: dict[str, dict], budget: int, costs: dict[str, int] | N
                           "minus_control": cont.get("minus_control", nan), "interval": interval,
                           "recall": recall.get("normalized", nan), "examples": counts, "complete": complete,
                           "multiply_adds_per_token": cost, "within_cost": affordable, "maps_gone": label in gone,
-                          "qualifies": complete and affordable and label not in gone and interval[1] >= 0
+                          "qualifies": complete and affordable and interval[1] >= 0
                           and recall.get("normalized", nan) >= RECALL_FLOOR}
     # a candidate that may compete but is not yet scored on every example (a run under way, maps fitted again) could
     # still win: the choice waits for it instead of falling to the runner-up
     waiting = sorted(n for n, v in verdicts.items() if v["within_cost"] and not v["complete"] and not v["maps_gone"])
     passing = {n: v for n, v in verdicts.items() if v["qualifies"]}
     best = max(passing, key=lambda n: passing[n]["continuation"]) if passing and not waiting else None
+    gone_best = best if best is not None and passing[best]["maps_gone"] else None  # best, but nothing can publish it
+    for verdict in verdicts.values():
+        verdict["qualifies"] &= not verdict["maps_gone"]
+    if gone_best is not None:
+        best = None  # never the runner-up in its place (as while waiting): its maps must be fitted and measured again
     return {"default": best, "maps": None if best is None else passing[best]["maps"], "cost_limit": cost_limit,
-            "waiting": waiting, "candidates": verdicts}
+            "waiting": waiting, "gone_best": gone_best, "candidates": verdicts}
 
 
 def map_cost_limit(direction: str) -> int:
@@ -288,6 +294,11 @@ def report(role: str, context: int) -> dict:
             raise RecordError(f"{direction}: the default cannot be chosen while {', '.join(choice['waiting'])} "
                               "are scored on fewer examples than the control; finish `python -m benchmarks.recipes "
                               "run --role selection` first (the selection report on disk is left as it was)")
+        if choice and choice["gone_best"]:
+            raise RecordError(f"{direction}: {choice['gone_best']} is the best candidate, but no folder holds the maps "
+                              "its rows were measured on (fitted again since, or not on this machine): fit them again "
+                              "and measure its rows (`python -m benchmarks.recipes run --role selection`); the "
+                              "selection report on disk is left as it was")
         if choice and choice["default"]:
             choice["fingerprint"] = fingerprints.get(choice["maps"])
         default = choice["default"] if choice else chosen_defaults().get(direction)

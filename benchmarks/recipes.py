@@ -362,14 +362,14 @@ def supersede(role: str, context: int, task: str, reason: str) -> int:
     moved = [r for r in records if r["task"].startswith(task)]
     if not moved:
         return 0
+    for suffix in (".json", ".md", ".png"):  # first: a stop between the writes below must not leave it behind
+        (RESULTS / f"{report_stem(role, context)}{suffix}").unlink(missing_ok=True)
     archive = path.with_name(f"{role}-{context}.superseded.jsonl")
     lines = archive.read_text().splitlines(keepends=True) if archive.exists() else []
     lines += [line for line in (json.dumps({**r, "superseded": reason}) + "\n" for r in moved) if line not in lines]
     atomic_write(archive, lambda tmp: Path(tmp).write_text("".join(lines)))
     kept = "".join(json.dumps(r) + "\n" for r in records if not r["task"].startswith(task))
     atomic_write(path, lambda tmp: Path(tmp).write_text(kept))
-    for suffix in (".json", ".md", ".png"):
-        (RESULTS / f"{report_stem(role, context)}{suffix}").unlink(missing_ok=True)
     return len(moved)
 
 

@@ -73,7 +73,10 @@ def final_report_problem(direction: str, report: dict) -> str | None:
     than they chose it on (or on maps it did not record, where they recorded theirs), or on fewer examples than its
     window-only control (a final run stopped halfway)."""
     path = RESULTS / f"{report_stem('selection', SELECTION_CONTEXT)}.json"
-    choice = (results(path.stem)["directions"].get(direction, {}).get("choice") or {}) if path.is_file() else {}
+    if not path.is_file():
+        return (f"no {path.name} says which default the selection texts chose (`python -m benchmarks.recipes report "
+                f"--role selection --context {SELECTION_CONTEXT}` writes it)")
+    choice = results(path.stem)["directions"].get(direction, {}).get("choice") or {}
     default = report["default"]
     if choice.get("default") != default:
         return f"it reports {default!r}; the selection texts chose {choice.get('default')!r}"
@@ -87,8 +90,8 @@ def final_report_problem(direction: str, report: dict) -> str | None:
 
 
 def reported_default(direction: str) -> str | None:
-    """The default recipe the final texts report for ``direction`` (the smallest context's report: every final
-    context reports the one default the selection texts chose), None before any final report."""
+    """The default recipe the final texts report for ``direction`` (the smallest context's report), None before any
+    final report."""
     reported = final_recipe_reports(direction)
     return reported[min(reported)]["default"] if reported else None
 
@@ -177,10 +180,10 @@ def readme_table() -> str:
     reports = {siblings.pair_name(d): final_recipe_reports(d) for d in siblings.DIRECTIONS}  # each file read once
     withheld = {siblings.pair_name(d): {c: problem for c, r in reports[siblings.pair_name(d)].items()
                                         if (problem := final_report_problem(d, r))} for d in siblings.DIRECTIONS}
+    shown = {name: {c: r for c, r in reported.items() if c not in withheld[name]} for name, reported in reports.items()}
     for name, tasks in evaluated["results"].items():
-        reported = reports[name]
-        if reported:  # the default recipe, on the final texts of the recipes benchmark (none that no longer stands)
-            rows += _recipe_rows(name, {c: r for c, r in reported.items() if c not in withheld[name]})
+        if reports[name]:  # the default recipe, on the final texts of the recipes benchmark (none that no longer stands)
+            rows += _recipe_rows(name, shown[name])
             continue
         recipe = load_config(HUB_CARDS / name).refresh
         variant = f"mapped@{recipe.probe_tokens}+r{recipe.tokens}" if recipe else "mapped@1"
@@ -201,7 +204,7 @@ def readme_table() -> str:
         rows.append([folder_name(PREFIX, adapter, reverse), f"continuation ({retention['examples']})",
                      fmt(by["mapped@1"]), "-", f"naive reuse {fmt(by['naive@1'])}",
                      f"{by['mapped@1']['kl']:.3f} (naive {by['naive@1']['kl']:.3f})", speed])
-    recipes = any(reports.values())
+    recipes = any(shown.values())
     plain_on_base_maps = any(PLAIN_ON_BASE_MAPS in row[2] for row in rows)
     return table(["map", "task (examples)", "plain switch: normalized [95% CI]", "with the recipe", "control at equal "
                   "compute", "KL plain / recipe", "TTFT vs re-prefill, cold sink: plain / recipe"], rows) + (
@@ -213,7 +216,7 @@ def readme_table() -> str:
             " A plain switch marked (base maps), and its KL, ran on the final run's base maps (its `--maps`), not on "
             "the maps the default recipe runs on, which that run did not switch plainly; the TTFT column times the "
             "default's own maps, plain and with the recipe." if plain_on_base_maps else "")
-        + "".join(f"\n\n{note}" for note in ttft_goal_notes(reports))
+        + "".join(f"\n\n{note}" for note in ttft_goal_notes(shown))
         + "".join(f"\n\nNot shown: `{reports[name][context]['stem']}.json` for `{name}`: {problem}; it is measured "
                   f"again (`python -m benchmarks.recipes run --role final --context {context}`, then its report)."
                   for name, problems in withheld.items() for context, problem in problems.items()))

@@ -279,7 +279,11 @@ def test_the_default_is_the_best_recipe_not_below_the_control_that_keeps_recall(
     rows["top8:refresh@160/p64"]["continuation"]["examples"] = 40  # complete and best, but nothing can publish it
     rows["top8:refresh@160/p64"][recipe_scores.RECALL]["examples"] = 48
     choice = recipe_report.choose_default(rows, 160, costs, cost_limit=400, gone=frozenset({"top8"}))
-    assert choice["default"] == "attn:refresh@160/p64" and not choice["candidates"]["top8:refresh@160/p64"]["qualifies"]
+    assert choice["default"] is None and choice["gone_best"] == "top8:refresh@160/p64"  # never the runner-up instead
+    assert not choice["candidates"]["top8:refresh@160/p64"]["qualifies"]
+    rows["top8:refresh@160/p64"]["continuation"]["normalized"] = 0.5  # gone, and beaten: the best still wins
+    choice = recipe_report.choose_default(rows, 160, costs, cost_limit=400, gone=frozenset({"top8"}))
+    assert choice["default"] == "attn:refresh@160/p64" and choice["gone_best"] is None
     del rows["top8:refresh@160/p64"]
     unscored = {name: {k: v for k, v in row.items() if k != recipe_scores.RECALL} for name, row in rows.items()}
     assert recipe_report.choose_default(unscored, 160)["default"] is None  # recall never scored: none keeps it

@@ -212,7 +212,11 @@ def test_a_card_is_never_published_with_figures_measured_on_other_weights(result
     recipe_report.report("final", 2048)
     with pytest.raises(RecordError, match="ran on 5 continuation examples, its window-only control on 6: run"):
         publisher.check_final_maps("up")
+    noted, notes = [], figures.ttft_goal_notes  # the notes under the table read only the reports it shows
+    monkeypatch.setattr(figures, "ttft_goal_notes", lambda reports: noted.append(reports) or [])
     readme = figures.readme_table()  # the README withholds it too, and says why
+    monkeypatch.setattr(figures, "ttft_goal_notes", notes)
+    assert noted == [{UP: {}, DOWN: {}}] and "sibling-recipes-final" not in readme.split("\n\n")[1]
     assert "`attn:index@160/p40`" not in readme.split("\n\n")[0]
     assert (f"Not shown: `sibling-recipes-final-2048.json` for `{UP}`: its 'attn:index@160/p40' ran on 5 "
             "continuation examples, its window-only control on 6;") in readme
@@ -333,12 +337,15 @@ def test_the_final_texts_report_a_default_only_on_the_maps_the_selection_texts_c
         _report(results, "final", ACCURACY, weights=b"m2")  # the maps were refitted in between
     with pytest.raises(RecordError, match=f"on maps {m1}"):  # and a final run refuses before computing anything
         recipes.check_chosen_maps("up", "index@160/p40", m2)
+    facts = {"folder": str(results / "maps" / "m1"), "fingerprint": m1, "multiply_adds_per_token": 100}
+    (results / "sibling-recipes" / "runs.jsonl").write_text(
+        json.dumps({"role": "selection", "context": 2048, "map_sets": {"published": {"up": facts}}}) + "\n")
+    assert recipe_report.report("selection", 2048)["directions"]["up"]["default"] == "index@160/p40"  # m1 is held
+    written = (results / "sibling-recipes-selection-2048.json").read_text()
     (results / "maps" / "m1" / "model.safetensors").write_bytes(b"m3")  # refitted over the chosen maps' folder
-    assert _report(results, "selection", ACCURACY, weights=b"m3")["directions"]["up"]["default"] == "index@160/p40"
-    gone = _records("selection", ACCURACY, m1)  # the m1 records alone: no folder holds those maps any more
-    (results / "sibling-recipes" / "selection-2048.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gone))
-    choice = recipe_report.report("selection", 2048)["directions"]["up"]["choice"]
-    assert choice["default"] is None and choice["candidates"]["index@160/p40"]["maps_gone"]
+    with pytest.raises(RecordError, match="index@160/p40 is the best candidate, but no folder holds the maps"):
+        recipe_report.report("selection", 2048)  # (a clone without the maps alike): never a runner-up chosen
+    assert (results / "sibling-recipes-selection-2048.json").read_text() == written
 
 
 def test_a_workdir_fitted_with_other_options_is_refused_before_any_model_loads(tmp_path, monkeypatch):
