@@ -72,6 +72,13 @@ def runs_of_the_same_maps(sweep: dict) -> list[dict]:
     return [sweep, *(run for run in sweep.get("earlier_runs", []) if same_maps(run, sweep))]
 
 
+def budget_over_runs(sweep: dict) -> tuple[dict, list[dict]]:
+    """The `ttft_budget` of a sweep's runs of the same maps (`runs_of_the_same_maps`) taken together, and those runs:
+    every run's rows at once, so a budget holds where its slowest refresh in any run meets the goals."""
+    runs = runs_of_the_same_maps(sweep)
+    return ttft_budget({"rows": [row for run in runs for row in run["rows"]]}), runs
+
+
 def sweep_stem(direction: str) -> str:
     return f"ttft-{siblings.pair_name(direction)}-sweep"
 
@@ -88,9 +95,7 @@ def direction_budget(direction: str) -> dict:
                           f"{direction} --label LABEL --lengths 2048 8192 --sweep refresh@64/p32 refresh@80/p48 ...` "
                           "first (LABEL: the lever whose maps the sweep times)")
     sweep = read_results(stem)
-    runs = runs_of_the_same_maps(sweep)
-    # every run's rows at once: a budget holds where its slowest refresh in any run meets the goals
-    choice = ttft_budget({"rows": [row for run in runs for row in run["rows"]]})
+    choice, runs = budget_over_runs(sweep)
     return {"budget": choice["budget"], "sweep": stem, "runs": len(runs), "maps": sweep.get("maps", "published"),
             "multiply_adds_per_token": sweep.get("map_multiply_adds_per_token"), "checked": choice["checked"],
             "unchecked": choice["unchecked"]}

@@ -90,7 +90,7 @@ def choose_default(rows: dict[str, dict], budget: int, costs: dict[str, int] | N
     recipe qualifies, one is waited for or the best is gone) and why each candidate passed or failed."""
     control = rows.get(f"window@{budget}", {})
     wanted = {task: control.get(task, {}).get("examples", 0) for task in ("continuation", RECALL)}
-    verdicts = {}
+    verdicts, standing = {}, {}  # standing: would qualify but for gone maps (name -> continuation)
     for name, row in rows.items():
         label = row.get("maps", "published")
         if "true-" in name or row["compute"] != budget or row.get("kind") not in ("hybrid", "refresh", "index") \
@@ -105,24 +105,24 @@ def choose_default(rows: dict[str, dict], budget: int, costs: dict[str, int] | N
         complete = counts[0] >= wanted["continuation"] and counts[1] >= wanted[RECALL]
         nan = float("nan")  # a task not scored yet (an incomplete candidate never qualifies)
         interval = cont.get("minus_control_interval", [nan, nan])
+        stands = (complete and affordable and interval[1] >= 0
+                  and recall.get("normalized", nan) >= RECALL_FLOOR)
         verdicts[name] = {"maps": label, "continuation": cont.get("normalized", nan),
                           "minus_control": cont.get("minus_control", nan), "interval": interval,
                           "recall": recall.get("normalized", nan), "examples": counts, "complete": complete,
                           "multiply_adds_per_token": cost, "within_cost": affordable, "maps_gone": label in gone,
-                          "qualifies": complete and affordable and interval[1] >= 0
-                          and recall.get("normalized", nan) >= RECALL_FLOOR}
+                          "qualifies": stands and label not in gone}
+        if stands:
+            standing[name] = verdicts[name]["continuation"]
     # a candidate that may compete but is not yet scored on every example (a run under way, maps fitted again) could
     # still win: the choice waits for it instead of falling to the runner-up
     waiting = sorted(n for n, v in verdicts.items() if v["within_cost"] and not v["complete"] and not v["maps_gone"])
-    passing = {n: v for n, v in verdicts.items() if v["qualifies"]}
-    best = max(passing, key=lambda n: passing[n]["continuation"]) if passing and not waiting else None
-    gone_best = best if best is not None and passing[best]["maps_gone"] else None  # best, but nothing can publish it
-    for verdict in verdicts.values():
-        verdict["qualifies"] &= not verdict["maps_gone"]
-    if gone_best is not None:
-        best = None  # never the runner-up in its place (as while waiting): its maps must be fitted and measured again
-    return {"default": best, "maps": None if best is None else passing[best]["maps"], "cost_limit": cost_limit,
-            "waiting": waiting, "gone_best": gone_best, "candidates": verdicts}
+    best = max(standing, key=standing.get) if standing and not waiting else None
+    # best, but nothing can publish it: never the runner-up in its place (as while waiting)
+    gone_best = best if best is not None and verdicts[best]["maps_gone"] else None
+    default = None if gone_best else best
+    return {"default": default, "maps": None if default is None else verdicts[default]["maps"],
+            "cost_limit": cost_limit, "waiting": waiting, "gone_best": gone_best, "candidates": verdicts}
 
 
 def map_cost_limit(direction: str) -> int:

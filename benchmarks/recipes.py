@@ -321,11 +321,19 @@ def chosen_defaults(context: int = SELECTION_CONTEXT) -> dict[str, str]:
     return {d: row["choice"]["default"] for d, row in directions.items() if (row.get("choice") or {}).get("default")}
 
 
+def selection_choice(direction: str, context: int = SELECTION_CONTEXT) -> dict | None:
+    """The selection report's choice for ``direction`` at ``context`` (``default``, ``maps``, ``fingerprint``...;
+    empty where it chose nothing), None where no selection report exists."""
+    path = RESULTS / f"{report_stem('selection', context)}.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())["directions"].get(direction, {}).get("choice") or {}
+
+
 def check_chosen_maps(direction: str, default: str, fingerprint: str | None, context: int = SELECTION_CONTEXT) -> None:
     """Refuse (`RecordError`) final texts that would report ``default`` on other maps (``fingerprint``) than the ones
     the selection texts chose it on (reports written before choices recorded their maps pass)."""
-    path = RESULTS / f"{report_stem('selection', context)}.json"
-    choice = json.loads(path.read_text())["directions"][direction].get("choice") or {}
+    choice = selection_choice(direction, context) or {}
     chosen = choice.get("fingerprint")
     if chosen is not None and choice.get("default") == default and fingerprint != chosen:
         raise RecordError(f"{direction}: the selection texts chose {default!r} on maps {chosen}, the final texts run "

@@ -7,9 +7,9 @@ from benchmarks import siblings
 from benchmarks.adapters import PREFIX, results_stem
 from benchmarks.common import ADAPTERS, RESULTS, ROOT, table
 from benchmarks.common import read_results as results
-from benchmarks.recipe_budget import TTFT_GOALS, runs_of_the_same_maps, ttft_budget
+from benchmarks.recipe_budget import TTFT_GOALS, budget_over_runs
 from benchmarks.recipe_scores import RECALL
-from benchmarks.recipes import SELECTION_CONTEXT, parse_recipe, report_stem
+from benchmarks.recipes import SELECTION_CONTEXT, parse_recipe, report_stem, selection_choice
 from benchmarks.tp_shards import markdown as tp_markdown
 from benchmarks.vllm_report import markdown as vllm_markdown
 from benchmarks.vllm_switch_cost import markdown as switch_cost_markdown
@@ -72,11 +72,10 @@ def final_report_problem(direction: str, report: dict) -> str | None:
     files alone, or None: it reports another default than the selection texts chose, or its default ran on other maps
     than they chose it on (or on maps it did not record, where they recorded theirs), or on fewer examples than its
     window-only control (a final run stopped halfway)."""
-    path = RESULTS / f"{report_stem('selection', SELECTION_CONTEXT)}.json"
-    if not path.is_file():
-        return (f"no {path.name} says which default the selection texts chose (`python -m benchmarks.recipes report "
-                f"--role selection --context {SELECTION_CONTEXT}` writes it)")
-    choice = results(path.stem)["directions"].get(direction, {}).get("choice") or {}
+    choice = selection_choice(direction)
+    if choice is None:
+        return (f"no {report_stem('selection', SELECTION_CONTEXT)}.json says which default the selection texts chose "
+                f"(`python -m benchmarks.recipes report --role selection --context {SELECTION_CONTEXT}` writes it)")
     default = report["default"]
     if choice.get("default") != default:
         return f"it reports {default!r}; the selection texts chose {choice.get('default')!r}"
@@ -177,9 +176,12 @@ def readme_table() -> str:
     rows = []
     fmt = lambda r: f"{r['normalized_retention']:.2f} [{r['normalized_low']:.2f}, {r['normalized_high']:.2f}]"  # noqa: E731
     evaluated = results("siblings")
-    reports = {siblings.pair_name(d): final_recipe_reports(d) for d in siblings.DIRECTIONS}  # each file read once
-    withheld = {siblings.pair_name(d): {c: problem for c, r in reports[siblings.pair_name(d)].items()
-                                        if (problem := final_report_problem(d, r))} for d in siblings.DIRECTIONS}
+    reports, withheld = {}, {}  # each file read once; the reports that no longer stand, with why
+    for direction in siblings.DIRECTIONS:
+        name = siblings.pair_name(direction)
+        reports[name] = final_recipe_reports(direction)
+        withheld[name] = {c: problem for c, r in reports[name].items()
+                          if (problem := final_report_problem(direction, r))}
     shown = {name: {c: r for c, r in reported.items() if c not in withheld[name]} for name, reported in reports.items()}
     for name, tasks in evaluated["results"].items():
         if reports[name]:  # the default recipe, on the final texts of the recipes benchmark (none that no longer stands)
@@ -254,8 +256,8 @@ def ttft_goal_notes(reports: dict[str, dict]) -> list[str]:
                 measured = (f"{swept_recipe['speedup']:.1f}x [{swept_recipe['speedup_min']:.1f}x, "
                             f"{swept_recipe['speedup_max']:.1f}x] against a prefill of "
                             f"{sweep_row['full']['median']:.2f} s")
-                runs = runs_of_the_same_maps(swept)
-                if ttft_budget({"rows": [r for run in runs for r in run["rows"]]})["budget"] is not None:
+                choice, runs = budget_over_runs(swept)
+                if choice["budget"] is not None:
                     note += (f" The TTFT sweep that set its budget (`ttft-{name}-sweep.json`, on the {swept['maps']} "
                              f"maps) measured {measured}.")
                 else:  # `recipe_budget.direction_budget`: the runs then keep the published recipe's budget
