@@ -205,7 +205,7 @@ def plot_trade_off(payload: dict, path) -> None:
     directions = [d for d in payload["directions"] if payload["directions"][d]["trade_off"]]
     if not directions:
         return
-    fig, axes = plt.subplots(1, len(directions), figsize=(5.5 * len(directions), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(directions), figsize=(6.5 * len(directions), 6.5), squeeze=False)
     for ax, direction in zip(axes[0], directions):
         budgets = sorted(payload["directions"][direction]["trade_off"].items(), key=lambda item: int(item[0]))
         map_sets = sorted({family.rpartition(":")[0] for _, series in budgets for family in series})
@@ -218,9 +218,10 @@ def plot_trade_off(payload: dict, path) -> None:
                         marker=markers.get(maps, "x"), label=f"{family} @{budget}")
         ax.set(xlabel="far-fact recall (normalized)", ylabel="continuation (normalized)",
                title=f"{payload['directions'][direction]['pair']} ({payload['role']}, {payload['context']} tokens)")
-        ax.legend(fontsize="x-small")
+        # under the panel: inside, a legend of every budget and family hides the title and the points
+        ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
 
 
