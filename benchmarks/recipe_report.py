@@ -75,21 +75,34 @@ def control_of(variant: str, compute: int) -> str | None:
     return f"window@{compute}"
 
 
+def planned_examples(runs: list[dict]) -> dict[str, int] | None:
+    """The examples per task (continuation, and recall pooled under `RECALL`) the latest of ``runs`` that recorded its
+    plan set out to score (`recipes.run`); None where no run recorded one (runs before plans were recorded)."""
+    plan = next((run["planned"] for run in reversed(runs) if "planned" in run), None)
+    if plan is None:
+        return None
+    return {"continuation": plan.get("continuation", 0),
+            RECALL: sum(n for task, n in plan.items() if task.startswith("recall-"))}
+
+
 def choose_default(rows: dict[str, dict], budget: int, costs: dict[str, int] | None = None,
-                   cost_limit: int | None = None, gone: frozenset[str] = frozenset()) -> dict:
+                   cost_limit: int | None = None, gone: frozenset[str] = frozenset(),
+                   planned: dict[str, int] | None = None) -> dict:
     """Among the recipes at the direction's budget that use no oracle, on the published maps or a lever's (a variant
     ``label:recipe``): those whose continuation interval against the window-only control is not below zero (its upper
     end at or above zero: not measurably worse than the control; above zero, its lower end, is the goal), whose
     pooled recall keeps `RECALL_FLOOR`, and whose maps' multiply-adds per token (``costs[label]``) stay within
     ``cost_limit`` (a lever's maps need both; without a limit only the published maps compete), and that were scored on
-    every example the control was; the best continuation wins. While a candidate that may compete is scored on fewer
+    every example the control was and every one the run ``planned`` (`planned_examples`: a run stopped halfway leaves
+    the control as short as the rest); the best continuation wins. While a candidate that may compete is scored on fewer
     examples (a run stopped halfway, a lever's maps fitted again), nothing is chosen: it is ``waiting``; unless its
     maps are ``gone`` (labels no folder holds the weights of any more: nothing can complete them). A gone candidate
     never qualifies (it can be neither measured on the final texts nor published), and where it would have won
     (``gone_best``) nothing is chosen either: the runner-up never takes its place. Returns the choice (None if no
     recipe qualifies, one is waited for or the best is gone) and why each candidate passed or failed."""
     control = rows.get(f"window@{budget}", {})
-    wanted = {task: control.get(task, {}).get("examples", 0) for task in ("continuation", RECALL)}
+    wanted = {task: max(control.get(task, {}).get("examples", 0), (planned or {}).get(task, 0))
+              for task in ("continuation", RECALL)}
     verdicts, standing = {}, {}  # standing: would qualify but for gone maps (name -> continuation)
     for name, row in rows.items():
         label = row.get("maps", "published")
@@ -262,11 +275,13 @@ def report(role: str, context: int) -> dict:
     """Write the tables of the role's records at ``context``; returns the payload."""
     path = records_path(role, context)
     records = read_records(path)
-    runs = [json.loads(line) for line in path.with_name("runs.jsonl").read_text().splitlines()
-            if line.strip() and json.loads(line).get("role") == role and json.loads(line).get("context") == context]
+    live = {r.get("run") for r in records}  # a run that stopped before its first record measured nothing here
+    runs = [run for run in read_records(path.with_name("runs.jsonl"))
+            if run.get("role") == role and run.get("context") == context and run.get("run") in live]
+    planned = planned_examples(runs)
     meta = {r["variant"]: {"kind": r["kind"], "compute": r["compute"], "budget": r["budget"], "maps": r["maps"]}
             for r in records}
-    payload, lines = {"role": role, "context": context, "directions": {}}, []
+    payload, lines = {"role": role, "context": context, "planned": planned, "directions": {}}, []
     lines += [f"# Sibling recipes at {context} tokens ({role} texts)", "",
               "Normalized retention [95% interval, files resampled]; minus the window-only control at equal target "
               "compute, paired on the same examples. Compute: context tokens the target runs (probe counted once).", ""]
@@ -288,12 +303,13 @@ def report(role: str, context: int) -> dict:
             levers_compete = any(row.get("maps", "published") != "published" for row in rows.values())
             choice = choose_default(rows, budget, {label: f["multiply_adds_per_token"] for label, f in facts.items()},
                                     cost_limit(runs, direction) if levers_compete else None,
-                                    maps_gone({row.get("maps", "published") for row in rows.values()}, facts))
+                                    maps_gone({row.get("maps", "published") for row in rows.values()}, facts),
+                                    planned)
         # the default these texts choose (selection) or report (final: the one the selection texts chose, on the
         # very maps they chose it on)
         if choice and choice["waiting"]:
             raise RecordError(f"{direction}: the default cannot be chosen while {', '.join(choice['waiting'])} "
-                              "are scored on fewer examples than the control; finish `python -m benchmarks.recipes "
+                              "are scored on fewer examples than the control or the run planned; finish `python -m benchmarks.recipes "
                               "run --role selection` first (the selection report on disk is left as it was)")
         if choice and choice["gone_best"]:
             raise RecordError(f"{direction}: {choice['gone_best']} is the best candidate, but no folder holds the maps "
@@ -373,8 +389,8 @@ def report(role: str, context: int) -> dict:
                      for name, v in sorted(choice["candidates"].items(), key=lambda kv: -kv[1]["continuation"])]
             lines += [f"## {siblings.pair_name(direction)}, the default", "",
                       *([note, ""] if (note := budget_note(runs, direction)) else []),
-                      f"Candidates at the budget, scored on every example the window-only control was (continuation / "
-                      "recall examples): continuation interval against the control not below zero (its upper end "
+                      f"Candidates at the budget, scored on every example the window-only control was and the run "
+                      "planned (continuation / recall examples): continuation interval against the control not below zero (its upper end "
                       f"at or above zero), pooled recall >= {RECALL_FLOOR}"
                       + ("" if limit is None else f", maps within {limit:,} multiply-adds per token (the least of "
                          f"the target's prefill per token at {TTFT_LENGTH} tokens over the {TTFT_GOAL}x TTFT goal and "

@@ -52,7 +52,9 @@ import argparse
 import hashlib
 import json
 import os
+import logging
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -76,6 +78,8 @@ from .common import RESULTS, ROOT, map_fingerprint
 from .pass_store import PassStore
 from .recipe_budget import direction_budget
 from .tasks import ANSWER_TOKENS, DEPTHS, recall_examples
+
+logger = logging.getLogger(__name__)
 
 RECORDS = RESULTS / "sibling-recipes"
 PASSES = ROOT / "runs" / "passes"  # the models' full passes over the examples (benchmarks.pass_store), not in git
@@ -468,6 +472,15 @@ def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str
     full passes are kept between runs (`PassStore`; None: computed every time)."""
     passes = passes or PassStore(None)
     chosen = chosen_defaults() if role == "final" else {}
+    if role == "final":  # the final texts report a default: a direction where none was chosen has nothing to report
+        unchosen = [d for d in directions if d not in chosen]
+        if unchosen:
+            logger.warning("the selection texts chose no default for %s: the final texts measure %s only",
+                           ", ".join(unchosen), ", ".join(chosen) or "nothing")
+        directions = tuple(d for d in directions if d in chosen)
+        if not directions:
+            raise RecordError("the selection texts chose no default in any direction asked for: the final texts have "
+                              "nothing to report (see the selection report's candidates)")
     missing = {Variant.recipe(name).maps for d, name in chosen.items() if d in directions} - set(map_sets)
     if missing:
         raise RecordError(f"the selection texts chose defaults on the {sorted(missing)} maps: pass each as "
@@ -490,8 +503,19 @@ def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str
     setup = {"models": {size: cached_fingerprint(model) for size, model in sorted(models.items())},
              "probe": PROBE, "span": SPAN}
     check_same_setup(path.with_name("runs.jsonl"), role, context, setup, {r.get("run") for r in read_records(path)})
+    items = examples(tokenizer, role, context, windows, per_file, recall_cases)
+    earlier = read_records(path)
+    digests = {r["example"]: r["digest"] for r in earlier if "digest" in r}  # records before digests carry none
+    for example in items:  # before any model runs
+        if digests.get(example.id, example.digest) != example.digest:
+            raise RecordError(f"{path.name} holds records of {example.id} on other tokens than this run builds (the "
+                              "corpus, the tokenizer or the recall construction changed): records of other texts must "
+                              "not mix; write them to a new records file")
+    # what a complete run scores: a report counts a variant complete only on every planned example (a run stopped
+    # halfway leaves the default and its control equally short)
+    planned = dict(Counter(example.task for example in items))
     append(path.with_name("runs.jsonl"), {"run": run_id, "role": role, "context": context, "budgets": budgets,
-                                          "budget_sources": sources, **setup,
+                                          "budget_sources": sources, "planned": planned, **setup,
                                           **provenance(),
                                           "map_sets": {label: {d: map_facts(folders[d], maps[d][label], prints[d][label])
                                                                for d in directions}
@@ -502,19 +526,11 @@ def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str
         plan[d] = [v for v in variants_for(budgets[d], levers, role == "final", chosen.get(d))
                    if not only or any(text in v.name for text in only) or v.kind in ("full", "no_context")]
     dtype = str(next(models["large"].parameters()).dtype).removeprefix("torch.")
-    earlier = read_records(path)
     done = {record_key(r["example"], r["direction"], r["variant"], r["map"], r["dtype"]) for r in earlier}
-    digests = {r["example"]: r["digest"] for r in earlier if "digest" in r}  # records before digests carry none
 
     def fingerprint(d: str, v: Variant) -> str | None:
         return prints[d][v.maps] if v.uses_map else None
 
-    items = examples(tokenizer, role, context, windows, per_file, recall_cases)
-    for example in items:  # before any model runs
-        if digests.get(example.id, example.digest) != example.digest:
-            raise RecordError(f"{path.name} holds records of {example.id} on other tokens than this run builds (the "
-                              "corpus, the tokenizer or the recall construction changed): records of other texts must "
-                              "not mix; write them to a new records file")
     for example in tqdm(items, desc=f"{role} @{context}", disable=not progress):
         todo = {d: [v for v in plan[d] if record_key(example.id, d, v.name, fingerprint(d, v), dtype) not in done]
                 for d in directions}

@@ -54,16 +54,18 @@ PLAIN_ON_BASE_MAPS = " (base maps)"  # a plain switch the final run measured on 
 
 def final_recipe_reports(direction: str) -> dict[int, dict]:
     """The final-text reports of the sibling recipes (`benchmarks.recipe_report`) that report a default for
-    ``direction``, by context: ``{context: {"stem", "default", "rows", "default_map"}}`` (``default_map``: the
-    fingerprint of the maps the default ran on, None in a report written before reports recorded it)."""
+    ``direction``, by context: ``{context: {"stem", "default", "rows", "default_map", "planned"}}``
+    (``default_map``: the fingerprint of the maps the default ran on; ``planned``: the examples per task its run set
+    out to score; each None in a report written before reports recorded it)."""
     out = {}
     for context in FINAL_CONTEXTS:
         stem = report_stem("final", context)
         if (RESULTS / f"{stem}.json").is_file():
-            report = results(stem)["directions"].get(direction, {})
+            payload = results(stem)
+            report = payload["directions"].get(direction, {})
             if report.get("default"):
                 out[context] = {"stem": stem, "default": report["default"], "rows": report["rows"],
-                                "default_map": report.get("default_map")}
+                                "default_map": report.get("default_map"), "planned": payload.get("planned")}
     return out
 
 
@@ -71,7 +73,7 @@ def final_report_problem(direction: str, report: dict) -> str | None:
     """Why a final report (`final_recipe_reports`) of ``direction`` no longer stands for the default, from the results
     files alone, or None: it reports another default than the selection texts chose, or its default ran on other maps
     than they chose it on (or on maps it did not record, where they recorded theirs), or on fewer examples than its
-    window-only control (a final run stopped halfway)."""
+    window-only control or its run planned (a final run stopped halfway; a report that records no plan cannot say)."""
     choice = selection_choice(direction)
     if choice is None:
         return (f"no {report_stem('selection', SELECTION_CONTEXT)}.json says which default the selection texts chose "
@@ -82,9 +84,14 @@ def final_report_problem(direction: str, report: dict) -> str | None:
     if choice.get("fingerprint") is not None and report["default_map"] != choice["fingerprint"]:
         return (f"its {default!r} ran on maps {report['default_map'] or '(not recorded)'}; the selection texts chose it "
                 f"on {choice['fingerprint']}")
-    for task, have, want in final_example_counts(report):
-        if have < want:
-            return f"its {default!r} ran on {have} {task} examples, its window-only control on {want}"
+    if report["planned"] is None:
+        return ("it records no planned examples (written before final runs recorded their plan): whether its run "
+                "scored every example is unknown")
+    for task, have, control, planned in final_example_counts(report):
+        if have < control:
+            return f"its {default!r} ran on {have} {task} examples, its window-only control on {control}"
+        if have < planned:
+            return f"its {default!r} ran on {have} {task} examples of the {planned} its run planned"
     return None
 
 
@@ -137,13 +144,13 @@ def ttft_figures(stem: str, recipe: str | None = None) -> dict[str, Figure]:
             and not (kind == "recipe" and recipe is not None and row.get("recipe_name") != recipe)}
 
 
-def final_example_counts(report: dict) -> list[tuple[str, int, int]]:
-    """A final report's (`final_recipe_reports`) examples per task: ``(task, the default's, its window-only control's)``
-    for continuation and pooled recall."""
-    rows = report["rows"]
+def final_example_counts(report: dict) -> list[tuple[str, int, int, int]]:
+    """A final report's (`final_recipe_reports`) examples per task: ``(task, the default's, its window-only control's,
+    its run's planned)`` for continuation and pooled recall."""
+    rows, planned = report["rows"], report.get("planned") or {}
     default, control = rows[report["default"]], rows.get(f"window@{rows[report['default']]['compute']}", {})
-    return [(task, default.get(task, {}).get("examples", 0), control.get(task, {}).get("examples", 0))
-            for task in ("continuation", RECALL)]
+    return [(task, default.get(task, {}).get("examples", 0), control.get(task, {}).get("examples", 0),
+             planned.get(task, 0)) for task in ("continuation", RECALL)]
 
 
 def budget_figures(direction: str, context: int = 1024) -> dict[str, Figure]:

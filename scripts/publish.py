@@ -158,6 +158,9 @@ class Publisher:
         """The map fitted on the scale the curve chose, or on a machine that fitted none the published one (its weights
         as stored: what users load)."""
         published = HUB_CARDS / siblings.pair_name(direction)
+        measured = measured_folder(direction)
+        if measured is not None:  # the final texts measured the default on the weights this folder holds
+            return measured
         label = default_maps(direction)
         if label != "published":  # a lever's maps earned the default
             folder = lever_maps.LEVERS / label / siblings.pair_name(direction)
@@ -482,6 +485,22 @@ def default_maps(direction: str) -> str:
     label (`benchmarks.lever_maps`), as the selection texts chose them."""
     default = figures.reported_default(direction)
     return recipes.parse_recipe(default)[0] if default else "published"
+
+
+def measured_folder(direction: str) -> Path | None:
+    """The folder a final run read the reported default's maps from (its run's record), where it still holds the very
+    weights the final report measured (``default_map``): what a card publishes, whichever maps the default runs on
+    (a default on the base maps ran on the capture's folder the run was given, not on `hub_cards`). None where no
+    final report recorded one, or no folder holds those weights any more."""
+    label = default_maps(direction)
+    for report in figures.final_recipe_reports(direction).values():
+        for run in reversed(read_results(report["stem"]).get("runs", [])):
+            facts = run.get("map_sets", {}).get(label, {}).get(direction) or {}
+            if facts.get("folder") and facts.get("fingerprint") == report["default_map"]:
+                folder = ROOT / facts["folder"]  # as the run was given it: relative to the repository (or absolute)
+                if (folder / WEIGHTS_NAME).is_file() and map_fingerprint(folder) == report["default_map"]:
+                    return folder
+    return None
 
 
 def default_recipe(direction: str) -> Refresh | None:

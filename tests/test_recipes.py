@@ -101,6 +101,9 @@ def test_final_texts_measure_the_chosen_default_beside_its_controls(tmp_path, mo
     (tmp_path / "sibling-recipes-selection-2048.json").write_text(
         '{"directions": {"up": {"choice": {"default": "index@160/p40"}}, "down": {"choice": {"default": null}}}}')
     assert recipes.chosen_defaults() == {"up": "index@160/p40"}  # none qualified going down: nothing to report
+    with pytest.raises(RecordError, match="chose no default in any direction"):  # before any model, any record
+        recipes.run({}, None, {"published": {}}, "final", 2048, 1, 1, 0, directions=("down",), progress=False,
+                    records=tmp_path / "final.jsonl")
     (tmp_path / "sibling-recipes-selection-2048.json").write_text(
         '{"directions": {"up": {"choice": {"default": "basis:index@160/p40"}}}}')
     with pytest.raises(RecordError, match="--lever"):  # the default's maps were not given: refused before any model
@@ -130,6 +133,7 @@ def test_records_resume_where_a_run_stopped(tmp_path, sibling_pair, sibling_map,
     first = recipes.read_records(path)
     assert len(first) == 3 * len(plan) and {r["map"] for r in first if r["variant"] == "hybrid@40"} != {None}
     entry = json.loads(path.with_name("runs.jsonl").read_text().splitlines()[-1])
+    assert entry["planned"] == {"continuation": 3}  # what a report counts complete: every planned example
     assert entry["budgets"] == {"up": sibling_map.config.refresh.compute}  # no budgets given: the published recipe's
     assert entry["budget_sources"]["up"]["from"] == "the published recipe"
     facts = entry["map_sets"]["published"]["up"]
@@ -147,9 +151,11 @@ def test_records_resume_where_a_run_stopped(tmp_path, sibling_pair, sibling_map,
     assert [(r["correct"], r["kl"]) for r in again] == [(r["correct"], r["kl"]) for r in first]
     assert {r["digest"] for r in again if r["example"] == items[0].id} == {items[0].digest}
     items[0] = replace(items[0], ids=random_ids(1, CONTEXT + CONTINUATION, seed=10)[0])  # the text changed under its id
+    runs_before = path.with_name("runs.jsonl").read_text()
     with pytest.raises(RecordError, match="other tokens"):
         run()
-    assert recipes.read_records(path) == again  # refused before any record
+    assert recipes.read_records(path) == again  # refused before any record, and before it recorded a run
+    assert path.with_name("runs.jsonl").read_text() == runs_before
     items[0] = replace(items[0], ids=ids[0])
     for given, budget, said in (({"budget": 40, "from": "the TTFT sweep"}, 40, "the TTFT sweep"),
                                 ({"budget": None, "sweep": "ttft-x-sweep"}, sibling_map.config.refresh.compute,
@@ -260,6 +266,16 @@ def test_the_default_is_the_best_recipe_not_below_the_control_that_keeps_recall(
     del rows["refresh@160/p96"]
     choice = recipe_report.choose_default(rows, 160)
     assert choice["default"] == "refresh@160/p64" and choice["maps"] == "published" and choice["waiting"] == []
+    # a run stopped halfway leaves the control as short as every candidate: its plan says they all wait
+    choice = recipe_report.choose_default(rows, 160, planned={"continuation": 48, recipe_scores.RECALL: 48})
+    assert choice["default"] is None and "refresh@160/p64" in choice["waiting"]
+    assert recipe_report.choose_default(rows, 160, planned={"continuation": 40, recipe_scores.RECALL: 48})[
+        "default"] == "refresh@160/p64"
+    assert recipe_report.planned_examples([{"planned": {"continuation": 9}},
+                                           {"planned": {"continuation": 40, "recall-code-top": 24,
+                                                        "recall-prose-end": 24}}, {}]) == \
+        {"continuation": 40, recipe_scores.RECALL: 48}  # the latest run that recorded a plan, recall pooled
+    assert recipe_report.planned_examples([{}]) is None
     # with a limit, a lever's maps compete where their multiply-adds per token stay within it
     costs = {"published": 100, "attn": 400}
     choice = recipe_report.choose_default(rows, 160, costs, cost_limit=400)

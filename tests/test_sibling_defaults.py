@@ -22,6 +22,7 @@ UP, DOWN = siblings.pair_name("up"), siblings.pair_name("down")
 VARIANTS = {"full": ("full", 0, 0), "no_context": ("no_context", 1, 0), "plain": ("plain", 1, 0),
             "window@160": ("window", 160, 160), "hybrid@160": ("hybrid", 160, 160),
             "refresh@160/p128": ("refresh", 160, 160), "index@160/p40": ("index", 160, 160)}
+PLAN = {"continuation": 6, "recall-code-top": 4}  # what `_records` holds per variant: what a run planned
 ACCURACY = {"full": 0.9, "no_context": 0.1, "plain": 0.3, "window@160": 0.6, "hybrid@160": 0.62,
             "refresh@160/p128": 0.5, "index@160/p40": 0.7}
 
@@ -67,7 +68,7 @@ def _report(root, role: str, accuracy: dict[str, float], weights: bytes = b"publ
     records.write_text("".join(json.dumps(r) + "\n" for r in _records(role, accuracy, map_print)))
     facts = {"published": {"up": {"folder": str(folder), "fingerprint": map_print, "multiply_adds_per_token": 100}}}
     (root / "sibling-recipes" / "runs.jsonl").write_text(
-        json.dumps({"role": role, "context": 2048, "map_sets": facts}) + "\n")
+        json.dumps({"role": role, "context": 2048, "planned": PLAN, "map_sets": facts}) + "\n")
     return recipe_report.report(role, 2048)
 
 
@@ -96,6 +97,12 @@ def test_the_final_texts_report_the_default_the_selection_texts_chose(results):
     assert not any(".recipe." in name for name in figures_of_card)  # the evaluate stage's recipe rows stay out
     readme = figures.readme_table()
     assert "`index@160/p40`" in readme and "vs the control" in readme and "sibling-recipes-final" in readme
+    # its card publishes the weights the final run read (the base maps' folder it was given), never hub_cards'
+    measured = results / "maps" / "published"
+    assert publish.Publisher(results / "work").chosen_folder("up") == measured
+    (measured / "model.safetensors").write_bytes(b"fitted again since")
+    shutil.copy(common.ROOT / "benchmarks" / "results" / "sibling-scaling.json", results)  # the fallback reads it
+    assert publish.Publisher(results / "work").chosen_folder("up") != measured
 
 
 def test_the_lever_table_states_each_lever_maps_size_as_its_run_recorded_it(results, monkeypatch):
@@ -107,7 +114,7 @@ def test_the_lever_table_states_each_lever_maps_size_as_its_run_recorded_it(resu
              "multiply_adds_per_token": 890, "options": {"attention_weighting": 0.5}, "distilled": False}
     (results / "sibling-recipes" / "selection-2048.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (results / "sibling-recipes" / "runs.jsonl").write_text(json.dumps(
-        {"role": "selection", "context": 2048, "map_sets": {"attn": {"up": facts}}}) + "\n")
+        {"role": "selection", "context": 2048, "planned": PLAN, "map_sets": {"attn": {"up": facts}}}) + "\n")
     payload = recipe_report.report("selection", 2048)
     lever = payload["directions"]["up"]["levers"][0]
     assert lever["lever"] == "attn" and lever["map"]["parameters"] == 1234567
@@ -128,7 +135,7 @@ def test_the_lever_table_states_each_lever_maps_size_as_its_run_recorded_it(resu
     with open(results / "sibling-recipes" / "selection-2048.jsonl", "a") as out:
         out.write("".join(json.dumps(r) + "\n" for r in again))
     with open(results / "sibling-recipes" / "runs.jsonl", "a") as out:
-        out.write(json.dumps({"role": "selection", "context": 2048, "map_sets": {"attn": {"up": {
+        out.write(json.dumps({"role": "selection", "context": 2048, "planned": PLAN, "map_sets": {"attn": {"up": {
             **facts, "folder": str(folder), "fingerprint": refit}}}}) + "\n")
     with pytest.raises(RecordError, match="attn:hybrid@160 are scored on fewer examples"):
         recipe_report.report("selection", 2048)
@@ -152,7 +159,7 @@ def test_a_default_on_a_levers_maps_publishes_those_maps(results, monkeypatch, t
     for r in records:
         r["maps"] = "attn" if r["variant"].startswith("attn:") else "published"
     (results / "sibling-recipes" / "final-2048.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (results / "sibling-recipes" / "runs.jsonl").write_text(json.dumps({"role": "final", "context": 2048}) + "\n")
+    (results / "sibling-recipes" / "runs.jsonl").write_text(json.dumps({"role": "final", "context": 2048, "planned": PLAN}) + "\n")
     assert recipe_report.report("final", 2048)["directions"]["up"]["default"] == "attn:index@160/p40"
     assert publish.default_maps("up") == "attn" and publish.default_maps("down") == "published"
     assert publish.default_recipe("up") == Refresh.named("index@160/p40")
@@ -192,7 +199,7 @@ def test_a_card_is_never_published_with_figures_measured_on_other_weights(result
             if r["variant"].startswith("attn:"):
                 r["maps"], r["map"] = "attn", fingerprint
         (results / "sibling-recipes" / "final-2048.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-        (results / "sibling-recipes" / "runs.jsonl").write_text(json.dumps({"role": "final", "context": 2048}) + "\n")
+        (results / "sibling-recipes" / "runs.jsonl").write_text(json.dumps({"role": "final", "context": 2048, "planned": PLAN}) + "\n")
         return recipe_report.report("final", 2048)
 
     assert final_report("an earlier fit")["directions"]["up"]["default_map"] == "an earlier fit"
@@ -224,6 +231,19 @@ def test_a_card_is_never_published_with_figures_measured_on_other_weights(result
     recipe_report.report("final", 2048)
     publisher.check_final_maps("up")
     assert "`attn:index@160/p40`" in figures.readme_table() and "Not shown" not in figures.readme_table()
+    # stopped between examples: the default and its control equally short, and the plan says what is missing
+    path.write_text("".join(line for line in complete.splitlines(keepends=True) if '"continuation/5"' not in line))
+    recipe_report.report("final", 2048)
+    with pytest.raises(RecordError, match="ran on 5 continuation examples of the 6 its run planned: run"):
+        publisher.check_final_maps("up")
+    runs = results / "sibling-recipes" / "runs.jsonl"
+    runs.write_text(json.dumps({"role": "final", "context": 2048}) + "\n")  # a run before plans were recorded
+    path.write_text(complete)
+    recipe_report.report("final", 2048)
+    with pytest.raises(RecordError, match="records no planned examples"):
+        publisher.check_final_maps("up")
+    runs.write_text(json.dumps({"role": "final", "context": 2048, "planned": PLAN}) + "\n")
+    recipe_report.report("final", 2048)
     selection["directions"]["up"]["choice"]["fingerprint"] = "another fit"  # chosen on maps fitted otherwise
     (results / "sibling-recipes-selection-2048.json").write_text(json.dumps(selection))
     with pytest.raises(RecordError, match="ran on maps [0-9a-f]{16}; the selection texts chose it on another fit"):
@@ -339,7 +359,7 @@ def test_the_final_texts_report_a_default_only_on_the_maps_the_selection_texts_c
         recipes.check_chosen_maps("up", "index@160/p40", m2)
     facts = {"folder": str(results / "maps" / "m1"), "fingerprint": m1, "multiply_adds_per_token": 100}
     (results / "sibling-recipes" / "runs.jsonl").write_text(
-        json.dumps({"role": "selection", "context": 2048, "map_sets": {"published": {"up": facts}}}) + "\n")
+        json.dumps({"role": "selection", "context": 2048, "planned": PLAN, "map_sets": {"published": {"up": facts}}}) + "\n")
     assert recipe_report.report("selection", 2048)["directions"]["up"]["default"] == "index@160/p40"  # m1 is held
     written = (results / "sibling-recipes-selection-2048.json").read_text()
     (results / "maps" / "m1" / "model.safetensors").write_bytes(b"m3")  # refitted over the chosen maps' folder
@@ -382,3 +402,25 @@ def test_adapter_maps_fitted_on_other_data_are_refused_before_any_model_loads(tm
     config.write_text(json.dumps(data))
     with pytest.raises(SystemExit, match=f"{names[0]} was fitted on other data"):
         publisher.calibrate_adapters()
+
+
+def test_a_report_reads_only_the_runs_whose_records_it_holds(results):
+    """A run that stopped before its first record (or one cut short mid-line) measured nothing: its budget and plan
+    are not the records' (the report's budget, its plan and its runs are those of the runs its records hold)."""
+    folder = results / "maps" / "published"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"published")
+    map_print = common.map_fingerprint(folder)
+    records = [{**r, "run": "r1"} for r in _records("selection", ACCURACY, map_print)]
+    (results / "sibling-recipes" / "selection-2048.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    facts = {"published": {"up": {"folder": str(folder), "fingerprint": map_print, "multiply_adds_per_token": 100}}}
+    measured = {"run": "r1", "role": "selection", "context": 2048, "budgets": {"up": 160}, "planned": PLAN,
+                "map_sets": facts}
+    stopped = {"run": "r2", "role": "selection", "context": 2048, "budgets": {"up": 64},
+               "planned": {"continuation": 60}}
+    (results / "sibling-recipes" / "runs.jsonl").write_text(
+        json.dumps(measured) + "\n" + json.dumps(stopped) + "\n" + json.dumps(measured)[:30])
+    payload = recipe_report.report("selection", 2048)
+    assert payload["directions"]["up"]["budget"] == 160 and payload["planned"]["continuation"] == 6
+    assert [run["run"] for run in common.read_results("sibling-recipes-selection-2048")["runs"]] == ["r1"]
+    assert payload["directions"]["up"]["default"] == "index@160/p40"  # complete on the plan of the run it holds
