@@ -309,8 +309,9 @@ def report(role: str, context: int) -> dict:
         # very maps they chose it on)
         if choice and choice["waiting"]:
             raise RecordError(f"{direction}: the default cannot be chosen while {', '.join(choice['waiting'])} "
-                              "are scored on fewer examples than the control or the run planned; finish `python -m benchmarks.recipes "
-                              "run --role selection` first (the selection report on disk is left as it was)")
+                              "are scored on fewer examples than the control or the run planned; finish `python -m "
+                              "benchmarks.recipes run --role selection` first (the selection report on disk is left as "
+                              "it was)")
         if choice and choice["gone_best"]:
             raise RecordError(f"{direction}: {choice['gone_best']} is the best candidate, but no folder holds the maps "
                               "its rows were measured on (fitted again since, or not on this machine): fit them again "
@@ -390,8 +391,8 @@ def report(role: str, context: int) -> dict:
             lines += [f"## {siblings.pair_name(direction)}, the default", "",
                       *([note, ""] if (note := budget_note(runs, direction)) else []),
                       f"Candidates at the budget, scored on every example the window-only control was and the run "
-                      "planned (continuation / recall examples): continuation interval against the control not below zero (its upper end "
-                      f"at or above zero), pooled recall >= {RECALL_FLOOR}"
+                      "planned (continuation / recall examples): continuation interval against the control not below "
+                      f"zero (its upper end at or above zero), pooled recall >= {RECALL_FLOOR}"
                       + ("" if limit is None else f", maps within {limit:,} multiply-adds per token (the least of "
                          f"the target's prefill per token at {TTFT_LENGTH} tokens over the {TTFT_GOAL}x TTFT goal and "
                          "the maps the budget's TTFT sweep timed)") + ".", "",

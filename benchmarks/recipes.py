@@ -51,8 +51,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, fields, replace
