@@ -442,13 +442,17 @@ def test_a_load_is_reported_done_only_after_the_writes_queued_on_its_stream(monk
 
     side = worker_module.WorkerSide(None, shard=Shard())
     side.layers = [torch.zeros(1)]
-    synced = []
-    monkeypatch.setattr(worker_module, "_copies_done",
-                        lambda device: synced.append("request" in side._loaded))
+    synced = []  # what the engine could read while the stream syncs: neither the load's end nor its failure
+    monkeypatch.setattr(worker_module, "_copies_done", lambda device: synced.append(
+        ("request" in side._loaded, list(side._report.failed_loads), set(side._failed_blocks))))
     job = LoadJob("request", "mapped", ("key",), 0, (0,), (), None, False)
     for _ in side._load_steps(job, report_done=True):  # no layout: the load fails
         pass
-    assert synced == [False] and side.finished()[1] == {"request"}
+    # reported together, in one step: a failure reported a step before the load's end would have the scheduler take
+    # the request for done loading, and an abort in between would queue a copy of blocks vLLM then frees
+    assert synced == [(False, [], set())]
+    assert side.finished()[1] == {"request"} and side.load_errors() == {0}
+    assert side.take_report().failed_loads == ["request"]
 
 
 def test_a_load_whose_stream_cannot_be_synced_is_reported_failed_and_the_job_thread_goes_on(monkeypatch):
@@ -478,3 +482,109 @@ def test_a_load_whose_stream_cannot_be_synced_is_reported_failed_and_the_job_thr
     assert not waiter.is_alive(), "the job thread stopped serving"
     assert side.finished()[1] == {"first", "second"} and side.load_errors() == {0, 1}
     assert side.take_report().failed_loads == ["first", "second"]
+
+
+@needs_smollm
+def test_a_lora_id_first_seen_on_other_files_runs_weights_of_no_known_files(tmp_path, engine_model):
+    """vLLM keeps the weights it loaded under a LoRA id, whatever the adapter's files become: a request of that id after
+    the files change (before a reload under a new id) computes the old weights' KV, which must be kept as nobody's;
+    the new id runs the new files."""
+    from peft_kvcache.vllm.pairs import Variant
+    from peft_kvcache.vllm.staleness import FileWatch
+
+    folder = tmp_path / "hot"
+    shutil.copytree(ROOT / "adapters" / "shout", folder)
+    watch, variant = FileWatch(str(engine_model[0])), Variant("hot", str(folder))
+    watch.seen(variant, 1)
+    old = watch.of_request(variant, 1)
+    assert old is not None and watch.of_request(variant, 1) == watch.fingerprint(variant)
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        shutil.copy(ROOT / "adapters" / "docstring" / name, folder / name)
+    assert watch.fingerprint(variant) != old
+    watch.seen(variant, 1)  # seen again: still the files it was first seen on
+    assert watch.of_request(variant, 1) is None  # the old id: the old weights, of no files on disk
+    watch.seen(variant, 2)  # reloaded under a new id: the files now
+    assert watch.of_request(variant, 2) == watch.fingerprint(variant)
+    base = Variant(None)
+    watch.seen(base, None)
+    assert watch.of_request(base, None) == watch.fingerprint(base)
+
+
+def test_a_variants_tracked_hashes_cover_every_block_the_pool_can_cache():
+    from peft_kvcache.vllm.pairs import Variant
+    from peft_kvcache.vllm.staleness import TRACKED_HASHES, FileWatch
+
+    watch, variant = FileWatch.__new__(FileWatch), Variant("a", "/a")
+    watch.tracked = {}
+    watch.track(variant, range(TRACKED_HASHES + 10))
+    assert len(watch.tracked[variant]) == TRACKED_HASHES and 10 in watch.tracked[variant]
+    watch.track(variant, range(TRACKED_HASHES + 10, TRACKED_HASHES + 20), pool_blocks=TRACKED_HASHES + 20)
+    assert len(watch.tracked[variant]) == TRACKED_HASHES + 20 - 10  # nothing dropped: the pool could cache them all
+
+
+def test_an_engine_cache_other_than_full_attention_in_one_group_is_refused_by_name():
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    import torch as _torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from peft_kvcache.vllm.layout import unsupported_attention
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=_torch.float32)
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=_torch.float32, sliding_window=256)
+    config = lambda *specs: SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in specs])  # noqa: E731
+    assert unsupported_attention(config(full)) is None and unsupported_attention(None) is None
+    assert "SlidingWindowSpec in 1 group(s)" in unsupported_attention(config(window))
+    assert "FullAttentionSpec, SlidingWindowSpec in 2 group(s)" in unsupported_attention(config(full, window))
+
+
+def test_options_it_could_not_read_label_a_request_whatever_it_loaded():
+    """A request whose options were read as "exact" is told so even where the store served it (its sender must learn
+    its options were not used); a fallback met while looking for a longer prefix is dropped once one was loaded."""
+    from peft_kvcache.vllm.records import Plan
+    from peft_kvcache.vllm.scheduler import _fallback
+
+    assert _fallback(Plan(0, fallback="invalid_options"), loaded=True) == "invalid_options"
+    assert _fallback(Plan(0, fallback="no_target_sink"), loaded=True) is None
+    assert _fallback(Plan(0, fallback="no_target_sink"), loaded=False) == "no_target_sink"
+
+
+def test_the_store_gauges_are_reported_when_only_the_store_changed():
+    """A reset empties the store without a counter moving: its size is reported all the same (the gauges on
+    /metrics would keep the old size)."""
+    from peft_kvcache.runtime.reuse import Made
+    from peft_kvcache.vllm.records import Counts
+    from peft_kvcache.vllm.scheduler import SchedulerSide
+
+    side = SchedulerSide.__new__(SchedulerSide)
+    side.index, side.counts, side._reported_size = StoreIndex(1 << 20, 4, 8), Counts(), (0, 0)
+    side.index.add(Variant(None), None, _tokens(8), Made())
+    stats = side.stats()
+    assert stats["store_entries"] == 1 and stats["store_bytes"] > 0
+    assert side.stats() is None  # nothing moved since
+    side.index.clear()
+    assert side.stats() == {"tokens": {}, "fallbacks": {}, "evictions": 0, "store_bytes": 0, "store_entries": 0}
+
+
+def test_a_finished_request_keeps_only_what_its_processed_steps_wrote():
+    """Under async scheduling (vLLM's default on GPUs) a finished request's computed-token counter includes a step
+    still in flight: a copy on another stream could read its last block before that step's write lands, so only the
+    blocks of processed steps are kept."""
+    from types import SimpleNamespace
+
+    from peft_kvcache.runtime.reuse import Made
+    from peft_kvcache.vllm.records import Counts, RequestRecord
+    from peft_kvcache.vllm.scheduler import SchedulerSide
+
+    side = SchedulerSide.__new__(SchedulerSide)
+    side.refused, side.maps, side.options = None, None, ConnectorOptions(mode="exact")
+    side.block_size, side.sink_tokens, side.ops, side.counts = 4, 1, [], Counts()
+    side.index = StoreIndex(1 << 20, 4, 8)
+    record = RequestRecord(Variant(None), None, "map", 8, made=Made())
+    for in_flight, kept in ((0, 3), (1, 2)):  # 12 tokens counted, the 12th written by a step in flight
+        side.index.clear()
+        request = SimpleNamespace(request_id="r", num_computed_tokens=12, num_in_flight_tokens=in_flight,
+                                  all_token_ids=_tokens(13), mm_features=None, prompt_embeds=None)
+        assert side._keep(request, record, [0, 1, 2, 3])
+        assert side.ops[-1].block_ids == (0, 1, 2)[:kept]

@@ -137,7 +137,7 @@ class PeftKVCacheConnector(KVConnectorBase_V1):
                                "complete (a damaged map, a store entry lost) is recomputed by the engine instead of "
                                "failing the request", self._kv_transfer_config.kv_load_failure_policy)
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            self.scheduler = SchedulerSide(vllm_config, options, async_loads)
+            self.scheduler = SchedulerSide(vllm_config, options, async_loads, kv_cache_config)
         else:
             self.worker = WorkerSide(vllm_config, kv_cache_config, options.maps if options.mode == "map" else None,
                                      step_share=options.step_share)

@@ -171,3 +171,20 @@ def _check_shapes(layout, block_ids: Sequence[int], keys: torch.Tensor, values: 
 
 
 PagedLayout = CpuLayout | LogicalLayout
+
+
+def unsupported_attention(kv_cache_config) -> str | None:
+    """Why the connector cannot keep this engine's cache, or None: it reads and writes every layer's blocks as full
+    attention in one group; a sliding window's blocks outside the window are vLLM's shared null block by the time a
+    request ends (kept, they would be served as its KV; written, they would overwrite the null block), and other kinds
+    (MLA, state spaces, hybrid groups) hold other contents. None without a config (nothing to check)."""
+    if kv_cache_config is None:
+        return None
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) == 1 and type(groups[0].kv_cache_spec) is FullAttentionSpec:
+        return None
+    kinds = sorted({type(group.kv_cache_spec).__name__ for group in groups})
+    return (f"the engine's cache holds {', '.join(kinds)} in {len(groups)} group(s); the connector keeps full "
+            "attention in one group only (a sliding window's blocks outside it are vLLM's shared null block)")

@@ -32,6 +32,7 @@ import torch
 from ..runtime.reuse import EXACT, Made, mapping_pays
 from .evictions import PrefixCacheEvictions
 from .jobs import UNPLANNED, DropJob, LoadJob, SaveJob, WorkerReport
+from .layout import unsupported_attention
 from .options import ConnectorOptions, request_reuse
 from .pairs import Variant, VariantMaps, local_model_folder
 from .records import Counts, Plan, RequestRecord
@@ -44,9 +45,10 @@ logger = logging.getLogger(__name__)
 
 class SchedulerSide:
     """See the module. ``vllm_config``: the engine's; ``async_loads``: loads complete between steps (vLLM's
-    ``load_kv_async``). vLLM's block pool is bound after construction (`evictions`)."""
+    ``load_kv_async``); ``kv_cache_config``: the engine's cache groups (anything but full attention is refused).
+    vLLM's block pool is bound after construction (`evictions`)."""
 
-    def __init__(self, vllm_config, options: ConnectorOptions, async_loads: bool = True):
+    def __init__(self, vllm_config, options: ConnectorOptions, async_loads: bool = True, kv_cache_config=None):
         model, parallel = vllm_config.model_config, vllm_config.parallel_config
         self.options, self.async_loads = options, async_loads
         self.block_size = vllm_config.cache_config.block_size
@@ -68,10 +70,12 @@ class SchedulerSide:
         self.worker_ready = False
         self.worker_problem: str | None = None  # why the worker cannot use the engine's cache, once it said so
         self.head_groups = head_groups(vllm_config)  # maps fitted per shard for this split need no gather
-        self.refused = unsupported_parallelism(vllm_config)  # said at start; every request falls back with a reason
+        # said at start; every request falls back with the reason: (fallback, why) or None
+        self.refused = next(((reason, why) for reason, why in (
+            ("unsupported_parallelism", unsupported_parallelism(vllm_config)),
+            ("unsupported_attention", unsupported_attention(kv_cache_config))) if why), None)
         if self.refused:
-            logger.warning("peft-kvcache: the connector reuses nothing on this engine (unsupported_parallelism): %s",
-                           self.refused)
+            logger.warning("peft-kvcache: the connector reuses nothing on this engine (%s): %s", *self.refused)
         self.plans: dict[str, Plan] = {}
         self.records: dict[str, RequestRecord] = {}
         self.running: dict[str, object] = {}  # vLLM's requests admitted and not finished (their block hashes)
@@ -79,6 +83,7 @@ class SchedulerSide:
         self.ops: list = []  # store operations for the next step, in order
         self.loads: list[LoadJob] = []
         self.counts = Counts()
+        self._reported_size = (0, 0)  # the store's bytes and entries as `stats` last reported them
         self._logged: set[str] = set()
 
     # ----- a new request -----
@@ -89,6 +94,7 @@ class SchedulerSide:
         cache just now: approximate ones). Side-effect free but for the plan it keeps and those evictions: vLLM may ask
         again for the same request."""
         variant = _variant(request)
+        self.files.seen(variant, _lora_id(request))
         if self._changed(variant) and local_tokens:
             return None
         if local_tokens:  # approximate blocks vLLM cached since: out, and where its hit read one, it asks again
@@ -109,7 +115,7 @@ class SchedulerSide:
             self._say("invalid_options", problem)
             plan.fallback = "invalid_options"
         if self.refused:
-            plan.fallback = "unsupported_parallelism"
+            plan.fallback = self.refused[0]
             return plan
         if _not_its_tokens(request):
             plan.fallback = "multimodal"  # its placeholder tokens would match another input's KV
@@ -229,7 +235,7 @@ class SchedulerSide:
                     self.evictions.blocks(ids)
         record = self.records.get(rid) or self._first_record(request, plan, loaded)
         record.admitted(plan.local_blocks * self.block_size, num_external_tokens if loaded else 0,
-                        plan.made if loaded else EXACT, None if loaded else plan.fallback)
+                        plan.made if loaded else EXACT, _fallback(plan, loaded))
 
     def _external_blocks(self, plan: Plan, block_ids: list[int], num_external_tokens: int) -> tuple[int, ...]:
         """The blocks of the tokens vLLM skips: those after vLLM's own hit."""
@@ -241,10 +247,10 @@ class SchedulerSide:
         rid, variant = request.request_id, _variant(request)
         reuse, _ = request_reuse(request.kv_transfer_params)
         record = self.records[rid] = RequestRecord(variant, request.cache_salt, reuse, request.num_prompt_tokens,
-                                                   fingerprint=self.files.fingerprint(variant))
+                                                   fingerprint=self.files.of_request(variant, _lora_id(request)))
         self.running[rid] = request
         self.files.made_with(variant, record.fingerprint)  # the files its blocks are of, from its first block on
-        if plan.fallback and not loaded:
+        if _fallback(plan, loaded):
             self.counts.fallbacks[plan.fallback] += 1
             self._say(plan.fallback, f"{record.variant.label} request {rid}")
         return record
@@ -315,16 +321,17 @@ class SchedulerSide:
         if loading:  # ended (aborted) while its load ran: its blocks are not all written, and vLLM frees them when the
             # worker reports the load (holding them for a copy too would have them freed twice)
             return False, record.label(self.base_name)
-        if record.fingerprint != now:  # its variant's files changed while it ran: its KV is of the old weights
-            self._say("changed_while_running", f"{record.variant.label}'s files changed while request "
-                      f"{request.request_id} ran: nothing it computed is kept")
+        if record.fingerprint != now:  # its variant's files changed since its weights were read: old weights' KV
+            self._say("changed_while_running", f"{record.variant.label}'s files changed since request "
+                      f"{request.request_id}'s weights were read: nothing it computed is kept")
             self.evictions.request(request, 0, block_ids)
             return False, record.label(self.base_name)
         if record.made.approximate:  # what it computed over approximate KV is derived too: never an exact hit later
             self.evictions.request(request, record.local_tokens // self.block_size, block_ids)
         # every variant's fingerprint, kept or not: vLLM's prefix cache keeps its blocks whatever the store keeps
         self.files.made_with(record.variant, now)
-        self.files.track(record.variant, getattr(request, "block_hashes", ()))
+        pool = self.evictions.pool
+        self.files.track(record.variant, getattr(request, "block_hashes", ()), getattr(pool, "num_gpu_blocks", 0))
         return self._keep(request, record, block_ids), record.label(self.base_name)
 
     def _keep(self, request, record: RequestRecord, block_ids: list[int]) -> bool:
@@ -336,7 +343,10 @@ class SchedulerSide:
         # sinks of variants a map leads to; derived KV only within the bound on maps passed
         keep_entry = (not mapping or self.maps.useful(record.variant)) and record.made.hops <= self.options.max_hops
         keep_sink = record.made.exact and (not mapping or self.maps.useful(record.variant, "target"))
-        computed = min(request.num_computed_tokens, len(block_ids) * self.block_size)
+        # what its processed steps wrote: under async scheduling (vLLM's default on GPUs) the counter runs ahead by
+        # the steps still in flight, whose writes a copy on another stream could read before they land
+        processed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        computed = min(processed, len(block_ids) * self.block_size)
         tokens = list(request.all_token_ids)[:computed]
         blocks = computed // self.block_size if keep_entry else 0
         entry = None
@@ -415,9 +425,11 @@ class SchedulerSide:
             self._say("load_error", f"request {request_id}")
 
     def stats(self) -> dict | None:
-        """Counters since the last call and the store's size, or None when nothing happened."""
+        """Counters since the last call and the store's size, or None when nothing happened (the size included: a
+        reset empties the store without a counter moving)."""
         counts, self.counts = self.counts, Counts()
-        if not (counts.tokens or counts.fallbacks or counts.evictions):
+        size, self._reported_size = self._reported_size, (self.index.nbytes, len(self.index))
+        if not (counts.tokens or counts.fallbacks or counts.evictions) and size == self._reported_size:
             return None
         return {"tokens": dict(counts.tokens), "fallbacks": dict(counts.fallbacks), "evictions": counts.evictions,
                 "store_bytes": self.index.nbytes, "store_entries": len(self.index)}
@@ -429,6 +441,12 @@ class SchedulerSide:
             logger.warning("peft-kvcache: %s (%s; logged once per reason)", detail, reason)
 
 
+def _fallback(plan: Plan, loaded: bool) -> str | None:
+    """The fallback a request's label and counters carry: why a longer prefix was not used where nothing was loaded;
+    options it could not read whatever it loaded (its sender must learn they were read as "exact")."""
+    return plan.fallback if not loaded or plan.fallback == "invalid_options" else None
+
+
 def _not_its_tokens(request) -> bool:
     """Whether a request's KV is of more than its token ids (multimodal inputs behind placeholder tokens, prompt
     embeddings behind placeholder ids): KV kept under its tokens would be another input's."""
@@ -438,6 +456,12 @@ def _not_its_tokens(request) -> bool:
 def _variant(request) -> Variant:
     lora = request.lora_request
     return Variant(None) if lora is None else Variant(lora.lora_name, lora.lora_path)
+
+
+def _lora_id(request) -> int | None:
+    """The LoRA id vLLM runs the request's adapter under (a reload takes a new one), None for the base model."""
+    lora = request.lora_request
+    return None if lora is None else lora.lora_int_id
 
 
 __all__ = ["Counts", "Plan", "RequestRecord", "SchedulerSide"]

@@ -16,7 +16,7 @@ from ..modeling.identity import fingerprint_files
 from .pairs import Variant, local_model_folder
 
 logger = logging.getLogger(__name__)
-TRACKED_HASHES = 1 << 16  # per variant: vLLM block hashes of its finished requests (evicted if its files change)
+TRACKED_HASHES = 1 << 16  # per variant at least: block hashes of its finished requests (evicted if its files change)
 
 
 class FileWatch:
@@ -30,6 +30,7 @@ class FileWatch:
         self.model_dir = _model_folder(model)
         self.prints: dict[Variant, str] = {}  # the fingerprint each variant's KV was made with
         self.tracked: dict[Variant, OrderedDict] = {}  # vLLM block hashes of each variant's finished requests
+        self.loaded: dict[tuple[Variant, int], str] = {}  # an adapter's files when its LoRA id was first seen
 
     def fingerprint(self, variant: Variant) -> str | None:
         """The sampled fingerprint of the files ``variant`` loads now (memoized by their identity: a few ``stat``
@@ -40,6 +41,22 @@ class FileWatch:
             return fingerprint_files(self.model_dir, variant.path if variant.adapter else None)
         except Exception:  # noqa: BLE001 - a file being rewritten reads as anything; never stop the engine for it
             return None
+
+    def seen(self, variant: Variant, lora_id: int | None) -> None:
+        """Note the files an adapter's LoRA id runs on: vLLM reads them for the id's first request and keeps those
+        weights under the id, whatever its files become (a request of it after they change runs the old ones)."""
+        if variant.adapter is not None and lora_id is not None and (variant, lora_id) not in self.loaded:
+            now = self.fingerprint(variant)
+            if now is not None:
+                self.loaded[variant, lora_id] = now
+
+    def of_request(self, variant: Variant, lora_id: int | None) -> str | None:
+        """The fingerprint of the files a request's KV is of: its variant's files now, unless its LoRA id was first
+        seen on other files (vLLM may run the weights it loaded then, or those it reads again after evicting them:
+        its KV is of no known files, None, and is kept nowhere)."""
+        now = self.fingerprint(variant)
+        first = self.loaded.get((variant, lora_id)) if variant.adapter is not None else None
+        return now if first is None or first == now else None
 
     def made_with(self, variant: Variant, fingerprint: str | None) -> None:
         """``variant``'s KV is of the files with ``fingerprint`` (the first one said holds until they change)."""
@@ -60,13 +77,14 @@ class FileWatch:
         del self.prints[variant]
         return tuple(self.tracked.pop(variant, {}))
 
-    def track(self, variant: Variant, block_hashes) -> None:
-        """Remember the block hashes of a finished request of ``variant`` (the most recent `TRACKED_HASHES`)."""
+    def track(self, variant: Variant, block_hashes, pool_blocks: int = 0) -> None:
+        """Remember the block hashes of a finished request of ``variant``: the most recent `TRACKED_HASHES`, or
+        ``pool_blocks`` (vLLM's block pool) where more: every block the variant can have cached at once."""
         tracked = self.tracked.setdefault(variant, OrderedDict())
         for block_hash in block_hashes:
             tracked[block_hash] = None
             tracked.move_to_end(block_hash)
-        while len(tracked) > TRACKED_HASHES:
+        while len(tracked) > max(TRACKED_HASHES, pool_blocks):
             tracked.popitem(last=False)
 
 

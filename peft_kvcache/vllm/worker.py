@@ -241,6 +241,7 @@ class WorkerSide:
                 self._jobs.task_done()
 
     def _op_steps(self, op) -> Iterator[None]:
+        stored = set()  # what the store holds of this operation, whatever fails after
         try:
             if isinstance(op, DropJob):
                 if op.key is None:  # a reset
@@ -263,6 +264,7 @@ class WorkerSide:
                 entry = StoredKV([_to_host(k) for k, _ in pairs], [_to_host(v) for _, v in pairs])
                 _copies_done(self.layers[0].device)  # a load of it reads the host copies on the CPU
                 self.store.entries[op.key] = entry
+                stored.add(op.key)
             if op.sink_key is not None:
                 if not op.block_ids or op.sink_tokens > self.layout.block_size:
                     raise CacheMismatchError(f"a sink of {op.sink_tokens} token(s) needs the request's first block")
@@ -274,7 +276,7 @@ class WorkerSide:
         except Exception as err:  # never fail the engine: the scheduler forgets what was not stored
             with self._lock:
                 self._report.failed_keys.extend(k for k in (getattr(op, "key", None), getattr(op, "sink_key", None))
-                                                if k is not None)
+                                                if k is not None and k not in stored)
             logger.warning("peft-kvcache: could not %s %s: %s", type(op).__name__, getattr(op, "key", None), err)
         finally:
             if isinstance(op, SaveJob):  # vLLM may free its blocks now, whatever happened
@@ -282,7 +284,11 @@ class WorkerSide:
                     self._saved.add(op.request_id)
 
     def _load_steps(self, job: LoadJob, report_done: bool) -> Iterator[None]:
-        """A load as slices; ``report_done``: say it is done (an asynchronous load) when it ends, failed or not."""
+        """A load as slices; ``report_done``: say it is done (an asynchronous load) when it ends, failed or not. A
+        failure is reported with the load's end, in one step: reported a step earlier (the job thread's copies still
+        draining), the scheduler would take the request for done loading, and an abort in between would queue a copy
+        of blocks vLLM frees when the load ends."""
+        failure = None
         try:
             if job.kind == UNPLANNED:
                 raise CacheMismatchError("the scheduler could not plan this load")
@@ -290,27 +296,27 @@ class WorkerSide:
                 raise CacheMismatchError(self.problem or "no layout")
             yield from self._load(job)
         except Exception as err:  # vLLM recomputes the failed blocks
-            self._load_failed(job, err)
+            failure = err
         finally:
             if report_done:
                 try:
                     if self.layers:  # a GPU's writes, queued on this thread's stream, land before vLLM's forward reads
                         _copies_done(self.layers[0].device)  # the blocks (or recomputes the failed ones) on its stream
                 except Exception as err:  # a request never waits forever on its load
-                    self._load_failed(job, err)
-                with self._lock:
+                    failure = failure or err
+            if failure is not None:
+                self._unwritten[job.request_id] = None  # a save of it (aborted, never recomputed) stores nothing
+                while len(self._unwritten) > 4096:
+                    self._unwritten.popitem(last=False)
+                logger.warning("peft-kvcache: the %s load of request %s failed and is recomputed: %s", job.kind,
+                               job.request_id, failure)
+            with self._lock:
+                if failure is not None:
+                    self._failed_blocks.update(job.block_ids)
+                    if job.request_id not in self._report.failed_loads:
+                        self._report.failed_loads.append(job.request_id)
+                if report_done:
                     self._loaded.add(job.request_id)
-
-    def _load_failed(self, job: LoadJob, err: Exception) -> None:
-        self._unwritten[job.request_id] = None  # a save of the request (aborted, never recomputed) stores nothing
-        while len(self._unwritten) > 4096:
-            self._unwritten.popitem(last=False)
-        with self._lock:
-            self._failed_blocks.update(job.block_ids)
-            if job.request_id not in self._report.failed_loads:
-                self._report.failed_loads.append(job.request_id)
-        logger.warning("peft-kvcache: the %s load of request %s failed and is recomputed: %s", job.kind, job.request_id,
-                       err)
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         """The requests whose copy (vLLM may free their blocks) and whose load (vLLM may schedule them) are done

@@ -82,6 +82,28 @@ def test_an_adapter_replaced_at_the_same_path_is_served_nothing_of_its_old_weigh
     assert replaced.outputs[0].token_ids == reference.outputs[0].token_ids
 
 
+def test_a_request_of_the_old_lora_id_after_the_files_change_leaves_nothing_for_the_new_one(served, prompt, tmp_path):
+    """The files change at the same path, and a request still comes under the adapter's old LoRA id before the reload:
+    vLLM runs the weights it loaded under that id, the old ones, so what the request computes is of no files on disk:
+    kept nowhere, and the request of the reloaded adapter (a new id) reads nothing of it."""
+    folder = tmp_path / "late"
+    shutil.copytree(ADAPTERS["shout"], folder)
+    served.peft_kvcache_adapters["late"] = folder
+    try:
+        run(served, prompt(1), "late", lora_id=50)
+        for name in ("adapter_model.safetensors", "adapter_config.json"):
+            shutil.copy(ADAPTERS["docstring"] / name, folder / name)
+        late = run(served, prompt(1), "late", lora_id=50)  # the old id: shout's weights, still loaded under it
+        replaced = run(served, prompt(1), "late", lora_id=51)
+        reference = run(served, prompt(1), "late", lora_id=51, salt="reference", reuse="none")
+    finally:
+        del served.peft_kvcache_adapters["late"]
+    assert _label(late)["context_source"] != "reused", _label(late)
+    label = _label(replaced)
+    assert label["engine_cached_tokens"] == 0 and label["context_source"] != "reused", label
+    assert replaced.outputs[0].token_ids == reference.outputs[0].token_ids
+
+
 def test_an_adapter_no_map_reads_replaced_at_the_same_path_is_served_nothing_of_its_old_weights(served, prompt,
                                                                                                   tmp_path):
     """The same for an adapter whose KV no map reads (the store keeps nothing of it, vLLM's prefix cache does)."""
