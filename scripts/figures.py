@@ -226,6 +226,10 @@ def readme_table() -> str:
             "the maps the default recipe runs on, which that run did not switch plainly; the TTFT column times the "
             "default's own maps, plain and with the recipe." if plain_on_base_maps else "")
         + "".join(f"\n\n{note}" for note in ttft_goal_notes(shown))
+        + ("\n\nA sibling map's default recipe stays out of this table until a final report of it stands: one of the "
+           "default the selection texts chose, on the maps they chose it on, measured on every example its run planned "
+           "(`figures.final_report_problem`); each note below says what a report lacks." if any(withheld.values())
+           else "")
         + "".join(f"\n\nNot shown: `{reports[name][context]['stem']}.json` for `{name}`: {problem}; it is measured "
                   f"again (`python -m benchmarks.recipes run --role final --context {context}`, then its report)."
                   for name, problems in withheld.items() for context, problem in problems.items()))

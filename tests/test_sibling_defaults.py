@@ -227,10 +227,12 @@ def test_a_card_is_never_published_with_figures_measured_on_other_weights(result
     assert "`attn:index@160/p40`" not in readme.split("\n\n")[0]
     assert (f"Not shown: `sibling-recipes-final-2048.json` for `{UP}`: its 'attn:index@160/p40' ran on 5 "
             "continuation examples, its window-only control on 6;") in readme
+    assert "default recipe stays out of this table until a final report of it stands" in readme
     path.write_text(complete)
     recipe_report.report("final", 2048)
     publisher.check_final_maps("up")
     assert "`attn:index@160/p40`" in figures.readme_table() and "Not shown" not in figures.readme_table()
+    assert "stays out of this table" not in figures.readme_table()
     # stopped between examples: the default and its control equally short, and the plan says what is missing
     path.write_text("".join(line for line in complete.splitlines(keepends=True) if '"continuation/5"' not in line))
     recipe_report.report("final", 2048)
