@@ -75,10 +75,12 @@ def control_of(variant: str, compute: int) -> str | None:
     return f"window@{compute}"
 
 
-def planned_examples(runs: list[dict]) -> dict[str, int] | None:
-    """The examples per task (continuation, and recall pooled under `RECALL`) the latest of ``runs`` that recorded its
-    plan set out to score (`recipes.run`); None where no run recorded one (runs before plans were recorded)."""
-    plan = next((run["planned"] for run in reversed(runs) if "planned" in run), None)
+def planned_examples(runs: list[dict], direction: str) -> dict[str, int] | None:
+    """The examples per task (continuation, and recall pooled under `RECALL`) the latest of ``runs`` in ``direction``
+    (a run names its directions by their budgets; one that names none, every direction) that recorded its plan set
+    out to score (`recipes.run`); None where no run recorded one (runs before plans were recorded)."""
+    plan = next((run["planned"] for run in reversed(runs)
+                 if "planned" in run and direction in run.get("budgets", {direction: None})), None)
     if plan is None:
         return None
     return {"continuation": plan.get("continuation", 0),
@@ -275,13 +277,16 @@ def report(role: str, context: int) -> dict:
     """Write the tables of the role's records at ``context``; returns the payload."""
     path = records_path(role, context)
     records = read_records(path)
-    live = {r.get("run") for r in records}  # a run that stopped before its first record measured nothing here
-    runs = [run for run in read_records(path.with_name("runs.jsonl"))
-            if run.get("role") == role and run.get("context") == context and run.get("run") in live]
-    planned = planned_examples(runs)
+    every = [run for run in read_records(path.with_name("runs.jsonl"))
+             if run.get("role") == role and run.get("context") == context]
+    live = {r.get("run") for r in records}  # the budgets: of runs that measured something here
+    runs = [run for run in every if run.get("run") in live]
+    # the plan and the maps' facts: of any run (one that found everything measured adds no record, yet says what a
+    # complete run scores and where the maps lie now)
+    planned = {d: planned_examples(every, d) for d in siblings.DIRECTIONS}
     meta = {r["variant"]: {"kind": r["kind"], "compute": r["compute"], "budget": r["budget"], "maps": r["maps"]}
             for r in records}
-    payload, lines = {"role": role, "context": context, "planned": planned, "directions": {}}, []
+    payload, lines = {"role": role, "context": context, "directions": {}}, []
     lines += [f"# Sibling recipes at {context} tokens ({role} texts)", "",
               "Normalized retention [95% interval, files resampled]; minus the window-only control at equal target "
               "compute, paired on the same examples. Compute: context tokens the target runs (probe counted once).", ""]
@@ -297,14 +302,14 @@ def report(role: str, context: int) -> dict:
                 rows.setdefault(variant, dict(info))[task] = summary(scores, variant,
                                                                      control_of(variant, info["compute"]))
         fingerprints = current_maps(records, direction)
-        facts = latest_map_facts(runs, direction, fingerprints)
+        facts = latest_map_facts(every, direction, fingerprints)
         choice = None
         if role == "selection":
             levers_compete = any(row.get("maps", "published") != "published" for row in rows.values())
             choice = choose_default(rows, budget, {label: f["multiply_adds_per_token"] for label, f in facts.items()},
                                     cost_limit(runs, direction) if levers_compete else None,
                                     maps_gone({row.get("maps", "published") for row in rows.values()}, facts),
-                                    planned)
+                                    planned[direction])
         # the default these texts choose (selection) or report (final: the one the selection texts chose, on the
         # very maps they chose it on)
         if choice and choice["waiting"]:
@@ -335,7 +340,7 @@ def report(role: str, context: int) -> dict:
         # the weights the default was measured with: a card publishes only those (`scripts.publish`)
         default_map = fingerprints.get(rows[default]["maps"]) if default is not None else None
         payload["directions"][direction] = {"budget": budget, "rows": rows, "choice": choice, "default": default,
-                                            "default_map": default_map,
+                                            "default_map": default_map, "planned": planned[direction],
                                             "pair": siblings.pair_name(direction), "trade_off": trade_off(rows),
                                             "levers": levers, "refits": refitted}
         order = sorted(rows, key=lambda v: (rows[v]["compute"], v))
@@ -408,6 +413,6 @@ def report(role: str, context: int) -> dict:
               "position) to more picked positions and fewer recent ones; `index` drops the mapped middle, `refresh` "
               "keeps it, `hybrid` keeps the mapped prefix and a recent window.", ""]
     save(stem, {**payload, "records": str(path.relative_to(RESULTS.parent.parent)),
-                                                "record_commits": commits, "runs": runs},
+                                                "record_commits": commits, "runs": every},
          "\n".join(lines), data={"examples": sorted({r["example"] for r in records})})
     return payload

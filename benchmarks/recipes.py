@@ -487,6 +487,7 @@ def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str
                           "--lever LABEL=FOLDER (benchmarks.lever_maps fits them)")
     path = records or records_path(role, context)
     drop_partial_line(path)
+    drop_partial_line(path.with_name("runs.jsonl"))  # this run's line must not join a torn one
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     commit = code_state()["commit"]
     maps = {d: {label: KVMap.from_pretrained(folders[d]) for label, folders in map_sets.items()} for d in directions}

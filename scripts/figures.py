@@ -61,11 +61,10 @@ def final_recipe_reports(direction: str) -> dict[int, dict]:
     for context in FINAL_CONTEXTS:
         stem = report_stem("final", context)
         if (RESULTS / f"{stem}.json").is_file():
-            payload = results(stem)
-            report = payload["directions"].get(direction, {})
+            report = results(stem)["directions"].get(direction, {})
             if report.get("default"):
                 out[context] = {"stem": stem, "default": report["default"], "rows": report["rows"],
-                                "default_map": report.get("default_map"), "planned": payload.get("planned")}
+                                "default_map": report.get("default_map"), "planned": report.get("planned")}
     return out
 
 

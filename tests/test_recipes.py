@@ -141,9 +141,12 @@ def test_records_resume_where_a_run_stopped(tmp_path, sibling_pair, sibling_map,
     assert facts["options"] == {}  # the sibling fixture's map is fitted with the default options
     lines = path.read_text().splitlines()
     path.write_text("\n".join(lines[:5]) + "\n" + lines[5][:20])  # a stop mid-write
+    with open(path.with_name("runs.jsonl"), "a") as out:  # of both files
+        out.write(json.dumps(entry)[:40])
     computed = pass_store.full_pass
     monkeypatch.setattr(pass_store, "full_pass", lambda *args: pytest.fail("a kept pass was computed again"))
     run()
+    assert json.loads(path.with_name("runs.jsonl").read_text().splitlines()[-1])["planned"] == {"continuation": 3}
     monkeypatch.setattr(pass_store, "full_pass", computed)
     again = recipes.read_records(path)
     assert len(again) == 3 * len(plan)
@@ -271,11 +274,13 @@ def test_the_default_is_the_best_recipe_not_below_the_control_that_keeps_recall(
     assert choice["default"] is None and "refresh@160/p64" in choice["waiting"]
     assert recipe_report.choose_default(rows, 160, planned={"continuation": 40, recipe_scores.RECALL: 48})[
         "default"] == "refresh@160/p64"
-    assert recipe_report.planned_examples([{"planned": {"continuation": 9}},
-                                           {"planned": {"continuation": 40, "recall-code-top": 24,
-                                                        "recall-prose-end": 24}}, {}]) == \
+    runs = [{"planned": {"continuation": 9}, "budgets": {"up": 160, "down": 64}},
+            {"planned": {"continuation": 40, "recall-code-top": 24, "recall-prose-end": 24}, "budgets": {"up": 160}},
+            {}]
+    assert recipe_report.planned_examples(runs, "up") == \
         {"continuation": 40, recipe_scores.RECALL: 48}  # the latest run that recorded a plan, recall pooled
-    assert recipe_report.planned_examples([{}]) is None
+    assert recipe_report.planned_examples(runs, "down") == {"continuation": 9, recipe_scores.RECALL: 0}  # its own
+    assert recipe_report.planned_examples([{}], "up") is None
     # with a limit, a lever's maps compete where their multiply-adds per token stay within it
     costs = {"published": 100, "attn": 400}
     choice = recipe_report.choose_default(rows, 160, costs, cost_limit=400)

@@ -406,9 +406,10 @@ def test_adapter_maps_fitted_on_other_data_are_refused_before_any_model_loads(tm
         publisher.calibrate_adapters()
 
 
-def test_a_report_reads_only_the_runs_whose_records_it_holds(results):
-    """A run that stopped before its first record (or one cut short mid-line) measured nothing: its budget and plan
-    are not the records' (the report's budget, its plan and its runs are those of the runs its records hold)."""
+def test_a_report_takes_its_budget_from_the_runs_whose_records_it_holds_and_its_plan_from_the_latest(results):
+    """A run that stopped before its first record (or one that found everything measured) adds no record: the budget
+    the records were compared at is the runs' that wrote them; what a complete run scores is the latest plan (the
+    next run's examples), and a line cut short mid-write is skipped."""
     folder = results / "maps" / "published"
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(b"published")
@@ -419,10 +420,15 @@ def test_a_report_reads_only_the_runs_whose_records_it_holds(results):
     measured = {"run": "r1", "role": "selection", "context": 2048, "budgets": {"up": 160}, "planned": PLAN,
                 "map_sets": facts}
     stopped = {"run": "r2", "role": "selection", "context": 2048, "budgets": {"up": 64},
-               "planned": {"continuation": 60}}
+               "planned": {**PLAN, "continuation": 7}}
+    (results / "sibling-recipes" / "runs.jsonl").write_text(
+        json.dumps(measured) + "\n" + json.dumps(stopped) + "\n" + json.dumps(measured)[:30])
+    with pytest.raises(RecordError, match="fewer examples than the control or the run planned"):
+        recipe_report.report("selection", 2048)  # the latest plan: 7 continuation windows, 6 measured
+    stopped["planned"] = PLAN
     (results / "sibling-recipes" / "runs.jsonl").write_text(
         json.dumps(measured) + "\n" + json.dumps(stopped) + "\n" + json.dumps(measured)[:30])
     payload = recipe_report.report("selection", 2048)
-    assert payload["directions"]["up"]["budget"] == 160 and payload["planned"]["continuation"] == 6
-    assert [run["run"] for run in common.read_results("sibling-recipes-selection-2048")["runs"]] == ["r1"]
-    assert payload["directions"]["up"]["default"] == "index@160/p40"  # complete on the plan of the run it holds
+    assert payload["directions"]["up"]["budget"] == 160 and payload["directions"]["up"]["planned"]["continuation"] == 6
+    assert [run["run"] for run in common.read_results("sibling-recipes-selection-2048")["runs"]] == ["r1", "r2"]
+    assert payload["directions"]["up"]["default"] == "index@160/p40"  # complete on the plan

@@ -451,6 +451,8 @@ def test_a_load_is_reported_done_only_after_the_writes_queued_on_its_stream(monk
     # reported together, in one step: a failure reported a step before the load's end would have the scheduler take
     # the request for done loading, and an abort in between would queue a copy of blocks vLLM then frees
     assert synced == [(False, [], set())]
+    # vLLM reads the ends (`finished`) before the report: a failure that ended between them waits for the next ends
+    assert side.take_report() is None
     assert side.finished()[1] == {"request"} and side.load_errors() == {0}
     assert side.take_report().failed_loads == ["request"]
 
@@ -490,7 +492,7 @@ def test_a_lora_id_first_seen_on_other_files_runs_weights_of_no_known_files(tmp_
     the files change (before a reload under a new id) computes the old weights' KV, which must be kept as nobody's;
     the new id runs the new files."""
     from peft_kvcache.vllm.pairs import Variant
-    from peft_kvcache.vllm.staleness import FileWatch
+    from peft_kvcache.vllm.staleness import OTHER_WEIGHTS, FileWatch
 
     folder = tmp_path / "hot"
     shutil.copytree(ROOT / "adapters" / "shout", folder)
@@ -502,12 +504,22 @@ def test_a_lora_id_first_seen_on_other_files_runs_weights_of_no_known_files(tmp_
         shutil.copy(ROOT / "adapters" / "docstring" / name, folder / name)
     assert watch.fingerprint(variant) != old
     watch.seen(variant, 1)  # seen again: still the files it was first seen on
-    assert watch.of_request(variant, 1) is None  # the old id: the old weights, of no files on disk
+    assert watch.of_request(variant, 1) == OTHER_WEIGHTS  # the old id: the old weights, of no files on disk
+    watch.made_with(variant, OTHER_WEIGHTS)
+    assert variant not in watch.prints  # nobody's KV: no variant's
     watch.seen(variant, 2)  # reloaded under a new id: the files now
     assert watch.of_request(variant, 2) == watch.fingerprint(variant)
     base = Variant(None)
     watch.seen(base, None)
     assert watch.of_request(base, None) == watch.fingerprint(base)
+    # an adapter loaded in place: vLLM reads its files again whenever it activates the id, so no id binds them
+    from types import SimpleNamespace
+
+    from peft_kvcache.vllm.scheduler import _lora_id
+
+    lora = SimpleNamespace(lora_name="hot", lora_path=str(folder), lora_int_id=1, load_inplace=True)
+    assert _lora_id(SimpleNamespace(lora_request=lora)) is None
+    assert watch.of_request(variant, None) == watch.fingerprint(variant)
 
 
 def test_a_variants_tracked_hashes_cover_every_block_the_pool_can_cache():
@@ -588,3 +600,7 @@ def test_a_finished_request_keeps_only_what_its_processed_steps_wrote():
                                   all_token_ids=_tokens(13), mm_features=None, prompt_embeds=None)
         assert side._keep(request, record, [0, 1, 2, 3])
         assert side.ops[-1].block_ids == (0, 1, 2)[:kept]
+    side.index.clear()  # preempted (its counter reset) with a step still in flight, then aborted: nothing to keep
+    request = SimpleNamespace(request_id="r", num_computed_tokens=0, num_in_flight_tokens=1,
+                              all_token_ids=_tokens(13), mm_features=None, prompt_embeds=None)
+    assert not side._keep(request, record, [0, 1, 2, 3]) and len(side.index) == 0

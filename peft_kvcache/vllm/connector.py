@@ -98,7 +98,8 @@ class PeftKVCachePromMetrics(KVConnectorPromMetrics):
                                                       "prefix cache; reused, mapped, naive: the connector; prefilled)")
         self.fallbacks = self._counter_cls(name="vllm:peft_kvcache_fallbacks", labelnames=labelnames + ["reason"],
                                            documentation="Requests served by ordinary prefill instead of a mapped "
-                                                         "prefix, by reason")
+                                                         "prefix, by reason (invalid_options: whatever they were "
+                                                         "served)")
         self.evictions = self._counter_cls(name="vllm:peft_kvcache_store_evictions", labelnames=labelnames,
                                            documentation="Store entries evicted (least recently used first)")
         self.store_bytes = self._gauge_cls(name="vllm:peft_kvcache_store_bytes", labelnames=labelnames,

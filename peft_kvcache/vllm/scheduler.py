@@ -37,7 +37,7 @@ from .options import ConnectorOptions, request_reuse
 from .pairs import Variant, VariantMaps, local_model_folder
 from .records import Counts, Plan, RequestRecord
 from .parallel import head_groups, unsupported_parallelism
-from .staleness import FileWatch
+from .staleness import OTHER_WEIGHTS, FileWatch
 from .store import IndexEntry, StoreIndex
 
 logger = logging.getLogger(__name__)
@@ -97,6 +97,10 @@ class SchedulerSide:
         self.files.seen(variant, _lora_id(request))
         if self._changed(variant) and local_tokens:
             return None
+        if local_tokens and self._other_weights(request):  # vLLM's hit, cached under the adapter's name and path, is
+            # of the files on disk: out, and vLLM asks again
+            self.evictions.hashes(request.block_hashes[: local_tokens // self.block_size])
+            return None
         if local_tokens:  # approximate blocks vLLM cached since: out, and where its hit read one, it asks again
             evicted = self.evictions.hashed_later(variant) | self._evict_running(variant)
             if evicted & set(request.block_hashes[: local_tokens // self.block_size]):
@@ -119,6 +123,9 @@ class SchedulerSide:
             return plan
         if _not_its_tokens(request):
             plan.fallback = "multimodal"  # its placeholder tokens would match another input's KV
+            return plan
+        if self._other_weights(request):
+            plan.fallback = "stale_lora_id"  # its weights are of no files on disk: nothing stored is theirs
             return plan
         if self.worker_problem:
             plan.fallback = "unsupported_layout"
@@ -277,7 +284,7 @@ class SchedulerSide:
         try:
             record = before or self._first_record(request, plan, bool(num_external_tokens))
             record.admitted(first * self.block_size, num_external_tokens, plan.made if num_external_tokens else EXACT,
-                            None if num_external_tokens else plan.fallback)
+                            _fallback(plan, bool(num_external_tokens)))
         except Exception:  # never fail the engine: a request without a record is counted as prefilled when it ends
             logger.exception("peft-kvcache: recording request %s failed", rid)
 
@@ -345,7 +352,7 @@ class SchedulerSide:
         keep_sink = record.made.exact and (not mapping or self.maps.useful(record.variant, "target"))
         # what its processed steps wrote: under async scheduling (vLLM's default on GPUs) the counter runs ahead by
         # the steps still in flight, whose writes a copy on another stream could read before they land
-        processed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        processed = max(0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0))  # 0: preempted
         computed = min(processed, len(block_ids) * self.block_size)
         tokens = list(request.all_token_ids)[:computed]
         blocks = computed // self.block_size if keep_entry else 0
@@ -374,6 +381,11 @@ class SchedulerSide:
         self.counts.evictions += sum(1 for key in keys if key)
 
     # ----- what is stale -----
+
+    def _other_weights(self, request) -> bool:
+        """Whether vLLM runs the request under a LoRA id first seen on files its adapter no longer has (the files
+        changed at the same path before a reload under a new id)."""
+        return self.files.of_request(_variant(request), _lora_id(request)) == OTHER_WEIGHTS
 
     def _changed(self, variant: Variant) -> bool:
         """Whether ``variant``'s files changed since its KV was computed (an adapter replaced at the same path): then
@@ -459,9 +471,11 @@ def _variant(request) -> Variant:
 
 
 def _lora_id(request) -> int | None:
-    """The LoRA id vLLM runs the request's adapter under (a reload takes a new one), None for the base model."""
+    """The LoRA id vLLM runs the request's adapter under (a reload takes a new one); None for the base model, and for
+    an adapter loaded in place (``load_inplace``: vLLM reads its files again whenever it activates the id, so it runs
+    the files on disk)."""
     lora = request.lora_request
-    return None if lora is None else lora.lora_int_id
+    return None if lora is None or getattr(lora, "load_inplace", False) else lora.lora_int_id
 
 
 __all__ = ["Counts", "Plan", "RequestRecord", "SchedulerSide"]

@@ -16,6 +16,7 @@ from ..modeling.identity import fingerprint_files
 from .pairs import Variant, local_model_folder
 
 logger = logging.getLogger(__name__)
+OTHER_WEIGHTS = "other-weights"  # a request's fingerprint where its LoRA id runs weights of no files on disk
 TRACKED_HASHES = 1 << 16  # per variant at least: block hashes of its finished requests (evicted if its files change)
 
 
@@ -51,16 +52,17 @@ class FileWatch:
                 self.loaded[variant, lora_id] = now
 
     def of_request(self, variant: Variant, lora_id: int | None) -> str | None:
-        """The fingerprint of the files a request's KV is of: its variant's files now, unless its LoRA id was first
-        seen on other files (vLLM may run the weights it loaded then, or those it reads again after evicting them:
-        its KV is of no known files, None, and is kept nowhere)."""
+        """The fingerprint of the files a request's KV is of: its variant's files now (None where they cannot be
+        read), unless its LoRA id was first seen on other files: vLLM may run the weights it loaded then, or those it
+        reads again after evicting them, so its KV is of no known files (`OTHER_WEIGHTS`: kept nowhere, served
+        nothing stored)."""
         now = self.fingerprint(variant)
         first = self.loaded.get((variant, lora_id)) if variant.adapter is not None else None
-        return now if first is None or first == now else None
+        return now if first is None or first == now else OTHER_WEIGHTS
 
     def made_with(self, variant: Variant, fingerprint: str | None) -> None:
         """``variant``'s KV is of the files with ``fingerprint`` (the first one said holds until they change)."""
-        if fingerprint is not None:
+        if fingerprint not in (None, OTHER_WEIGHTS):
             self.prints.setdefault(variant, fingerprint)
 
     def changed(self, variant: Variant) -> tuple | None:
@@ -98,4 +100,4 @@ def _model_folder(model: str) -> Path | None:
         return None
 
 
-__all__ = ["TRACKED_HASHES", "FileWatch"]
+__all__ = ["OTHER_WEIGHTS", "TRACKED_HASHES", "FileWatch"]

@@ -98,6 +98,7 @@ class WorkerSide:
         self._saved: set[str] = set()
         self._loaded: set[str] = set()
         self._failed_blocks: set[int] = set()
+        self._failed_loads: list[str] = []  # failed loads that ended since `finished` last reported the ends
         self._reportable: set[int] = set()
         self._unwritten: OrderedDict[str, None] = OrderedDict()  # requests whose load failed (loads, saves in order)
         threading.Thread(target=self._serve, name="peft-kvcache-jobs", daemon=True).start()
@@ -285,9 +286,9 @@ class WorkerSide:
 
     def _load_steps(self, job: LoadJob, report_done: bool) -> Iterator[None]:
         """A load as slices; ``report_done``: say it is done (an asynchronous load) when it ends, failed or not. A
-        failure is reported with the load's end, in one step: reported a step earlier (the job thread's copies still
-        draining), the scheduler would take the request for done loading, and an abort in between would queue a copy
-        of blocks vLLM frees when the load ends."""
+        failure is reported with the load's end, in one step (`finished` hands on both, and the report vLLM takes after
+        it carries the failure): reported a step earlier, the scheduler would take the request for done loading, and
+        an abort in between would queue a copy of blocks vLLM frees when the load ends."""
         failure = None
         try:
             if job.kind == UNPLANNED:
@@ -310,21 +311,24 @@ class WorkerSide:
                     self._unwritten.popitem(last=False)
                 logger.warning("peft-kvcache: the %s load of request %s failed and is recomputed: %s", job.kind,
                                job.request_id, failure)
-            with self._lock:
+            with self._lock:  # `finished` hands all three on together
                 if failure is not None:
                     self._failed_blocks.update(job.block_ids)
-                    if job.request_id not in self._report.failed_loads:
-                        self._report.failed_loads.append(job.request_id)
+                    if job.request_id not in self._failed_loads:
+                        self._failed_loads.append(job.request_id)
                 if report_done:
                     self._loaded.add(job.request_id)
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         """The requests whose copy (vLLM may free their blocks) and whose load (vLLM may schedule them) are done
-        since the last call; their failed blocks are reported by `load_errors` in the same pass."""
+        since the last call; their failed blocks are reported by `load_errors` in the same pass, and their failures by
+        the report vLLM takes after this call (`take_report`), never before the loads' ends."""
         with self._lock:
             saved, loaded, self._saved, self._loaded = self._saved, self._loaded, set(), set()
             self._reportable |= self._failed_blocks
             self._failed_blocks = set()
+            self._report.failed_loads.extend(r for r in self._failed_loads if r not in self._report.failed_loads)
+            self._failed_loads = []
         return saved or None, loaded or None
 
     def _load(self, job: LoadJob) -> Iterator[None]:

@@ -96,12 +96,16 @@ def test_a_request_of_the_old_lora_id_after_the_files_change_leaves_nothing_for_
         late = run(served, prompt(1), "late", lora_id=50)  # the old id: shout's weights, still loaded under it
         replaced = run(served, prompt(1), "late", lora_id=51)
         reference = run(served, prompt(1), "late", lora_id=51, salt="reference", reuse="none")
+        again = run(served, prompt(1), "late", lora_id=50)  # the old id once more, beside the new one's KV
     finally:
         del served.peft_kvcache_adapters["late"]
-    assert _label(late)["context_source"] != "reused", _label(late)
+    assert _label(late)["fallback"] == "stale_lora_id" and _label(late)["cached_tokens"] == 0, _label(late)
     label = _label(replaced)
     assert label["engine_cached_tokens"] == 0 and label["context_source"] != "reused", label
     assert replaced.outputs[0].token_ids == reference.outputs[0].token_ids
+    # nor is the old id served the new files' KV (vLLM's prefix cache holds it under the adapter's name and path)
+    assert _label(again)["cached_tokens"] == 0 and _label(again)["fallback"] == "stale_lora_id", _label(again)
+    assert again.outputs[0].token_ids == late.outputs[0].token_ids
 
 
 def test_an_adapter_no_map_reads_replaced_at_the_same_path_is_served_nothing_of_its_old_weights(served, prompt,
