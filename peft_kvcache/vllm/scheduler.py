@@ -98,9 +98,9 @@ class SchedulerSide:
         if self._changed(variant) and local_tokens:
             return None
         if local_tokens and self._other_weights(request):  # vLLM's hit, cached under the adapter's name and path, is
-            # of the files on disk: out, and vLLM asks again
-            self.evictions.hashes(request.block_hashes[: local_tokens // self.block_size])
-            return None
+            # of the files on disk: out, and vLLM asks again (where something was taken out: never a loop)
+            if self.evictions.hashes(request.block_hashes[: local_tokens // self.block_size]):
+                return None
         if local_tokens:  # approximate blocks vLLM cached since: out, and where its hit read one, it asks again
             evicted = self.evictions.hashed_later(variant) | self._evict_running(variant)
             if evicted & set(request.block_hashes[: local_tokens // self.block_size]):
