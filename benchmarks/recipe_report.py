@@ -11,6 +11,7 @@ Writes benchmarks/results/sibling-recipes-<role>-<context>.json/.md.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from . import siblings
 from .common import RESULTS, ROOT, map_fingerprint, save, table
@@ -240,14 +241,20 @@ def plot_trade_off(payload: dict, path) -> None:
     plt.close(fig)
 
 
+def held_folder(facts: dict) -> Path | None:
+    """The folder a run recorded for a map set (`recipes.map_facts`), where it still holds the weights the run
+    recorded (their fingerprint); None where none was recorded, or it holds other weights (fitted again) or none."""
+    if not facts.get("folder"):
+        return None
+    folder = ROOT / facts["folder"]  # as the run was given it: relative to the repository root (or absolute)
+    held = (folder / WEIGHTS_NAME).is_file() and map_fingerprint(folder) == facts["fingerprint"]
+    return folder if held else None
+
+
 def maps_gone(labels: set[str], facts: dict[str, dict]) -> frozenset[str]:
     """The map sets among ``labels`` whose weights no folder holds any more: none recorded (runs before map facts), or
-    the recorded folder holds other weights (fitted again) or none."""
-    def held(f: dict) -> bool:
-        folder = ROOT / f.get("folder", "")  # as the run was given it: relative to the repository root (or absolute)
-        return bool(f.get("folder")) and (folder / WEIGHTS_NAME).is_file() and map_fingerprint(folder) == f["fingerprint"]
-
-    return frozenset(label for label in labels if label not in facts or not held(facts[label]))
+    the recorded folder holds other weights (fitted again) or none (`held_folder`)."""
+    return frozenset(label for label in labels if label not in facts or held_folder(facts[label]) is None)
 
 
 def latest_map_facts(runs: list[dict], direction: str, current: dict[str, str] | None = None) -> dict[str, dict]:

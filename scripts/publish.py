@@ -48,6 +48,7 @@ from benchmarks.adapters import BLEND_FILES, PREFIX
 from benchmarks.adapters import CALIBRATION_FILES as ADAPTER_FILES
 from benchmarks.common import (ADAPTERS, LARGE, RESULTS, ROOT, SMALL, SMOLLM, map_fingerprint, read_results, save,
                                start_run)
+from benchmarks.recipe_report import held_folder
 from benchmarks.scaling import SCALES
 from benchmarks.tasks import continuation_examples
 from peft_kvcache import AdapterMaps, KVMap
@@ -496,10 +497,9 @@ def measured_folder(direction: str) -> Path | None:
     for report in figures.final_recipe_reports(direction).values():
         for run in reversed(read_results(report["stem"]).get("runs", [])):
             facts = run.get("map_sets", {}).get(label, {}).get(direction) or {}
-            if facts.get("folder") and facts.get("fingerprint") == report["default_map"]:
-                folder = ROOT / facts["folder"]  # as the run was given it: relative to the repository (or absolute)
-                if (folder / WEIGHTS_NAME).is_file() and map_fingerprint(folder) == report["default_map"]:
-                    return folder
+            folder = held_folder(facts) if facts.get("fingerprint") == report["default_map"] else None
+            if folder is not None:
+                return folder
     return None
 
 
