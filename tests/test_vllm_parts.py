@@ -515,10 +515,10 @@ def test_a_lora_id_first_seen_on_other_files_runs_weights_of_no_known_files(tmp_
     # an adapter loaded in place: vLLM reads its files again whenever it activates the id, so no id binds them
     from types import SimpleNamespace
 
-    from peft_kvcache.vllm.scheduler import _lora_id
+    from peft_kvcache.vllm.pairs import lora_id_of
 
     lora = SimpleNamespace(lora_name="hot", lora_path=str(folder), lora_int_id=1, load_inplace=True)
-    assert _lora_id(SimpleNamespace(lora_request=lora)) is None
+    assert lora_id_of(SimpleNamespace(lora_request=lora)) is None
     assert watch.of_request(variant, None) == watch.fingerprint(variant)
 
 

@@ -27,6 +27,20 @@ class Variant:
         return self.adapter or "base"
 
 
+def variant_of(request) -> Variant:
+    """The variant a vLLM request asks for (its LoRA request's name and path; the base model without one)."""
+    lora = request.lora_request
+    return Variant(None) if lora is None else Variant(lora.lora_name, lora.lora_path)
+
+
+def lora_id_of(request) -> int | None:
+    """The LoRA id vLLM runs the request's adapter under (a reload takes a new one); None for the base model, and for
+    an adapter loaded in place (``load_inplace``: vLLM reads its files again whenever it activates the id, so it runs
+    the files on disk)."""
+    lora = request.lora_request
+    return None if lora is None or getattr(lora, "load_inplace", False) else lora.lora_int_id
+
+
 class VariantMaps:
     """The maps between the engine's variants: each variant's `Identity` read from the files the engine loads (its
     sampled fingerprint memoized by the files' identity, so a variant whose files change is seen to change), and the

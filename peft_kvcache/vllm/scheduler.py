@@ -34,10 +34,10 @@ from .evictions import PrefixCacheEvictions
 from .jobs import UNPLANNED, DropJob, LoadJob, SaveJob, WorkerReport
 from .layout import unsupported_attention
 from .options import ConnectorOptions, request_reuse
-from .pairs import Variant, VariantMaps, local_model_folder
+from .pairs import Variant, VariantMaps, local_model_folder, lora_id_of, variant_of
 from .records import Counts, Plan, RequestRecord
 from .parallel import head_groups, unsupported_parallelism
-from .staleness import OTHER_WEIGHTS, FileWatch
+from .staleness import FileWatch, StaleKV
 from .store import IndexEntry, StoreIndex
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ class SchedulerSide:
         self.base_name = model.served_model_name or model.model
         self.files = FileWatch(model.model)  # every mode: a variant whose files change loses its KV
         self.evictions = PrefixCacheEvictions(self.block_size)
+        self.stale = StaleKV(self.files, self.index, self.evictions, self._running_of, self._drop)
         self.maps: VariantMaps | None = None
         if options.mode == "map":  # the base model's identity is read here, at start
             self.maps = VariantMaps(options.maps, self.files.model_dir or local_model_folder(model.model),
@@ -93,23 +94,24 @@ class SchedulerSide:
         None: ask again next step (vLLM's hit was on a variant whose files changed, or read blocks taken out of its
         cache just now: approximate ones). Side-effect free but for the plan it keeps and those evictions: vLLM may ask
         again for the same request."""
-        variant = _variant(request)
-        self.files.seen(variant, _lora_id(request))
-        if self._changed(variant) and local_tokens:
+        variant = variant_of(request)
+        self.files.seen(variant, lora_id_of(request))
+        if self.stale.changed(variant) and local_tokens:
             return None
-        if local_tokens and self._other_weights(request):  # vLLM's hit, cached under the adapter's name and path, is
+        other_weights = self.stale.other_weights(request)
+        if local_tokens and other_weights:  # vLLM's hit, cached under the adapter's name and path, is
             # of the files on disk: out, and vLLM asks again (where something was taken out: never a loop)
             if self.evictions.hashes(request.block_hashes[: local_tokens // self.block_size]):
                 return None
         if local_tokens:  # approximate blocks vLLM cached since: out, and where its hit read one, it asks again
-            evicted = self.evictions.hashed_later(variant) | self._evict_running(variant)
+            evicted = self.evictions.hashed_later(variant) | self.stale.evict_running(variant)
             if evicted & set(request.block_hashes[: local_tokens // self.block_size]):
                 return None
-        plan = self._plan(request, variant, local_tokens)
+        plan = self._plan(request, variant, local_tokens, other_weights)
         self.plans[request.request_id] = plan
         return plan.tokens * self.block_size
 
-    def _plan(self, request, variant: Variant, local_tokens: int) -> Plan:
+    def _plan(self, request, variant: Variant, local_tokens: int, other_weights: bool) -> Plan:
         local_blocks = local_tokens // self.block_size
         plan = Plan(local_blocks)
         prompt = list(request.prompt_token_ids or [])
@@ -124,7 +126,7 @@ class SchedulerSide:
         if _not_its_tokens(request):
             plan.fallback = "multimodal"  # its placeholder tokens would match another input's KV
             return plan
-        if self._other_weights(request):
+        if other_weights:
             plan.fallback = "stale_lora_id"  # its weights are of no files on disk: nothing stored is theirs
             return plan
         if self.worker_problem:
@@ -140,7 +142,7 @@ class SchedulerSide:
         # another variant's entry holds KV of the files it had then: mapped with the map its files match now, it
         # would be foreign KV (an adapter replaced at the same path); its entries are dropped instead
         changed = {other for other in {match.entry.variant for match in matches.values()} - {variant}
-                   if self._changed(other)}
+                   if self.stale.changed(other)}
         matches = {key: match for key, match in matches.items() if match.entry.variant not in changed}
         exact = matches.pop((variant, True), None)
         if exact is not None and exact.blocks > local_blocks:
@@ -225,19 +227,18 @@ class SchedulerSide:
         loaded = bool(num_external_tokens and plan.kind is not None)
         ids: tuple[int, ...] = ()
         if loaded:  # first of all: vLLM will skip these tokens, so they must be written (or reported as failed)
-            first = plan.local_blocks
             ids = self._external_blocks(plan, block_ids, num_external_tokens)
             folders = plan.choice.folders if plan.choice else ()
             per_shard = bool(folders) and all(self.maps.registry.configs[f].calibration.options.head_shards
                                               == self.head_groups for f in folders)
-            self.loads.append(LoadJob(rid, plan.kind, plan.entry.key, first * self.block_size, ids, folders,
+            self.loads.append(LoadJob(rid, plan.kind, plan.entry.key, plan.local_blocks * self.block_size, ids, folders,
                                       plan.sink_key, per_shard))
             self.index.touch(plan.entry)
             if self.async_loads:
                 self.loading.add(rid)
             if plan.made.approximate:
                 if self.async_loads:
-                    self.evictions.later_for(rid, _variant(request), ids)
+                    self.evictions.later_for(rid, variant_of(request), ids)
                 else:
                     self.evictions.blocks(ids)
         record = self.records.get(rid) or self._first_record(request, plan, loaded)
@@ -251,10 +252,10 @@ class SchedulerSide:
 
     def _first_record(self, request, plan: Plan, loaded: bool) -> RequestRecord:
         """The record of a request admitted for the first time (its fallback counted, said once)."""
-        rid, variant = request.request_id, _variant(request)
+        rid, variant = request.request_id, variant_of(request)
         reuse, _ = request_reuse(request.kv_transfer_params)
         record = self.records[rid] = RequestRecord(variant, request.cache_salt, reuse, request.num_prompt_tokens,
-                                                   fingerprint=self.files.of_request(variant, _lora_id(request)))
+                                                   fingerprint=self.files.of_request(variant, lora_id_of(request)))
         self.running[rid] = request
         self.files.made_with(variant, record.fingerprint)  # the files its blocks are of, from its first block on
         if _fallback(plan, loaded):
@@ -288,18 +289,6 @@ class SchedulerSide:
         except Exception:  # never fail the engine: a request without a record is counted as prefilled when it ends
             logger.exception("peft-kvcache: recording request %s failed", rid)
 
-    def _evict_running(self, variant: Variant) -> set:
-        """Take out of vLLM's prefix cache what ``variant``'s running requests on approximate KV computed so far (a
-        request that computed their mapped prefix exactly would chain into it as exact), and all that those running on
-        files since replaced computed; the hashes some block was cached under. Every hash from the first approximate
-        (or old) block on is looked up each time: vLLM caches a running request's blocks as it goes, with speculative
-        tokens or a resumed streaming session ahead of what its counters say."""
-        now = self.files.fingerprint(variant)
-        return set().union(*(self.evictions.request(request, 0 if record.fingerprint != now else
-                                                    record.local_tokens // self.block_size)
-                             for request, record in self._running_of(variant)
-                             if record.made.approximate or record.fingerprint != now))
-
     def _running_of(self, variant: Variant) -> list[tuple[object, RequestRecord]]:
         """``variant``'s running requests, each with its record."""
         return [(self.running[rid], record) for rid, record in self.records.items()
@@ -317,9 +306,9 @@ class SchedulerSide:
         loading = request.request_id in self.loading
         self.loading.discard(request.request_id)
         self.evictions.take_later(request.request_id)  # ended before vLLM called again after its load, say
-        now = self.files.fingerprint(_variant(request))
+        now = self.files.fingerprint(variant_of(request))
         if record is None:  # never admitted through the connector (aborted while waiting)
-            record = RequestRecord(_variant(request), request.cache_salt, "map", request.num_prompt_tokens,
+            record = RequestRecord(variant_of(request), request.cache_salt, "map", request.num_prompt_tokens,
                                    fingerprint=now)
         self.counts.tokens["engine"] += record.local_tokens
         if record.loaded_tokens:
@@ -380,24 +369,7 @@ class SchedulerSide:
         self.ops.extend(DropJob(key) for key in keys)
         self.counts.evictions += sum(1 for key in keys if key)
 
-    # ----- what is stale -----
-
-    def _other_weights(self, request) -> bool:
-        """Whether vLLM runs the request under a LoRA id first seen on files its adapter no longer has (the files
-        changed at the same path before a reload under a new id)."""
-        return self.files.of_request(_variant(request), _lora_id(request)) == OTHER_WEIGHTS
-
-    def _changed(self, variant: Variant) -> bool:
-        """Whether ``variant``'s files changed since its KV was computed (an adapter replaced at the same path): then
-        its entries are dropped, here and in vLLM's prefix cache (its finished and running requests' blocks)."""
-        hashes = self.files.changed(variant)
-        if hashes is None:
-            return False
-        self._drop(self.index.drop_variant(variant))
-        self.evictions.hashes(hashes)
-        for request, _ in self._running_of(variant):  # still running on the old weights: their blocks so far
-            self.evictions.request(request, 0)
-        return True
+    # ----- a reset -----
 
     def reset(self) -> bool:
         """Drop every stored entry and sink (vLLM resets its prefix cache: a weight update, sleep and wake); the worker
@@ -463,19 +435,6 @@ def _not_its_tokens(request) -> bool:
     """Whether a request's KV is of more than its token ids (multimodal inputs behind placeholder tokens, prompt
     embeddings behind placeholder ids): KV kept under its tokens would be another input's."""
     return bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
-
-
-def _variant(request) -> Variant:
-    lora = request.lora_request
-    return Variant(None) if lora is None else Variant(lora.lora_name, lora.lora_path)
-
-
-def _lora_id(request) -> int | None:
-    """The LoRA id vLLM runs the request's adapter under (a reload takes a new one); None for the base model, and for
-    an adapter loaded in place (``load_inplace``: vLLM reads its files again whenever it activates the id, so it runs
-    the files on disk)."""
-    lora = request.lora_request
-    return None if lora is None or getattr(lora, "load_inplace", False) else lora.lora_int_id
 
 
 __all__ = ["Counts", "Plan", "RequestRecord", "SchedulerSide"]

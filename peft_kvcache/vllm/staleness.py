@@ -1,19 +1,22 @@
 """Which variants' files changed since their KV was computed (the scheduler half's staleness side).
 
 An adapter replaced at the same path keeps its name and path: only its files tell. Each variant's KV (stored, or in
-vLLM's prefix cache) is tied to the sampled fingerprint of the files it was computed with; a variant whose fingerprint
-moved has its KV dropped (`SchedulerSide` drops it: the store's entries, and vLLM's blocks under the hashes tracked
-here).
+vLLM's prefix cache) is tied to the sampled fingerprint of the files it was computed with (`FileWatch`); a variant
+whose fingerprint moved has all of its KV dropped (`StaleKV`): the store's entries, vLLM's cached blocks under the
+hashes tracked here, and what its running requests computed.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 from ..modeling.identity import fingerprint_files
-from .pairs import Variant, local_model_folder
+from .evictions import PrefixCacheEvictions
+from .pairs import Variant, local_model_folder, lora_id_of, variant_of
+from .store import StoreIndex
 
 logger = logging.getLogger(__name__)
 OTHER_WEIGHTS = "other-weights"  # a request's fingerprint where its LoRA id runs weights of no files on disk
@@ -90,6 +93,55 @@ class FileWatch:
             tracked.popitem(last=False)
 
 
+class StaleKV:
+    """What the scheduler half does about stale KV: it tells a request whose LoRA id runs weights of no files on disk,
+    and once a variant's files change it drops all of its KV: the store's entries, vLLM's cached blocks of its finished
+    requests, and what its running requests computed on the old weights.
+
+    Args:
+        files: the variants' fingerprints and tracked block hashes.
+        index: the store's index (entries are dropped from it).
+        evictions: vLLM's prefix cache (blocks are taken out of it).
+        running_of: a variant's running requests, each with its `RequestRecord`.
+        drop: hands the dropped entries' keys to the worker (it frees their tensors).
+    """
+
+    def __init__(self, files: FileWatch, index: StoreIndex, evictions: PrefixCacheEvictions,
+                 running_of: Callable[[Variant], list], drop: Callable[[list], None]):
+        self.files, self.index, self.evictions = files, index, evictions
+        self.running_of, self.drop = running_of, drop
+
+    def other_weights(self, request) -> bool:
+        """Whether vLLM runs the request under a LoRA id first seen on files its adapter no longer has (the files
+        changed at the same path before a reload under a new id)."""
+        return self.files.of_request(variant_of(request), lora_id_of(request)) == OTHER_WEIGHTS
+
+    def changed(self, variant: Variant) -> bool:
+        """Whether ``variant``'s files changed since its KV was computed (an adapter replaced at the same path): then
+        its entries are dropped, here and in vLLM's prefix cache (its finished and running requests' blocks)."""
+        hashes = self.files.changed(variant)
+        if hashes is None:
+            return False
+        self.drop(self.index.drop_variant(variant))
+        self.evictions.hashes(hashes)
+        for request, _ in self.running_of(variant):  # still running on the old weights: their blocks so far
+            self.evictions.request(request, 0)
+        return True
+
+    def evict_running(self, variant: Variant) -> set:
+        """Take out of vLLM's prefix cache what ``variant``'s running requests on approximate KV computed so far (a
+        request that computed their mapped prefix exactly would chain into it as exact), and all that those running on
+        files since replaced computed; the hashes some block was cached under. Every hash from the first approximate
+        (or old) block on is looked up each time: vLLM caches a running request's blocks as it goes, with speculative
+        tokens or a resumed streaming session ahead of what its counters say."""
+        now = self.files.fingerprint(variant)
+        block_size = self.evictions.block_size
+        return set().union(*(self.evictions.request(request, 0 if record.fingerprint != now else
+                                                    record.local_tokens // block_size)
+                             for request, record in self.running_of(variant)
+                             if record.made.approximate or record.fingerprint != now))
+
+
 def _model_folder(model: str) -> Path | None:
     """The folder the engine's model was loaded from, or None (its files cannot be fingerprinted: said once)."""
     try:
@@ -100,4 +152,4 @@ def _model_folder(model: str) -> Path | None:
         return None
 
 
-__all__ = ["OTHER_WEIGHTS", "TRACKED_HASHES", "FileWatch"]
+__all__ = ["OTHER_WEIGHTS", "TRACKED_HASHES", "FileWatch", "StaleKV"]
