@@ -99,8 +99,9 @@ class SchedulerSide:
         if self.stale.changed(variant) and local_tokens:
             return None
         other_weights = self.stale.other_weights(request)
-        if local_tokens and other_weights:  # vLLM's hit, cached under the adapter's name and path, is
-            # of the files on disk: out, and vLLM asks again (where something was taken out: never a loop)
+        # vLLM's hit, cached under the adapter's name and path, is of the files on disk, not of the weights this
+        # request runs: out, and vLLM asks again (only where something was taken out: never a loop)
+        if local_tokens and other_weights:
             if self.evictions.hashes(request.block_hashes[: local_tokens // self.block_size]):
                 return None
         if local_tokens:  # approximate blocks vLLM cached since: out, and where its hit read one, it asks again

@@ -94,9 +94,10 @@ class FileWatch:
 
 
 class StaleKV:
-    """What the scheduler half does about stale KV: it tells a request whose LoRA id runs weights of no files on disk,
-    and once a variant's files change it drops all of its KV: the store's entries, vLLM's cached blocks of its finished
-    requests, and what its running requests computed on the old weights.
+    """What the scheduler half does about stale KV: it tells a request whose LoRA id runs weights of no files on disk;
+    once a variant's files change it drops all of its KV (the store's entries, vLLM's cached blocks of its finished
+    requests, what its running requests computed on the old weights); and at each admission question it takes out of
+    vLLM's prefix cache what the variant's running requests on approximate KV computed so far.
 
     Args:
         files: the variants' fingerprints and tracked block hashes.
