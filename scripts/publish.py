@@ -300,7 +300,6 @@ class Publisher:
                      self.chosen_map(direction), TTFT_LENGTHS, TTFT_REPEATS, torch.device("cpu"), torch.float32,
                      maps=default_maps(direction))
 
-
     def sibling_cards(self) -> None:
         """Write hub_cards/<pair> for both directions: the chosen map, its gate, its recipe, the storage dtype the
         storage stage chose, and figures copied from the results files that cite them."""

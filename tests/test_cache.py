@@ -107,10 +107,15 @@ def test_position_offset_gives_the_same_continuation(sibling_pair, sibling_map):
         logits.append(out.logits[:, -1])
     assert _relative_error(logits[1], logits[0]) < 1e-4
 
-    # generate() with default positions would continue at 24, not 61: the cache refuses that.
+    # generate() with default positions would continue at 24, not 61: the cache refuses that, every time, and a
+    # refused call (several return sequences: generate() runs 3 rows) leaves it as it was
     cache = MappedCache.from_source(source, sibling_map, target, input_ids=prompt[:, :-1], position_offset=37)
-    with pytest.raises(CacheMismatchError):
-        target.generate(prompt, **with_cache(target, cache), max_new_tokens=2)
+    before = [(layer.keys, layer.values) for layer in cache.layers]
+    for extra in ({}, {"do_sample": True, "num_return_sequences": 3}, {}):
+        with pytest.raises(CacheMismatchError, match="positions"):
+            target.generate(prompt, **with_cache(target, cache), max_new_tokens=2, **extra)
+        assert all(layer.keys is k and layer.values is v for layer, (k, v) in zip(cache.layers, before))
+        assert cache.next_positions.tolist() == [24 + 37]
 
 
 def test_sink_is_computed_by_the_target_itself(sibling_pair, sibling_map):
@@ -184,6 +189,20 @@ def test_more_source_layers_than_the_source_has_are_refused_before_any_capture(m
     model = tiny_model()
     with pytest.raises(CalibrationError, match="top_k 9"):
         KVMap.calibrate(model, model, random_ids(4, 20), top_k=9, progress=False)
+
+
+@pytest.mark.parametrize("length, offset, side", [(40, 0, "source"), (30, 20, "target")])
+def test_a_context_past_where_the_rotary_changes_is_refused_before_the_source_runs(monkeypatch, length, offset, side):
+    # dynamic RoPE changes its frequencies past the model's original length: a mapped cache there would be wrong
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    models = {name: tiny_model("llama", seed=seed, max_position_embeddings=32,
+                               **({"rope_parameters": rope} if name == side else {}))
+              for name, seed in (("source", 0), ("target", 1))}
+    kv_map = KVMap.calibrate(models["source"], models["target"], random_ids(4, 24), progress=False)
+    monkeypatch.setattr(models["source"], "forward", lambda *a, **k: pytest.fail("the source ran"))
+    with pytest.raises(UnsupportedPositionalSchemeError, match="dynamic"):
+        MappedCache.from_source(models["source"], kv_map, models["target"], input_ids=random_ids(1, length)[0][None],
+                                position_offset=offset, refresh_tokens=0)
 
 
 def test_unsupported_positional_scheme_is_refused_at_calibration():

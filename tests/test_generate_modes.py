@@ -112,3 +112,6 @@ def test_a_drop_in_cache_still_refuses_a_prompt_that_does_not_extend_it(model):
     cache = ContextCache(run_with_cache(model, ids), next_positions=torch.tensor([ids.shape[1]]))
     with pytest.raises(CacheMismatchError, match="no token beyond"):
         model.generate(ids, cache=cache, max_new_tokens=2, pad_token_id=0, prompt_lookup_num_tokens=3)
+    # refused, the cache is back to plain decoding: a prompt that extends it gives what no cache gives
+    longer = torch.cat([ids, ids[:, :3]], dim=1)
+    assert torch.equal(_generate(model, longer, cache, {}), _generate(model, longer, None, {}))

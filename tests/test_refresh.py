@@ -72,6 +72,41 @@ def test_a_refresh_on_sdpa_attention_is_exact_and_copies_no_kv_head(monkeypatch)
     assert attention_implementation(model) == "eager" and not repeats
 
 
+def test_a_refresh_on_an_attention_that_cannot_take_its_mask_runs_sdpa_for_the_pass():
+    # FlashAttention, and any kernel registered with transformers, reads a 4D mask as a padding mask (wrong attention,
+    # or an out-of-range gather on CUDA): the refresh pass runs grouped SDPA instead, and the kernel runs the rest
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    calls = []
+
+    def padding_mask_only(module, query, key, value, attention_mask, **kwargs):
+        calls.append(attention_mask is not None and attention_mask.dim() == 4)
+        kwargs.pop("is_causal", None)
+        return sdpa_attention_forward(module, query, key, value, None, is_causal=query.shape[2] > 1, **kwargs)
+
+    AttentionInterface.register("padding_mask_only_test", padding_mask_only)
+    AttentionMaskInterface.register("padding_mask_only_test", flash_attention_mask)
+    model = tiny_model("qwen2", seed=3)
+    ids, other = random_ids(2, 30, seed=5)
+    ids = ids[None]
+    stale = run_with_cache(model, other[None])
+    chosen = torch.tensor([2, 3, 11, 12, 20])
+    eager = MappedCache(stale)
+    refresh_positions(model, eager, ids, chosen, append_ids=ids[:, -2:])
+    model.set_attn_implementation("padding_mask_only_test")
+    try:
+        kernel = MappedCache(stale)
+        refresh_positions(model, kernel, ids, chosen, append_ids=ids[:, -2:])
+        assert not calls and attention_implementation(model) == "padding_mask_only_test"  # put back
+        assert _max_error(kernel, eager.captured()) < 1e-5
+        model(ids)
+        assert calls  # the model's own passes still run the kernel
+    finally:
+        model.set_attn_implementation("eager")
+
+
 def _out_of_memory(module, args):
     raise RuntimeError("out of memory")
 
@@ -244,6 +279,39 @@ def test_refresh_errors_are_clear(sibling_pair, sibling_map):
             Refresh(4, probe, span)
 
 
+def test_a_window_that_reaches_the_sink_leaves_nothing_to_pick_and_runs_no_probe(sibling_pair, sibling_map,
+                                                                                  monkeypatch, caplog):
+    from peft_kvcache.runtime import refresh
+
+    source, target = sibling_pair
+    ids = random_ids(1, 20, seed=11)[0][None]
+    monkeypatch.setattr(refresh, "probe_pass", lambda *a, **k: pytest.fail("a probe ran with nothing to pick"))
+    with caplog.at_level("WARNING", logger="peft_kvcache.runtime.refresh"):
+        cache = MappedCache.from_source(source, sibling_map, target, input_ids=ids,
+                                        refresh_tokens=Refresh(tokens=6, probe_tokens=4, recent_tokens=100))
+    assert "clamped to 0" in caplog.text
+    assert cache.refresh.budget == 0 and cache.refresh.probe_seconds == 0 and not cache.refresh.positions.numel()
+    assert _max_error(cache, run_with_cache(target, ids)) < 1e-5  # all but the sink computed: the target's own
+
+
+def test_a_context_too_short_for_a_refresh_records_none(sibling_pair, sibling_map):
+    source, target = sibling_pair
+    ids = random_ids(1, 2, seed=11)[0][None]
+    cache = MappedCache.from_source(source, sibling_map, target, input_ids=ids, refresh_tokens="refresh@40/p8")
+    assert cache.refresh is None and cache.get_seq_length() == 2
+
+
+def test_reading_attention_scores_leaves_the_continuation_check_in_place(sibling_pair, sibling_map):
+    source, target = sibling_pair
+    prompt = random_ids(1, 25, seed=12)[0][None]
+    cache = MappedCache.from_source(source, sibling_map, target, input_ids=prompt[:, :-1], position_offset=7,
+                                    refresh_tokens=0)
+    attention_scores(target, cache, prompt[:, -1:], position_offset=7)
+    assert cache.get_seq_length() == 24
+    with pytest.raises(CacheMismatchError, match="positions"):  # default positions continue at 24, not 31
+        target.generate(prompt, **with_cache(target, cache), max_new_tokens=2)
+
+
 def test_a_budget_past_the_context_is_clamped_with_a_warning(sibling_pair, sibling_map, caplog):
     source, target = sibling_pair
     ids = random_ids(1, 20, seed=11)[0][None]
@@ -376,9 +444,12 @@ def test_a_cold_sink_is_computed_inside_the_probe_pass_with_the_same_result(grou
                for c, k in zip(cold.layers, alone.keys)) < 1e-5
 
 
-def test_a_refresh_runs_under_the_models_lock(sibling_pair, sibling_map):
-    """A refresh's passes switch the target's attention implementation: from_source holds the model's lock for them,
-    so a thread running the model under that lock (a session, the server) never sees the switch."""
+@pytest.mark.parametrize("refresh_tokens", [Refresh(tokens=4, probe_tokens=3), 0])
+def test_a_mapping_runs_under_the_models_lock(sibling_pair, sibling_map, refresh_tokens):
+    """A refresh's passes switch the target's attention implementation, and the target's sink is memoized under the
+    weights (the adapter) it was computed with: from_source holds the model's lock from reading those weights to the
+    end, so a thread running the model under that lock (a session, the server) never sees a switch, nor switches the
+    adapter in between."""
     import threading
 
     from peft_kvcache.modeling.adapters import model_lock
@@ -397,11 +468,11 @@ def test_a_refresh_runs_under_the_models_lock(sibling_pair, sibling_map):
     held.wait(timeout=60)
     mapped = []
     worker = threading.Thread(target=lambda: mapped.append(MappedCache.from_source(
-        source, sibling_map, target, input_ids=ids, refresh_tokens=Refresh(tokens=4, probe_tokens=3))))
+        source, sibling_map, target, input_ids=ids, refresh_tokens=refresh_tokens)))
     worker.start()
     worker.join(timeout=1.0)
     assert worker.is_alive() and not mapped  # waiting for the lock
     done.set()
     worker.join(timeout=60)
     holder.join(timeout=60)
-    assert len(mapped) == 1 and mapped[0].refresh is not None
+    assert len(mapped) == 1 and (mapped[0].refresh is not None) == (refresh_tokens != 0)

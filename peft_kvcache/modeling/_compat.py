@@ -164,12 +164,24 @@ AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
 
 @contextmanager
 def masked_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Run the block, where the model runs SDPA attention, with `_grouped_sdpa` (the same attention without copying
-    KV heads under an explicit mask), then put SDPA back (`_attention_as`); any other implementation is left as it is."""
-    if attention_implementation(model) != "sdpa":
+    """Run the block with an attention that honours an explicit ``[batch, 1, queries, keys]`` additive mask, then put
+    the model's own back (`_attention_as`): eager attention stays; any other (SDPA, FlashAttention, flex, a kernel
+    registered with transformers) runs `_grouped_sdpa` meanwhile (FlashAttention reads a 4D mask as a padding mask:
+    wrong attention, or an out-of-range gather on CUDA), or plain SDPA where a model cannot take it. A model that can
+    run neither raises `IncompatibleModelsError`."""
+    implementation = attention_implementation(model)
+    if implementation in ("eager", GROUPED_EAGER):
         yield
         return
-    with _attention_as(model, GROUPED_SDPA):
+    with _attention_as(model, GROUPED_SDPA) as grouped:
+        if grouped or implementation == "sdpa":
+            yield
+            return
+    with _attention_as(model, "sdpa") as switched:
+        if not switched:
+            raise IncompatibleModelsError(f"{type(unwrap_peft(model)).__name__} runs {implementation!r} attention, "
+                                          "which cannot take the mask a refresh pass needs, and cannot switch to "
+                                          "SDPA; load it with attn_implementation='sdpa' or 'eager'")
         yield
 
 

@@ -212,13 +212,20 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return positions.clamp_min(0)
 
 
-def rotary_cos_sin(spec: RotarySpec, positions: torch.Tensor, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (``[batch, seq, rotary_dim]``, float32, scaled like the model's) at ``positions``."""
-    if spec.max_position is not None and positions.numel() and int(positions.max()) >= spec.max_position:
+def check_rotary_reach(spec: RotarySpec, last_position: int) -> None:
+    """Refuse (`UnsupportedPositionalSchemeError`) a cache reaching ``last_position`` where ``spec``'s frequencies
+    have changed (``dynamic``, ``longrope``: past the model's original length)."""
+    if spec.max_position is not None and last_position >= spec.max_position:
         raise UnsupportedPositionalSchemeError(
             f"rope_type={spec.rope_type!r} changes its frequencies past position {spec.max_position}, and this "
-            f"cache reaches position {int(positions.max())}; keep contexts below {spec.max_position} tokens"
+            f"cache reaches position {last_position}; keep contexts below {spec.max_position} tokens"
         )
+
+
+def rotary_cos_sin(spec: RotarySpec, positions: torch.Tensor, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (``[batch, seq, rotary_dim]``, float32, scaled like the model's) at ``positions``."""
+    if positions.numel():
+        check_rotary_reach(spec, int(positions.max()))
     device = positions.device if device is None else device
     inv_freq = spec.inv_freq.to(device=device, dtype=torch.float32)
     freqs = positions.to(device=device, dtype=torch.float32)[..., None] * inv_freq  # [batch, seq, rotary_dim/2]

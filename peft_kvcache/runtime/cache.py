@@ -22,7 +22,7 @@ from ..modeling.adapters import model_lock
 from ..modeling.capture import CapturedKV, cache_states, run_with_cache
 from ..modeling.identity import weights_key
 from ..modeling.layout import check_token_ids, layer_placements, vocab_size_of
-from ..modeling.positions import positions_from_mask, rotary_spec_of
+from ..modeling.positions import check_rotary_reach, positions_from_mask, rotary_spec_of
 from .refresh import RefreshResult, refresh_cache, refresh_policy, refresh_runs
 from .target_sink import remember_sink, sink_is_memoized, with_target_sink
 
@@ -167,6 +167,17 @@ class ContextCache(DynamicCache):
             self.restore(snapshot)
             raise
 
+    @contextmanager
+    def side_pass(self) -> Iterator[None]:
+        """Run a pass whose tokens are not the conversation's next ones (a probe, cut away after it): as
+        `restored_on_error`, and the check that guards the next extension stays as it was."""
+        checked = self._continuation_checked
+        with self.restored_on_error():
+            try:
+                yield
+            finally:
+                self._continuation_checked = checked
+
     def captured(self) -> CapturedKV:
         """The cached keys and values, per layer (the tensors themselves)."""
         return cache_states(self)
@@ -212,39 +223,50 @@ class ContextCache(DynamicCache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """`DynamicCache.update`, checking once that the first tokens appended continue the cached context (a
-        batch expanded by generate() for beams or several sequences expands the cache with it)."""
-        if layer_idx == 0 and self.get_seq_length() and key_states.shape[0] != self.layers[0].keys.shape[0]:
-            self._expand_batch(key_states.shape[0])
+        batch expanded by generate() for beams or several sequences expands the cache with it). A call refused
+        leaves the cache as it was, and the next one is checked again: the checks run before anything changes."""
+        if layer_idx == 0:
+            repeats = self._repeats(key_states.shape[0]) if self.get_seq_length() else 1
+            if self._refeed:
+                self._check_refeed(key_states, kwargs)
+            elif not self._continuation_checked:
+                self._check_continuation(key_states, kwargs, repeats)
+            if repeats > 1:
+                self.batch_repeat_interleave(repeats)
         if self._refeed:
-            return self._refed(key_states, value_states, layer_idx, kwargs)
-        if not self._continuation_checked and layer_idx == 0:
-            self._check_continuation(key_states, kwargs)
+            return self._refed(key_states, value_states, layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def _refed(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, update_kwargs: dict):
+    def _check_refeed(self, key_states: torch.Tensor, update_kwargs: dict) -> None:
+        """Assisted decoding's re-fed prompt must be the whole conversation from position 0, longer than the cache;
+        refused, the cache goes back to plain decoding."""
+        position_ids = update_positions(update_kwargs)
+        starts = None if position_ids is None else int(position_ids.reshape(-1)[0])
+        held = self.layers[0].keys.shape[2]
+        problem = (self._nothing_beyond() if key_states.shape[2] <= held else
+                   None if starts in (0, None) else
+                   f"assisted decoding re-fed {key_states.shape[2]} tokens from position {starts} onto a cache of "
+                   f"{held}: expected the whole prompt from position 0")
+        if problem:
+            self._refeed = False
+            raise CacheMismatchError(problem)
+
+    def _refed(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
         layer = self.layers[layer_idx]
         held = layer.keys.shape[2]
-        if layer_idx == 0:
-            position_ids = update_positions(update_kwargs)
-            starts = None if position_ids is None else int(position_ids.reshape(-1)[0])
-            if key_states.shape[2] <= held:
-                raise CacheMismatchError(self._nothing_beyond())
-            if starts not in (0, None):
-                raise CacheMismatchError(f"assisted decoding re-fed {key_states.shape[2]} tokens from position {starts} "
-                                         f"onto a cache of {held}: expected the whole prompt from position 0")
         layer.keys = torch.cat([layer.keys, key_states[:, :, held:].to(layer.keys.dtype)], dim=2)
         layer.values = torch.cat([layer.values, value_states[:, :, held:].to(layer.values.dtype)], dim=2)
         if layer_idx == len(self.layers) - 1:
             self._refeed, self._continuation_checked = False, True
         return layer.keys, layer.values
 
-    def _expand_batch(self, batch: int) -> None:
-        """Repeat every row ``batch / rows`` times, as generate() expanded its inputs for beams or several return
-        sequences (transformers expands the ids, not a cache it was given)."""
+    def _repeats(self, batch: int) -> int:
+        """How many times generate() repeated each of the cache's rows (beams, several return sequences: transformers
+        expands the ids, not a cache it was given)."""
         rows = self.layers[0].keys.shape[0]
         if batch % rows:
             raise CacheMismatchError(f"the cache holds {rows} conversation(s); generate() ran {batch} rows")
-        self.batch_repeat_interleave(batch // rows)
+        return batch // rows
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
@@ -261,10 +283,9 @@ class ContextCache(DynamicCache):
         if self._shift is not None:
             self._shift = self._shift[beam_idx.cpu()]
 
-    def _check_continuation(self, key_states: torch.Tensor, update_kwargs: dict) -> None:
-        """The first tokens added must sit right after the cached context: a cache as long as the prompt
-        otherwise gives wrong output with no error."""
-        self._continuation_checked = True
+    def _check_continuation(self, key_states: torch.Tensor, update_kwargs: dict, repeats: int = 1) -> None:
+        """The first tokens added (``repeats`` rows per cached row) must sit right after the cached context: a cache
+        as long as the prompt otherwise gives wrong output with no error. Marked checked only once they do."""
         position_ids = update_positions(update_kwargs)
         if position_ids is None:
             import transformers
@@ -272,9 +293,10 @@ class ContextCache(DynamicCache):
             logger.warning("cannot verify that the tokens added to the mapped cache continue its context: "
                            "transformers %s passes no position_ids to the cache; the continuation check needs "
                            "transformers >= 5.24", transformers.__version__)
+            self._continuation_checked = True
             return
         first = position_ids[..., 0].reshape(-1).cpu()
-        expected = self.next_positions  # layer 0 is not extended yet
+        expected = self.next_positions.repeat_interleave(repeats)  # layer 0 is not extended yet
         if first.numel() == 1 and expected.numel() > 1:
             first = first.expand_as(expected)
         if first.numel() == expected.numel() and not torch.equal(first, expected):
@@ -283,6 +305,7 @@ class ContextCache(DynamicCache):
                 f"positions {first.tolist()}: the prompt passed to generate() must be the whole conversation and "
                 "extend the cached context by at least one token (build the cache from input_ids=prompt[:, :-1] and "
                 "pass input_ids=prompt), or pass position_ids that continue a position_offset")
+        self._continuation_checked = True
 
 
 class MappedCache(ContextCache):
@@ -352,12 +375,28 @@ class MappedCache(ContextCache):
                            "this cache is mapped without it (pass refresh_tokens=0 to say so)",
                            kv_map.config.source_name, kv_map.config.target_name)
             policy = None
-        target_key = weights_key(target_model)  # read once: it walks every parameter (the check and the sink memo)
-        if verify_models:
-            kv_map.check_models(None if source_is_cache else source, target_model, target_key)
-        if captured is None:
-            captured = run_with_cache(source, input_ids, attention_mask)
+        source_rotary = None if source_is_cache else rotary_spec_of(source)
+        target_rotary = rotary_spec_of(target_model)
+        length = captured.length if captured is not None else input_ids.shape[1]
+        for spec, offset in ((source_rotary, 0), (target_rotary, position_offset)):
+            if spec is not None and length:  # refused before any model runs
+                check_rotary_reach(spec, length - 1 + offset)
+        # the target's weights (its active adapter) stay those its key names until the sink is memoized
+        with model_lock(target_model):
+            target_key = weights_key(target_model)  # read once: it walks every parameter (the check and the sink memo)
+            if verify_models:
+                kv_map.check_models(None if source_is_cache else source, target_model, target_key)
+            if captured is None:
+                captured = run_with_cache(source, input_ids, attention_mask)
+            return cls._mapped(source, captured, kv_map, target_model, input_ids, attention_mask, position_offset,
+                               policy, (source_rotary, target_rotary), target_key)
 
+    @classmethod
+    def _mapped(cls, source, captured: CapturedKV, kv_map: KVMap, target_model: torch.nn.Module,
+                input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, position_offset: int,
+                policy: Refresh | None, rotary: tuple, target_key) -> "MappedCache":
+        """`from_source` once its input is checked and the source's states are captured, under the target's lock:
+        the map, the target's sink, the refresh."""
         batch, length = captured.keys[0].shape[0], captured.length
         if attention_mask is None:
             attention_mask = torch.ones(batch, length, dtype=torch.long)
@@ -365,13 +404,12 @@ class MappedCache(ContextCache):
         source_positions = positions + source_placement(source, positions)  # where the source's keys were rotated
         target_positions = positions + position_offset
         mapped = map_cache(kv_map, captured.keys, captured.values, source_positions, target_positions,
-                           layer_placements(target_model), source_rotary=None if source_is_cache else rotary_spec_of(source),
-                           target_rotary=rotary_spec_of(target_model))
+                           layer_placements(target_model), source_rotary=rotary[0], target_rotary=rotary[1])
         sink_tokens = kv_map.config.sink_tokens
+        runs = policy is not None and input_ids is not None and refresh_runs(policy, length, sink_tokens)
         # a cold sink (not memoized) is computed inside the refresh's first pass where one runs: one pass over the
         # target's weights fewer
-        sink_in_refresh = (sink_tokens > 0 and policy is not None and input_ids is not None
-                           and refresh_runs(policy, length, sink_tokens)
+        sink_in_refresh = (sink_tokens > 0 and runs
                            and not sink_is_memoized(target_model, input_ids[:, :sink_tokens],
                                                     attention_mask[:, :sink_tokens], position_offset, target_key))
         if sink_tokens > 0 and not sink_in_refresh:
@@ -383,10 +421,9 @@ class MappedCache(ContextCache):
                 with_target_sink(mapped, target_model, input_ids, attention_mask, sink_tokens, position_offset,
                                   target_key)
         cache = cls(mapped, kv_map=kv_map)
-        if policy is not None:  # before the positions are set: the refresh writes inside the context
-            with model_lock(target_model):  # its passes switch the model's attention implementation meanwhile
-                cache.refresh = refresh_cache(target_model, cache, input_ids, policy, sink_tokens, position_offset,
-                                              compute_sink=sink_in_refresh)
+        if runs:  # before the positions are set: the refresh writes inside the context
+            cache.refresh = refresh_cache(target_model, cache, input_ids, policy, sink_tokens, position_offset,
+                                          compute_sink=sink_in_refresh)
             if sink_in_refresh:  # the refresh's first pass wrote the target's own sink and returned it
                 remember_sink(target_model, input_ids[:, :sink_tokens], attention_mask[:, :sink_tokens],
                               position_offset, cache.refresh.sink, target_key)

@@ -8,15 +8,16 @@ tokens, in short spans, are then recomputed with the target's own weights — ea
 cache before it and to the refreshed tokens before it, at its true position — and their keys/values
 replace the mapped ones; the probe tokens are recomputed on top in the same pass.
 
-Cost: ``2 * probe + budget`` target tokens over the context (plus a recent window, if any; vs the whole context
-for prefill), in two passes over the target's weights (the probe, then refresh + probe again); a sink the target has
-not computed yet for these first tokens rides the first pass (its tokens attend only to themselves) instead of a
-pass of its own. With every context position refreshed the result is exactly the target's own prefill (a test checks this). The probe pass runs with
-eager attention (transformers returns attention weights only from it) over grouped KV heads
-(`_compat.eager_attention`); the recompute pass, whose mask is explicit, with SDPA over grouped KV heads where the
-model runs SDPA (`_compat.masked_attention`): neither copies a KV head per query head. Two other recipes
-share the machinery (`Refresh`): the last tokens computed over the mapped prefix with no probe pass (``hybrid``), and
-the picked positions kept without the mapped context around them (``index``: the map only chooses).
+Cost: ``2 * probe + budget`` target tokens over the context (plus a recent window, if any; vs the whole context for
+prefill), in two passes over the target's weights (the probe, then refresh + probe again); a sink the target has not
+computed yet for these first tokens rides the first pass (its tokens attend only to themselves) instead of a pass of
+its own. With every context position refreshed the result is exactly the target's own prefill (a test checks this).
+The probe pass runs with eager attention (transformers returns attention weights only from it) over grouped KV heads
+(`_compat.eager_attention`); the recompute pass, whose mask is explicit, with eager attention where the model runs it
+and else with SDPA over grouped KV heads (`_compat.masked_attention`; FlashAttention would read the mask as padding):
+neither copies a KV head per query head. Two other recipes share the machinery (`Refresh`): the last tokens computed
+over the mapped prefix with no probe pass (``hybrid``), and the picked positions kept without the mapped context
+around them (``index``: the map only chooses).
 
 Every function here runs on a `MappedCache` (``cache``): it cuts the cache with its ``truncate`` and puts it back
 with ``restored_on_error`` when a pass fails midway.
@@ -107,15 +108,16 @@ def probe_pass(target_model, cache: "MappedCache", probe_ids: torch.Tensor, posi
     if sink.numel():
         mask, queries = _pass_mask(length, sink, width, cache.layers[0].keys.dtype)
     own_sink = None
-    try:
-        with eager_attention(target_model):
-            out = forward(target_model, tokens, cache, position_ids=(queries + position_offset)[None],
-                          attention_mask=mask, output_attentions=True)
-        if sink.numel():
-            _move_into_place(cache, length, sink, width)
-            own_sink = _leading(cache, sink.numel())
-    finally:
-        cache.truncate(length)
+    with cache.side_pass():  # the probe's tokens are cut away: the cache ends as it was, but for a sink written
+        try:
+            with eager_attention(target_model):
+                out = forward(target_model, tokens, cache, position_ids=(queries + position_offset)[None],
+                              attention_mask=mask, output_attentions=True)
+            if sink.numel():
+                _move_into_place(cache, length, sink, width)
+                own_sink = _leading(cache, sink.numel())
+        finally:
+            cache.truncate(length)
     rows = slice(sink.numel(), None) if every_probe_token else -1
     per_layer = [a[0, :, rows, :length].float().amax(dim=0).cpu() for a in out.attentions]
     return ProbeResult(torch.stack(per_layer).mean(0), own_sink)
@@ -231,7 +233,8 @@ def refresh_cache(target_model, cache: "MappedCache", input_ids: torch.Tensor, p
     recent window) its last token attends to most are recomputed by the target, with the ``policy.recent_tokens``
     before the probe and the probe tokens on top, in the same pass, so the cache ends holding all ``n`` tokens; with
     ``policy.mapped_middle`` False the cache ends holding only the sink and what the target computed (at their true
-    positions). With ``policy.tokens`` 0 no probe pass runs: the last tokens are computed over the mapped prefix.
+    positions). With nothing to pick (``policy.tokens`` 0, or a recent window that reaches the sink) no probe pass
+    runs: the last tokens are computed over the mapped prefix.
 
     ``compute_sink``: the cache's first ``sink_tokens`` are still mapped, and the refresh's first pass computes the
     target's own sink with its other tokens (the probe pass, `probe_pass`, or the hybrid's recompute pass; the sink's
@@ -257,8 +260,16 @@ def refresh_cache(target_model, cache: "MappedCache", input_ids: torch.Tensor, p
         return RefreshResult(torch.empty(0, dtype=torch.long), 0, 0)
     start = length - probe
     window_start = start - min(policy.recent_tokens, start - sink_tokens)
+    available = window_start - sink_tokens
+    budget = policy.tokens
+    if budget > available:
+        logger.warning("refresh budget %d is larger than the %d context positions left after the sink, the recent "
+                       "window and the %d-token probe: clamped to %d (the target computes the whole context, as a "
+                       "prefill would)", budget, available, probe, available)
+        budget = available
     no_positions = torch.empty(0, dtype=torch.long)
-    if policy.tokens == 0:  # nothing to pick: the recent window and the probe over the mapped prefix
+    if budget == 0:  # nothing to pick (none asked, or the window reaches the sink): the last tokens over the mapped
+        # prefix, in one pass with no probe
         started = time.perf_counter()
         sink = torch.arange(sink_tokens if compute_sink else 0)
         with cache.restored_on_error():
@@ -267,13 +278,6 @@ def refresh_cache(target_model, cache: "MappedCache", input_ids: torch.Tensor, p
                               append_ids=input_ids[:, window_start:])
         return RefreshResult(no_positions, probe, 0, recompute_seconds=time.perf_counter() - started,
                              sink=_leading(cache, sink_tokens) if compute_sink else None)
-    available = window_start - sink_tokens
-    budget = policy.tokens
-    if budget > available:
-        logger.warning("refresh budget %d is larger than the %d context positions left after the sink, the recent "
-                       "window and the %d-token probe: clamped to %d (the target computes the whole context, as a "
-                       "prefill would)", budget, available, probe, available)
-        budget = available
     with cache.restored_on_error():
         started = time.perf_counter()
         cache.truncate(start)
