@@ -169,10 +169,12 @@ class ContextCache(DynamicCache):
 
     @contextmanager
     def side_pass(self) -> Iterator[None]:
-        """Run a pass whose tokens are not the conversation's next ones (a probe, cut away after it): as
-        `restored_on_error`, and the check that guards the next extension stays as it was."""
+        """Run a pass that is not the conversation's continuation (a probe, a recompute of positions inside the
+        context): its tokens are not checked as one, and the check that guards the next extension stays as it was;
+        as `restored_on_error`, the cache is put back if the pass raises."""
         checked = self._continuation_checked
         with self.restored_on_error():
+            self._continuation_checked = True
             try:
                 yield
             finally:

@@ -176,7 +176,7 @@ def refresh_positions(target_model, cache: "MappedCache", context_ids: torch.Ten
     tokens = context_ids[:, positions]
     if append_ids is not None:
         tokens = torch.cat([tokens, append_ids.cpu()], dim=1)
-    with cache.restored_on_error():  # the pass and the move both, or neither
+    with cache.side_pass():  # the pass and the move both, or neither; not the conversation's next tokens
         with masked_attention(target_model):
             forward(target_model, tokens, cache, position_ids=(queries + position_offset)[None], attention_mask=mask)
         _move_into_place(cache, length, positions, appended)
