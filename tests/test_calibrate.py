@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CALIBRATION_OPTIONS, calibration_pair, random_ids
+from conftest import CALIBRATION_OPTIONS, calibration_pair, random_ids, tiny_model
 
 from peft_kvcache import KVMap
-from peft_kvcache.errors import NumericalError
+from peft_kvcache.errors import CalibrationError, NumericalError, UnsupportedPositionalSchemeError
 
 
 def test_a_target_model_with_nan_weights_fails_calibration_by_name():
@@ -36,3 +36,19 @@ def test_the_held_out_split_is_capped_by_tokens_when_texts_differ_in_length():
     assert [len(capped[i]) for i, f in enumerate(flags) if not f] == [n for n, f in zip(lengths, flags) if not f]
     even = [[torch.zeros(10, dtype=torch.long)] for _ in range(10)]
     assert capped_heldout(even, flags, 0.2) is even
+
+
+@pytest.mark.parametrize("options, error, match", [
+    (dict(max_length=64), UnsupportedPositionalSchemeError, "past position 32"),  # dynamic RoPE past its length
+    (dict(top_k=2, basis_rank=10**6), CalibrationError, "basis_rank 1000000 saves nothing"),
+])
+def test_options_that_fail_after_the_capture_are_refused_before_any_model_runs(options, error, match):
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    source = tiny_model("qwen2", seed=0, max_position_embeddings=32, rope_parameters=rope)
+    target = tiny_model("llama", seed=1, hidden_size=96, num_attention_heads=3, num_key_value_heads=3,
+                        num_hidden_layers=3)
+    calls = []
+    source.register_forward_hook(lambda *_: calls.append(1))
+    with pytest.raises(error, match=match):
+        KVMap.calibrate(source, target, random_ids(4, 60), **options, **CALIBRATION_OPTIONS)
+    assert not calls

@@ -125,7 +125,7 @@ def test_ctrl_c_then_resume_gives_the_same_map_and_a_finished_run_is_not_redone(
 # ----- foreign or damaged checkpoints, the options, what a checkpoint folder holds -----
 
 
-@pytest.mark.parametrize("change", ["data", "option", "model"])
+@pytest.mark.parametrize("change", ["data", "option", "model", "rope"])
 def test_resuming_with_other_data_options_or_models_is_refused(tmp_path, change):
     source, target = calibration_pair()
     KVMap.calibrate(source, target, random_ids(6, 12), checkpoint_dir=tmp_path, **CALIBRATION_OPTIONS)
@@ -134,8 +134,14 @@ def test_resuming_with_other_data_options_or_models_is_refused(tmp_path, change)
         data[3] = data[3].flip(0)
     elif change == "option":
         options["sink_tokens"] = 2
-    else:
+    elif change == "model":
         source = tiny_model("qwen2", seed=5)
+    else:  # the same weights under another RoPE: other position-free keys
+        from peft_kvcache.modeling.identity import cached_fingerprint
+
+        before = cached_fingerprint(source)
+        source = tiny_model("qwen2", seed=0, rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+        assert cached_fingerprint(source) == before
     with pytest.raises(CalibrationError, match=r"progress-rank0\.json was written by a run over other sequences"):
         KVMap.calibrate(source, target, data, checkpoint_dir=tmp_path, **options)
 

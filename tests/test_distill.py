@@ -95,6 +95,15 @@ def test_bad_options_and_short_texts_are_refused_before_any_model_runs(sibling_p
                     progress=False)
 
 
+def test_a_map_fitted_per_head_shard_is_refused_before_any_model_runs(sibling_map):
+    # its correction would mix the shards' heads, which a tensor-parallel engine maps apart
+    sharded = copy.deepcopy(sibling_map)
+    options = sharded.config.calibration.options
+    sharded.config.calibration.options = type(options)(**{**vars(options), "head_shards": 2})
+    with pytest.raises(CalibrationError, match="head_shards 2"):
+        distill_map(sharded, None, None, random_ids(12, 48))  # no model is touched
+
+
 def test_the_lever_distills_each_published_map_once_and_resumes(tmp_path, monkeypatch, sibling_pair, sibling_map):
     from benchmarks import lever_maps, siblings
 

@@ -124,11 +124,12 @@ def test_sparse_control_with_every_position_is_the_targets_own_prefill(sibling_p
 
 
 @pytest.mark.parametrize("options, match", [({"windows": ()}, "windows"), ({"windows": (40,)}, "windows"),
-                                             ({"refresh": (0,), "sparse_control": True}, "refresh budgets")])
+                                             ({"refresh": (0,), "sparse_control": True}, "refresh budgets"),
+                                             ({"continuation_length": 0}, "continuation of 1 or more")])
 def test_bad_evaluation_options_are_refused_before_any_model_runs(sibling_pair, sibling_map, options, match):
     from peft_kvcache.errors import EvaluationError
 
     source, target = sibling_pair
     with pytest.raises(EvaluationError, match=match):
-        evaluate_retention(source, target, sibling_map, random_ids(2, 48), context_length=40, continuation_length=8,
-                           progress=False, **options)
+        evaluate_retention(source, target, sibling_map, random_ids(2, 48), context_length=40,
+                           **{"continuation_length": 8, "progress": False, **options})

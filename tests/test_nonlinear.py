@@ -19,7 +19,7 @@ from peft_kvcache.calibration.nonlinear import (
     train_residual_mlp,
     weak_layers,
 )
-from peft_kvcache.errors import ArtifactError
+from peft_kvcache.errors import ArtifactError, CalibrationError
 from peft_kvcache.maps.apply import map_cache
 from peft_kvcache.modeling._compat import output_cache
 from peft_kvcache.modeling.positions import positions_from_mask
@@ -79,6 +79,15 @@ def nonlinear_map(pair):
     source, target, sequences, kv_map = pair
     return fit_nonlinear_heads(kv_map, source, target, sequences, r2_threshold=1.1, hidden=32, steps=80,
                                max_rows=512, progress=False)
+
+
+def test_a_map_fitted_per_head_shard_is_refused_before_any_model_runs(pair):
+    _, _, sequences, kv_map = pair
+    sharded = copy.deepcopy(kv_map)
+    options = sharded.config.calibration.options
+    sharded.config.calibration.options = type(options)(**{**vars(options), "head_shards": 3})
+    with pytest.raises(CalibrationError, match="head_shards 3"):
+        fit_nonlinear_heads(sharded, None, None, sequences, progress=False)  # no model is touched
 
 
 def test_weak_layers_follow_the_threshold(pair):

@@ -205,6 +205,19 @@ def test_a_rank_for_a_pair_with_another_rope_is_refused_before_any_model_runs(mo
 
 
 @pytest.mark.parametrize("options, match", [
+    (dict(residual_rank=16), "saves nothing on layers 32 wide"),  # two factors as costly as the dense weights
+    (dict(same_layer=False, top_k=99), "top_k 99 exceeds"),
+    (dict(same_layer=False, top_k=2, basis_rank=3), "basis_rank shares one basis"),
+])
+def test_adapter_options_that_cannot_fit_are_refused_before_any_model_runs(monkeypatch, options, match):
+    model = peft_with_adapters()
+    monkeypatch.setattr(model, "forward", lambda *a, **k: pytest.fail("the model ran"))
+    monkeypatch.setattr(model.base_model.model, "forward", lambda *a, **k: pytest.fail("the model ran"))
+    with pytest.raises(CalibrationError, match=match):
+        calibrate_adapters(model, random_ids(4, 16), adapters=["strong"], progress=False, **options)
+
+
+@pytest.mark.parametrize("options, match", [
     (dict(residual_rank=2), "needs same_layer=True"),
     (dict(residual_rank=2, same_layer=True, head_shards=2), "needs head_shards=1"),
     (dict(residual_rank=-1, same_layer=True), "non-negative"),

@@ -213,6 +213,10 @@ def distill_map(
     if kv_map.config.mlp_layers("keys") or kv_map.config.mlp_layers("values") or kv_map.residual_rank:
         raise CalibrationError("distillation corrects a map's linear weights; this map has nonlinear heads or runs as "
                                "the identity plus factors (distill a map without them)")
+    if options.head_shards > 1:  # the correction mixes every head: the map would no longer split per shard
+        raise CalibrationError(f"distillation adds a correction across all heads; this map is fitted per head shard "
+                               f"(head_shards {options.head_shards}), which a tensor-parallel engine relies on: "
+                               "distill a map fitted with head_shards=1")
     kv_map.check_models(source_model, target_model)
     texts = CalibrationTexts.build(calibration_data, tokenizer, options, vocab_size_of(source_model))
     least = options.sink_tokens + recent_tokens + scored_tokens + 1

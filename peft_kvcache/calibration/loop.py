@@ -27,6 +27,7 @@ from ..modeling.adapters import adapter_active, is_activated_lora, is_peft_model
 from ..modeling.capture import CapturedKV, batches, run_with_cache
 from ..modeling.identity import check_pair
 from ..modeling.layout import vocab_size_of
+from ..modeling.positions import check_rotary_reach
 from .checkpoint import CalibrationCheckpoint, Progress, run_digest
 from .fit import basis_problem, check_shards, fit_layers, fit_same_layers
 from .statistics import SPLITS, ModelSide, StatisticsRun
@@ -158,7 +159,7 @@ def build_map(run: StatisticsRun, source: str, target: str, config: CalibrationC
 
 def statistics_options(config: CalibrationConfig) -> dict:
     """The options a checkpoint of statistics is keyed on: those that shape the statistics (not the ridge grid, the
-    layer choice or the ranks, which only shape the fit from them, so fits with other such options resume from the same
+    layer choice, the ranks or the head shards, which only shape the fit from them, so fits with other such options resume from the same
     statistics), where they differ from their defaults (an option added later with a default keeps the checkpoints
     made before it).
 
@@ -167,7 +168,7 @@ def statistics_options(config: CalibrationConfig) -> dict:
         {'max_length': 1024}
     """
     shaped, default = replace(config, lambda_grid=DEFAULT_LAMBDA_GRID, top_k=1, residual_rank=0,
-                                  basis_rank=0), CalibrationConfig()
+                                  basis_rank=0, head_shards=1), CalibrationConfig()
     return {f.name: getattr(shaped, f.name) for f in fields(CalibrationConfig)
             if getattr(shaped, f.name) != getattr(default, f.name)}
 
@@ -191,10 +192,46 @@ def resolve_config(config: CalibrationConfig | None, options: dict, **defaults) 
     return config
 
 
-def check_head_shards(config: CalibrationConfig, sides: dict[str, ModelSide]) -> None:
-    """Refuse ``head_shards`` that do not divide every model's KV heads, before any model runs."""
-    for side in sides.values():
+def check_fit_options(config: CalibrationConfig, source: ModelSide, target: ModelSide) -> None:
+    """Refuse, before any model runs, options a map from ``source`` to ``target`` cannot be fitted with (each would
+    fail, or quietly give a worse map, after the capture pass)."""
+    same_shape = _same_shape(source, target)
+    if config.same_layer and source.layout != target.layout:
+        raise CalibrationError("same_layer needs models of the same depth and KV width; use top_k layer selection")
+    candidates = config.candidate_inputs(source.layout.num_layers)
+    if not config.same_layer and config.top_k > candidates:
+        raise CalibrationError(f"top_k {config.top_k} exceeds the source model's {candidates} candidate inputs (its "
+                               "layers, or with joint_kinds their keys and values)")
+    width = target.layout.layer_width
+    if config.residual_rank and not same_shape:
+        raise CalibrationError("residual_rank corrects the identity, so it needs a same-shape pair (one KV layout and "
+                               "one RoPE, e.g. base -> adapter); pass residual_rank=0")
+    if 2 * config.residual_rank >= width:  # the map would run as dense weights, fitted at a reduced rank
+        raise CalibrationError(f"residual_rank {config.residual_rank} saves nothing on layers {width} wide (two "
+                               f"factors cost as much as the dense weights): pass a rank below {(width + 1) // 2}, or 0")
+    for side in (source, target):
         check_shards(side.layout, config.head_shards)
+    problem = basis_problem(config.basis_rank, config.top_k, candidates, same_shape, config.head_shards)
+    if problem:
+        raise CalibrationError(problem)
+    widest = min(config.top_k * source.layout.layer_width, target.layout.num_layers * width)
+    if config.basis_rank >= widest:
+        raise CalibrationError(f"basis_rank {config.basis_rank} saves nothing: the source features are "
+                               f"{config.top_k * source.layout.layer_width} wide and the target layers "
+                               f"{target.layout.num_layers * width}; pass a rank below both")
+
+
+def check_positions(texts: CalibrationTexts, sides: dict[str, ModelSide]) -> None:
+    """Refuse, before any model runs, chunks reaching past where a side's RoPE changes its frequencies."""
+    longest = max((chunk.numel() for chunk in texts.all_chunks()), default=0)
+    for side in sides.values():
+        if longest:
+            check_rotary_reach(side.rotary, longest - 1)
+
+
+def _rotary_key(side: ModelSide) -> list:
+    """What statistics depend on in a side's RoPE (removed from its keys): its summary and its frequencies."""
+    return [str(side.rotary.describe()), side.rotary.inv_freq.tolist()]
 
 
 def _dtypes(*models: torch.nn.Module) -> list[str]:
@@ -224,25 +261,13 @@ def calibrate(source_model: torch.nn.Module, target_model: torch.nn.Module, cali
     check_pair(source_model, target_model, tokenizer)
     started = time.perf_counter()
     sides = {"source": ModelSide.of(source_model), "target": ModelSide.of(target_model)}
-    if config.same_layer and sides["source"].layout != sides["target"].layout:
-        raise CalibrationError("same_layer needs models of the same depth and KV width; use top_k layer selection")
-    candidates = config.candidate_inputs(sides["source"].layout.num_layers)
-    if not config.same_layer and config.top_k > candidates:
-        raise CalibrationError(f"top_k {config.top_k} exceeds the source model's {candidates} candidate inputs (its "
-                               "layers, or with joint_kinds their keys and values)")
-    if config.residual_rank and not _same_shape(sides["source"], sides["target"]):
-        raise CalibrationError("residual_rank corrects the identity, so it needs a same-shape pair (one KV layout and "
-                               "one RoPE, e.g. base -> adapter); pass residual_rank=0")
-    check_head_shards(config, sides)
-    problem = basis_problem(config.basis_rank, config.top_k, candidates,
-                            _same_shape(sides["source"], sides["target"]), config.head_shards)
-    if problem:  # before the capture pass, not after it
-        raise CalibrationError(problem)
+    check_fit_options(config, sides["source"], sides["target"])
     texts = CalibrationTexts.build(calibration_data, tokenizer, config, vocab_size_of(source_model))
+    check_positions(texts, sides)
     run = StatisticsRun({"source": ["target"]}, sides, config)
     weighting = config.attention_weighting > 0
     key = {"options": statistics_options(config), "fingerprints": [s.fingerprint for s in sides.values()],
-           "dtypes": _dtypes(source_model, target_model)}
+           "dtypes": _dtypes(source_model, target_model), "rotary": [_rotary_key(s) for s in sides.values()]}
     run_models = lambda ids, mask: {"source": run_with_cache(source_model, ids, mask),  # noqa: E731
                                     "target": run_with_cache(target_model, ids, mask, received_attention=weighting)}
     earlier = collect(run_models, run, texts, config.batch_size, progress=progress, checkpoint_dir=checkpoint_dir,
@@ -289,9 +314,12 @@ def calibrate_adapters(model: torch.nn.Module, calibration_data, tokenizer=None,
     for name in [BASE, *adapters]:
         with adapter_active(model, None if name == BASE else name):
             sides[name] = ModelSide.of(model)
-    check_head_shards(config, sides)
-    texts = CalibrationTexts.build(calibration_data, tokenizer, config, vocab_size_of(model))
     groups = {BASE: list(adapters), **({a: [BASE] for a in adapters} if reverse else {})}
+    for source, targets in groups.items():
+        for target in targets:
+            check_fit_options(config, sides[source], sides[target])
+    texts = CalibrationTexts.build(calibration_data, tokenizer, config, vocab_size_of(model))
+    check_positions(texts, sides)
     run = StatisticsRun(groups, sides, config)
     # the models whose attention weights the fit (its targets), measured only when it is weighted
     targets = {t for ts in groups.values() for t in ts} if config.attention_weighting else set()
@@ -304,7 +332,7 @@ def calibrate_adapters(model: torch.nn.Module, calibration_data, tokenizer=None,
         return runs
 
     key = {"options": statistics_options(config), "fingerprints": {n: s.fingerprint for n, s in sides.items()},
-           "dtypes": _dtypes(model), "reverse": reverse}
+           "dtypes": _dtypes(model), "reverse": reverse, "rotary": _rotary_key(sides[BASE])}
     earlier = collect(run_models, run, texts, config.batch_size, progress=progress, checkpoint_dir=checkpoint_dir,
                       checkpoint_every=checkpoint_every, checkpoint_key=key)
     record = CalibrationRecord(options=config, data=texts.record(description), sequences=len(texts.all_chunks()),

@@ -250,8 +250,12 @@ def fit_nonlinear_heads(
     if kv_map.config.basis_rank:  # the heads read each layer's dense linear output from its source layers
         raise CalibrationError("nonlinear heads extend a map with each layer's own weights; this map reads a shared "
                                f"basis (basis_rank {kv_map.config.basis_rank}): fit them on a map without one")
-    kv_map.check_models(source_model, target_model)
     options = kv_map.config.calibration.options
+    if options.head_shards > 1:  # the heads' MLP mixes every head: the map would no longer split per shard
+        raise CalibrationError(f"nonlinear heads mix all of a layer's heads; this map is fitted per head shard "
+                               f"(head_shards {options.head_shards}), which a tensor-parallel engine relies on: "
+                               "fit them on a map fitted with head_shards=1")
+    kv_map.check_models(source_model, target_model)
     texts = CalibrationTexts.build(calibration_data, tokenizer, options, vocab_size_of(source_model))
     layers = {kind: weak_layers(kv_map, kind, r2_threshold) for kind in KINDS}
     candidates, kept = [], {kind: [] for kind in KINDS}

@@ -226,6 +226,9 @@ def evaluate_retention(
     """
     if naive_reuse is None:
         naive_reuse = kv_map.config.pair_kind == "same_shape"
+    if context_length < 2 or continuation_length < 1:
+        raise EvaluationError(f"an example needs a context of 2 or more tokens and a continuation of 1 or more, got "
+                              f"context_length={context_length}, continuation_length={continuation_length}")
     total = context_length + continuation_length
     usable = [s[:total] for s in sequences if s.numel() >= total]
     if not usable:
