@@ -75,8 +75,7 @@ def _sibling_gates(models: dict, tokenizer, maps: dict[str, dict], skip: int,
                    progress: bool) -> tuple[dict[str, str], dict[str, dict[str, dict]]]:
     """The gate texts and ``{direction: {key: record}}`` of ``maps[direction][key]``."""
     texts, sequences = gate_texts(tokenizer, skip)
-    data = DataRecord(corpus_description("calibration") + f"; files {skip}..{skip + len(texts) - 1}",
-                      [TextRecord(name, TOKENS, "gate") for name in texts])
+    data = gate_data(texts, skip)
     gates = {}
     for direction, by_key in maps.items():
         source, target = (models[n] for n in siblings.DIRECTIONS[direction])
@@ -85,6 +84,12 @@ def _sibling_gates(models: dict, tokenizer, maps: dict[str, dict], skip: int,
             record = measure_quality(kv_map, source, target, sequences, data=data, progress=progress)
             gates.setdefault(direction, {})[str(key)] = to_json(record)
     return texts, gates
+
+
+def gate_data(texts: dict[str, str], skip: int) -> DataRecord:
+    """What the gate measured on: ``texts`` (distinct files of the calibration split, from the ``skip``-th on)."""
+    return DataRecord(corpus_description("calibration", len(texts)) + f"; files {skip}..{skip + len(texts) - 1}",
+                      [TextRecord(name, TOKENS, "gate") for name in texts])
 
 
 def disjoint(texts, kv_map: KVMap, label: str) -> None:

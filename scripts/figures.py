@@ -332,7 +332,23 @@ def serve_table() -> str:
             + table(["server", "TTFT p50", "TTFT p95", "compute TTFT p50 / p95", "tokens/s", "prompt cached",
                      "vs (c): first-token KL / same first token / same reply"], rows) + "\n\n"
             + table(["ratio", "TTFT p50", "TTFT p95", "compute p50", "compute p95", "throughput"], ratios)
-            + written_by("serve-load", "serve_load"))
+            + serve_losses(data["ratios"]) + written_by("serve-load", "serve_load"))
+
+
+SERVE_COSTS = {"ttft_p50": "TTFT p50", "ttft_p95": "TTFT p95", "compute_ttft_p50": "compute p50",
+               "compute_ttft_p95": "compute p95"}
+
+
+def serve_losses(ratios: dict[str, dict]) -> str:
+    """The sentence naming every ratio of the load benchmark where this server does worse than the other (a time
+    above 1, a throughput below 1), or none."""
+    losses = []
+    for name, r in ratios.items():
+        worse = [f"{label} x{r[key]:.2f}" for key, label in SERVE_COSTS.items() if r[key] > 1]
+        worse += [f"throughput x{r['tokens_per_second']:.2f}"] if r["tokens_per_second"] < 1 else []
+        if worse:
+            losses.append(f"{name}: {', '.join(worse)}")
+    return ("\n\nWhere this server did worse in this run: " + "; ".join(losses) + ".") if losses else ""
 
 
 def vllm_table() -> str:

@@ -108,6 +108,17 @@ def test_results_record_their_command_as_a_reader_would_type_it(path):
     assert command.startswith("python -m ") and str(ROOT) not in command and " /" not in command, command
 
 
+def test_every_ratio_where_the_server_does_worse_is_said():
+    from scripts.figures import serve_losses
+
+    ratios = {"a/b": {"ttft_p50": 0.5, "ttft_p95": 1.3, "compute_ttft_p50": 1.0, "compute_ttft_p95": 0.9,
+                      "tokens_per_second": 0.8},
+              "a/c": {"ttft_p50": 0.5, "ttft_p95": 0.6, "compute_ttft_p50": 0.7, "compute_ttft_p95": 0.9,
+                      "tokens_per_second": 1.2}}
+    assert serve_losses(ratios) == "\n\nWhere this server did worse in this run: a/b: TTFT p95 x1.30, throughput x0.80."
+    assert serve_losses({"a/c": ratios["a/c"]}) == ""
+
+
 def test_the_timed_calibrate_adapters_command_is_the_readmes_and_parses():
     from benchmarks.calibrate_time import readme_command
     from peft_kvcache.cli import build_parser
@@ -115,6 +126,14 @@ def test_the_timed_calibrate_adapters_command_is_the_readmes_and_parses():
     words = readme_command()
     args = build_parser().parse_args(words[1:])  # argparse exits on a word the CLI does not take
     assert args.command == "calibrate-adapters" and args.num_files == 44, args
+
+
+def test_a_gate_says_how_many_files_it_measured_on():
+    from benchmarks.gates import gate_data
+
+    data = gate_data({"a.py": "", "b.py": ""}, 128)
+    assert "2 distinct files of" in data.description and "files 128..129" in data.description
+    assert [text.name for text in data.texts] == ["a.py", "b.py"]
 
 
 def test_a_gate_on_texts_a_map_was_fitted_on_is_refused():
