@@ -17,6 +17,7 @@ from peft_kvcache.lab.provenance import key_of, lookup
 from peft_kvcache.maps.adapter_maps import folder_name
 from peft_kvcache.maps.config import Figure, Refresh
 from peft_kvcache.maps.storage import load_config
+from scripts.vllm_targets import load_targets, switch_cost_targets
 
 HUB_CARDS = ROOT / "hub_cards"
 README_BEGIN, README_END = "<!-- figures:begin (scripts/publish.py writes this table) -->", "<!-- figures:end -->"
@@ -352,14 +353,23 @@ def serve_losses(ratios: dict[str, dict]) -> str:
 
 
 def vllm_table() -> str:
-    """The vLLM connector's load benchmark (`benchmarks/results/vllm-load.json`), its tables at the README's level."""
-    return vllm_markdown(results("vllm-load"), level=3) + written_by("vllm-load", "vllm_load")
+    """The vLLM connector's load benchmark (`benchmarks/results/vllm-load.json`), its tables at the README's level,
+    and where it stands against its targets."""
+    data = results("vllm-load")
+    return vllm_markdown(data, level=3) + load_targets(data) + written_by("vllm-load", "vllm_load")
 
 
 def switch_cost_table() -> str:
-    """What a switch costs the streams around it inside vLLM (`benchmarks/results/vllm-switch-cost.json`)."""
-    return (switch_cost_markdown(results("vllm-switch-cost"), level=3)
-            + written_by("vllm-switch-cost", "vllm_switch_cost"))
+    """What a switch costs the streams around it inside vLLM (`benchmarks/results/vllm-switch-cost.json`; with the
+    same run at a smaller engine step where `vllm-switch-cost-step128.json` holds one)."""
+    data = results("vllm-switch-cost")
+    small_step = results(SMALL_STEP) if (RESULTS / f"{SMALL_STEP}.json").is_file() else None
+    return (switch_cost_markdown(data, level=3) + switch_cost_targets(data, small_step)
+            + written_by("vllm-switch-cost", "vllm_switch_cost")
+            + (f" The smaller step's run: `benchmarks/results/{SMALL_STEP}.json`." if small_step else ""))
+
+
+SMALL_STEP = "vllm-switch-cost-step128"
 
 
 def tp_shards_table() -> str:

@@ -119,6 +119,33 @@ def test_every_ratio_where_the_server_does_worse_is_said():
     assert serve_losses({"a/c": ratios["a/c"]}) == ""
 
 
+def test_the_vllm_targets_are_judged_from_the_figures():
+    from scripts.vllm_targets import load_targets, switch_cost_targets
+
+    def stat(mean, low, high, runs=()):
+        return {"mean": mean, "low": low, "high": high, "runs": list(runs)}
+
+    servers = {name: {key: stat(value, value, value) for key, value in zip(
+        ("switch_ttft_p50", "cold_switch_ttft_median", "warm_switch_ttft_p50", "warm_switch_ttft_p95",
+         "tokens_per_second"), values)} for name, values in (("a", (2.3, 4.1, 1.4, 4.7, 10.3)),
+                                                              ("b", (2.0, 4.9, 1.8, 4.3, 10.4)))}
+    load = {"closed_loop": {"ratios": {"a/c": {"switch_ttft_p50": stat(0.08, 0.04, 0.11, (0.06, 0.12, 0.07))}},
+                            "servers": servers},
+            "streams": {"a": {"p95_ratio": stat(1.1, 1.0, 1.2)}}}
+    said = load_targets(load)
+    assert ("(b) naive sharing did better than (a) on switch TTFT p50 (2.00 against 2.30), warm switch TTFT p95 "
+            "(4.30 against 4.70), tokens/s (10.40 against 10.30)") in said
+    assert "under 1/10 in 2 of 3 runs (the interval's upper end past it), under 1/20 in 0 of 3 runs" in said
+    assert "the 1.25x target met" in said and "open loop" not in said
+    cost = {"streams": {"p95_ratio": stat(2.4, 1.6, 3.2), "switch_to_own_p95_ratio": stat(1.3, 1.1, 1.5),
+                        "none": {"itl_p95": 0.3}, "switch": {"itl_p95": 0.8}},
+            "own_cache": {"mapped_to_own": {"max": 1.6}, "mapped_kl": stat(0.0078, 0.0077, 0.0079)},
+            "setup": {"repeats": 5}}
+    said = switch_cost_targets(cost)
+    assert "the 1.25x target missed" in said and "the interval excludes 1, its upper end past 1.25x" in said
+    assert "at most 1.60x over 5 repeats (past 1.5x in at least one)" in said
+
+
 def test_the_timed_calibrate_adapters_command_is_the_readmes_and_parses():
     from benchmarks.calibrate_time import readme_command
     from peft_kvcache.cli import build_parser
