@@ -205,9 +205,12 @@ def readme_table() -> str:
                      if task == "continuation" else "")
             rows.append([name, f"{task} ({report['examples']})", fmt(by["mapped@1"]), fmt(by[variant]), fmt(by[control]),
                          f"{by['mapped@1']['kl']:.3f} / {by[variant]['kl']:.3f}", speed])
+    naive = []  # per adapter map: (name, its retention, naive reuse's, its KL, naive reuse's)
     for adapter, reverse in ((a, r) for a in ADAPTERS for r in (False, True)):
         retention = results(results_stem(reverse))["retention"][adapter]
         by = {r["variant"]: r for r in retention["rows"]}
+        naive.append((folder_name(PREFIX, adapter, reverse), by["mapped@1"]["normalized_retention"],
+                      by["naive@1"]["normalized_retention"], by["mapped@1"]["kl"], by["naive@1"]["kl"]))
         speed = "-" if reverse else " / ".join(  # the reverse switch is not timed on its own
             f"{r['speedup_cold']:.0f}x at {r['context']}" for r in results(f"ttft-{folder_name(PREFIX, adapter, False)}")["rows"])
         rows.append([folder_name(PREFIX, adapter, reverse), f"continuation ({retention['examples']})",
@@ -225,6 +228,7 @@ def readme_table() -> str:
             " A plain switch marked (base maps), and its KL, ran on the final run's base maps (its `--maps`), not on "
             "the maps the default recipe runs on, which that run did not switch plainly; the TTFT column times the "
             "default's own maps, plain and with the recipe." if plain_on_base_maps else "")
+        + adapter_losses(naive)
         + "".join(f"\n\n{note}" for note in ttft_goal_notes(shown))
         + ("\n\nA sibling map's default recipe stays out of this table until a final report of it stands: one of the "
            "default the selection texts chose, on the maps they chose it on, measured on every example its run planned "
@@ -233,6 +237,18 @@ def readme_table() -> str:
         + "".join(f"\n\nNot shown: `{reports[name][context]['stem']}.json` for `{name}`: {problem}; it is measured "
                   f"again (`python -m benchmarks.recipes run --role final --context {context}`, then its report)."
                   for name, problems in withheld.items() for context, problem in problems.items()))
+
+
+def adapter_losses(maps: list[tuple[str, float, float, float, float]]) -> str:
+    """The sentence naming the adapter maps whose normalized retention naive reuse beat, and those whose KL it beat
+    (``maps``: name, the map's retention, naive reuse's, the map's KL, naive reuse's)."""
+    retention = [f"{name} ({ours:.3f} against {theirs:.3f})" for name, ours, theirs, _, _ in maps if theirs > ours]
+    kl = [f"{name} ({ours:.3f} against {theirs:.3f})" for name, _, _, ours, theirs in maps if theirs < ours]
+    said = [f"naive reuse kept more normalized retention than the map on {len(retention)} of {len(maps)} adapter "
+            f"maps: {', '.join(retention)}" if retention else "",
+            f"a lower KL than the map on {len(kl)} of {len(maps)}: {', '.join(kl)}" if kl else
+            f"the map's KL is below naive reuse's on all {len(maps)}"]
+    return "\n\nAdapter maps against naive reuse in this table: " + "; ".join(s for s in said if s) + "."
 
 
 def ttft_goal_notes(reports: dict[str, dict]) -> list[str]:

@@ -119,6 +119,15 @@ def test_every_ratio_where_the_server_does_worse_is_said():
     assert serve_losses({"a/c": ratios["a/c"]}) == ""
 
 
+def test_the_adapter_maps_that_naive_reuse_beat_are_named():
+    from scripts.figures import adapter_losses
+
+    said = adapter_losses([("a-to-b", 0.98, 1.35, 0.05, 0.2), ("b-to-a", 0.99, 0.95, 0.05, 0.04)])
+    assert "naive reuse kept more normalized retention than the map on 1 of 2 adapter maps: a-to-b (0.980 against " \
+           "1.350)" in said and "a lower KL than the map on 1 of 2: b-to-a (0.050 against 0.040)" in said
+    assert "all 1" in adapter_losses([("a-to-b", 0.99, 0.95, 0.05, 0.2)])
+
+
 def test_the_vllm_targets_are_judged_from_the_figures():
     from scripts.vllm_targets import load_targets, switch_cost_targets
 
