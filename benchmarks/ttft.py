@@ -289,14 +289,17 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def run(name: str, source_run, target, kv_map, lengths, repeats: int, device: torch.device, dtype: torch.dtype,
-        vocab_low: int = 100, vocab_high: int = 20000, maps: str = "published") -> dict:
+        vocab_low: int = 100, vocab_high: int = 20000, maps: str = "published",
+        goals: dict[int, int] | None = None) -> dict:
     """Measure every length and write ``benchmarks/results/ttft-<name>`` (``maps``: ``kv_map``'s label, see
-    `measure`); returns the payload."""
+    `measure`; ``goals``: the speedup each length must reach, recorded beside the rows for whoever reports them);
+    returns the payload."""
     generator = torch.Generator().manual_seed(0)
     machine = floors(device, dtype)
     rows = [measure(source_run, target, kv_map, torch.randint(vocab_low, vocab_high, (1, n), generator=generator),
                     repeats, maps=maps) for n in lengths]
-    payload = {"name": name, "maps": maps, "repeats": repeats, "machine_floors": machine, "rows": rows}
+    payload = {"name": name, "maps": maps, "repeats": repeats, "machine_floors": machine, "rows": rows,
+               **({"goals": {str(n): goal for n, goal in goals.items() if n in lengths}} if goals else {})}
     save(f"ttft-{name}", payload, markdown(name, rows, machine), seeds={"ids": 0})
     plot(rows, RESULTS / f"ttft-{name}.png", f"TTFT after a switch: {name}")
     return payload

@@ -139,9 +139,12 @@ def ttft_figures(stem: str, recipe: str | None = None) -> dict[str, Figure]:
     payload = results(stem)
     if not timed_maps(payload, recipe):
         return {}
-    return {f"ttft.speedup_{kind}_{row['context']}": figure(stem, f"rows/context={row['context']}/speedup_{kind}")
-            for row in payload["rows"] for kind in ("cold", "warm", "recipe") if f"speedup_{kind}" in row
-            and not (kind == "recipe" and recipe is not None and row.get("recipe_name") != recipe)}
+    speedups = {f"ttft.speedup_{kind}_{row['context']}": figure(stem, f"rows/context={row['context']}/speedup_{kind}")
+                for row in payload["rows"] for kind in ("cold", "warm", "recipe") if f"speedup_{kind}" in row
+                and not (kind == "recipe" and recipe is not None and row.get("recipe_name") != recipe)}
+    # the goals the run recorded, beside the speedups they judge: a card shows a missed goal as plainly as a met one
+    goals = {f"ttft.goal_speedup_{context}": figure(stem, f"goals/{context}") for context in payload.get("goals", {})}
+    return {**speedups, **goals}
 
 
 def final_example_counts(report: dict) -> list[tuple[str, int, int, int]]:

@@ -48,6 +48,7 @@ from benchmarks.adapters import BLEND_FILES, PREFIX
 from benchmarks.adapters import CALIBRATION_FILES as ADAPTER_FILES
 from benchmarks.common import (ADAPTERS, LARGE, RESULTS, ROOT, SMALL, SMOLLM, map_fingerprint, read_results, save,
                                start_run)
+from benchmarks.recipe_budget import TTFT_GOALS
 from benchmarks.recipe_report import held_folder
 from benchmarks.scaling import SCALES
 from benchmarks.tasks import continuation_examples
@@ -298,7 +299,7 @@ class Publisher:
             source, target = (models[n] for n in siblings.DIRECTIONS[direction])
             ttft.run(siblings.pair_name(direction), lambda ids, s=source: run_with_cache(s, ids), target,
                      self.chosen_map(direction), TTFT_LENGTHS, TTFT_REPEATS, torch.device("cpu"), torch.float32,
-                     maps=default_maps(direction))
+                     maps=default_maps(direction), goals=TTFT_GOALS)
 
     def sibling_cards(self) -> None:
         """Write hub_cards/<pair> for both directions: the chosen map, its gate, its recipe, the storage dtype the

@@ -432,3 +432,16 @@ def test_a_report_takes_its_budget_from_the_runs_whose_records_it_holds_and_its_
     assert payload["directions"]["up"]["budget"] == 160 and payload["directions"]["up"]["planned"]["continuation"] == 6
     assert [run["run"] for run in common.read_results("sibling-recipes-selection-2048")["runs"]] == ["r1", "r2"]
     assert payload["directions"]["up"]["default"] == "index@160/p40"  # complete on the plan
+
+
+def test_a_cards_ttft_figures_carry_the_goals_their_run_recorded(monkeypatch):
+    """A TTFT run that records its goals gives a card the goal beside each speedup it judges (a missed goal shows)."""
+    payload = {"maps": "published", "goals": {"2048": 10, "8192": 30},
+               "rows": [{"context": 2048, "speedup_cold": 12.0, "speedup_recipe": 8.9, "recipe_name": "refresh@64/p32"}]}
+    monkeypatch.setattr(figures, "results", lambda stem: payload)
+    got = figures.ttft_figures("ttft-x", recipe="refresh@64/p32")
+    assert got["ttft.speedup_recipe_2048"].value == 8.9 and got["ttft.goal_speedup_2048"].value == 10
+    assert got["ttft.goal_speedup_8192"].key == "goals/8192"
+    del payload["goals"]
+    assert not [name for name in figures.ttft_figures("ttft-x", recipe="refresh@64/p32") if "goal" in name]
+
