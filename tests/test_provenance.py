@@ -49,3 +49,22 @@ def test_the_command_of_a_module_run_is_recorded_as_typed(tmp_path):
     script = subprocess.run([sys.executable, "pkg/mod.py", "--x"], cwd=tmp_path, capture_output=True, text=True,
                             check=True, env=env)
     assert script.stdout.strip().endswith("pkg/mod.py --x")
+
+
+def test_a_run_on_changed_code_records_the_changes_and_results_being_written_are_not_code(tmp_path):
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "runs.jsonl").write_text("{}\n")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "first")
+    (tmp_path / "benchmarks" / "results" / "runs.jsonl").write_text("{}\n{}\n")  # a run appending its records
+    assert code_state(tmp_path) == {"commit": _git(tmp_path, "rev-parse", "HEAD"), "dirty": False}
+    changed = tmp_path / "again"
+    _git(tmp_path, "clone", "-q", str(tmp_path), str(changed))
+    (changed / "code.py").write_text("x = 2\n")
+    (changed / "benchmarks" / "results" / "runs.jsonl").write_text("{}\n{}\n")
+    state = code_state(changed)
+    assert state["dirty"] is True and "-x = 1" in state["changes"] and "+x = 2" in state["changes"]
+    assert "runs.jsonl" not in state["changes"]
+

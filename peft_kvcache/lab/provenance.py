@@ -50,15 +50,21 @@ def _version(package: str) -> str | None:
 _CODE_STATES: dict[Path, dict] = {}
 
 
+CODE_PATHS = ("--", ".", ":(exclude)benchmarks/results")  # results being written are data, not code
+
+
 def code_state(cwd: str | os.PathLike | None = None) -> dict:
     """``{"commit", "dirty"}`` of the code this process runs, read from git once per folder, the first time it is
     asked: a long run that calls this at startup records the code it started with, not a commit made while it
-    ran (``dirty`` ignores untracked files, e.g. results being written)."""
+    ran (``dirty`` ignores untracked files and results files, e.g. results being written). A dirty tree adds
+    ``changes``: the diff of its code against the commit, so that the record still pins the code that ran."""
     root = Path(cwd or os.getcwd()).resolve()
     if root not in _CODE_STATES:
-        status = _git("status", "--porcelain", "--untracked-files=no", cwd=root)
-        _CODE_STATES[root] = {"commit": _git("rev-parse", "HEAD", cwd=root),
-                              "dirty": None if status is None else bool(status)}
+        status = _git("status", "--porcelain", "--untracked-files=no", *CODE_PATHS, cwd=root)
+        state = {"commit": _git("rev-parse", "HEAD", cwd=root), "dirty": None if status is None else bool(status)}
+        if status:
+            state["changes"] = _git("diff", "HEAD", *CODE_PATHS, cwd=root)
+        _CODE_STATES[root] = state
     return _CODE_STATES[root]
 
 
