@@ -206,3 +206,34 @@ def test_an_adapter_of_another_base_is_a_model_load_error(tmp_path):
 def test_a_model_that_is_not_there_is_a_model_load_error(tmp_path):
     with pytest.raises(ModelLoadError, match="nowhere"):
         load_model(str(tmp_path / "nowhere"))
+
+
+def test_a_switch_restores_the_adapter_state_it_found():
+    """Several active adapters, adapters disabled, each adapter frozen: a block under one adapter leaves them so."""
+    from peft_kvcache.modeling.adapters import active_adapters
+
+    model = peft_with_adapters()
+    for config in model.peft_config.values():
+        config.inference_mode = True  # loaded for inference: a switch must not make them trainable
+    model.base_model.set_adapter(["strong", "mild"], inference_mode=True)
+    ids = random_ids(1, 12)[0][None]
+    trainable = lambda: [name for name, p in model.named_parameters() if p.requires_grad and "lora_" in name]  # noqa: E731
+    with torch.no_grad():
+        both = model(ids).logits
+        with adapter_active(model, "mild"):
+            assert active_adapters(model) == {"mild"}
+        assert active_adapters(model) == {"strong", "mild"} and torch.equal(model(ids).logits, both)
+        with adapter_active(model, None):
+            assert active_adapters(model) == set()
+        assert active_adapters(model) == {"strong", "mild"} and not trainable()
+        with model.disable_adapter():
+            plain = model(ids).logits
+            with adapter_active(model, "strong"):  # asked for by name: it runs, disabled or not
+                assert active_adapters(model) == {"strong"}
+                assert not torch.equal(model(ids).logits, plain)
+            with adapter_active(model, None):
+                assert active_adapters(model) == set()
+            assert active_adapters(model) == set() and torch.equal(model(ids).logits, plain)
+    with pytest.raises(Exception, match="no adapter"):
+        with adapter_active(model, ["strong"]):
+            pass

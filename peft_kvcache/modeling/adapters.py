@@ -3,6 +3,7 @@ one lock every user of a model's adapter state holds."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 import weakref
@@ -43,7 +44,9 @@ def is_peft_model(model: torch.nn.Module) -> bool:
 @contextmanager
 def adapter_active(model: torch.nn.Module, adapter: str | None) -> Iterator[None]:
     """Run the block with ``adapter`` active on a `PeftModel`, or with every adapter disabled (``None``:
-    the base model). The previously active adapter is restored afterwards, also when the block raises.
+    the base model). The adapter state as it was is restored afterwards, also when the block raises: the active
+    adapters (several, where the user set several), whether they were disabled (``adapter`` runs inside
+    ``with peft_model.disable_adapter():`` too), and each adapter frozen or trainable as its config says.
 
     PEFT's active adapter is state of the whole model: callers sharing a model between threads hold its
     `model_lock` around the block.
@@ -52,19 +55,42 @@ def adapter_active(model: torch.nn.Module, adapter: str | None) -> Iterator[None
         >>> with adapter_active(peft_model, "shout"):          # doctest: +SKIP
         ...     logits = peft_model(input_ids).logits
     """
-    if adapter is None:
-        with model.disable_adapter():
-            yield
-        return
-    if adapter not in model.peft_config:
+    if adapter is not None and (not isinstance(adapter, str) or adapter not in model.peft_config):
         raise AdapterError(f"the model has no adapter {adapter!r}; it has {sorted(model.peft_config)}")
-    previous = model.active_adapter
-    model.set_adapter(adapter)
+    layer = _first_tuner_layer(model)
+    previous = list(layer.active_adapters) if layer is not None else [model.active_adapter]
+    disabled = bool(layer is not None and layer.disable_adapters)
+    if adapter is None:
+        if disabled:  # already the base model (PEFT's context would enable the adapters on leaving)
+            yield
+            return
+        try:
+            with model.disable_adapter():
+                yield
+        finally:
+            _set_active(model, previous)  # PEFT enables them trainable on leaving: frozen again where they were
+        return
+    if previous == [adapter] and not disabled:
+        yield
+        return
     try:
+        if disabled:
+            model.base_model.enable_adapter_layers()
+        _set_active(model, [adapter])
         yield
     finally:
-        if previous != adapter:
-            model.set_adapter(previous)
+        _set_active(model, previous)
+        if disabled:
+            model.base_model.disable_adapter_layers()
+
+
+def _set_active(model: torch.nn.Module, names: list[str]) -> None:
+    """Make ``names`` the active adapters, frozen where every one's config says inference (PEFT's ``set_adapter``
+    makes an adapter trainable unless told otherwise)."""
+    frozen = all(getattr(model.peft_config.get(name), "inference_mode", True) for name in names)
+    target = model if len(names) == 1 else model.base_model  # a PeftModel takes one name
+    takes_mode = "inference_mode" in inspect.signature(type(target).set_adapter).parameters  # peft >= 0.18's
+    target.set_adapter(names[0] if len(names) == 1 else names, **({"inference_mode": frozen} if takes_mode else {}))
 
 
 def load_adapters(base_model: torch.nn.Module, adapters: dict[str, str]) -> torch.nn.Module:
