@@ -51,6 +51,8 @@ class Made:
         Made(how='mapped', source=None, tokens=120, hops=1)
         >>> Made().exact, Made().then("shout", 40)
         (True, Made(how='mapped', source='shout', tokens=40, hops=1))
+        >>> Made().then("shout", 40).then("shout", 30).mapped_again(100)  # turns mapped back, then mapped onward
+        Made(how='mapped', source='shout', tokens=100, hops=2)
     """
 
     how: How = "exact"
@@ -85,14 +87,15 @@ class Made:
             return self
         if self.how == "exact":
             return Made("mapped", source, mapped_tokens, 1)
-        return replace(self, how="mapped", tokens=self.tokens + mapped_tokens, hops=self.hops + 1)
+        # the new tokens passed through one map, those before through as many as they did
+        return replace(self, how="mapped", tokens=self.tokens + mapped_tokens, hops=max(self.hops, 1))
 
     def mapped_again(self, tokens: int) -> "Made":
         """This cache's first ``tokens`` tokens mapped into another model: derived from the same source, one more map
         (an exact cache of the base mapped into an adapter: one map from the base)."""
         if self.how == "exact":
             return Made("mapped", self.source, tokens, 1)
-        return replace(self, how="mapped", tokens=min(self.tokens, tokens), hops=self.hops + 1)
+        return replace(self, how="mapped", tokens=tokens, hops=self.hops + 1)  # all of them mapped once more
 
     @property
     def context_source(self) -> ContextSource:
