@@ -365,3 +365,28 @@ def test_an_index_recipe_switch_continues_and_keeps_the_base_in_sessions_and_the
     served = engine.run("strong", torch.cat([history, random_ids(1, 5, seed=5)[0]]), GEN)
     assert served.context_source == "mapped"
     assert {e.adapter for e in engine.store.entries()} == {None}  # the base caught up; the index cache not stored
+
+
+@pytest.mark.parametrize("keep_base", ["prefill", "reverse_map"])
+def test_caches_of_weights_since_changed_are_dropped_and_the_next_turn_prefills(real_shared, keep_base, caplog):
+    """An adapter loaded again under its name (here: its weights written in place) makes every cache of the old
+    weights stale: the next turn prefills the conversation, and its reply is the new weights' full prefill's."""
+    model = real_shared.model
+    session = AdapterSession(real_shared, keep_base=keep_base, **GEN)
+    session.turn(random_ids(1, 30, seed=1)[0], adapter="strong")
+    weight = next(p for name, p in model.named_parameters() if "lora_B" in name and ".strong" in name)
+    with torch.no_grad():
+        weight.add_(0.05)
+    try:
+        message = random_ids(1, 5, seed=2)[0][None]
+        before = session.ids
+        with caplog.at_level("WARNING", logger="peft_kvcache"):
+            turn = session.turn(message, adapter="strong")
+        assert turn.context_source == "prefilled" and "weights changed" in caplog.text
+        assert torch.equal(turn.new_ids, _full_reprefill(model, torch.cat([before, message], 1), "strong"))
+        again = session.turn(random_ids(1, 4, seed=3)[0], adapter="strong")
+        # the strong -> base map was fitted for the old weights: the base catches up by its own pass, not through it
+        assert again.model_tokens["keep_base"] > 0
+    finally:
+        with torch.no_grad():
+            weight.sub_(0.05)

@@ -47,6 +47,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from ..errors import CacheMismatchError, SessionError
+from ..modeling._compat import weights_version
 from ..modeling.adapters import adapter_active
 from ..modeling.capture import forward
 from ..modeling.layout import check_token_ids, vocab_size_of
@@ -95,6 +96,7 @@ class AdapterSession:
         self._base_made: Made = EXACT  # how the base cache was made (mapped back from an adapter, under reverse_map)
         # (adapter, its cache, how that cache was made) of the last adapter turn
         self._last: tuple[str, ContextCache, Made] | None = None
+        self._weights: tuple | None = None  # the model's weights version the caches were computed with
         self._lock = threading.RLock()
 
     # ----- public API -----
@@ -169,7 +171,7 @@ class AdapterSession:
     def _transaction(self) -> Iterator[None]:
         """Put the session back exactly as it was if the block raises (ids, which caches it holds, and each
         cache's content: `ContextCache.restore`)."""
-        ids, last, base, base_made = self.ids, self._last, self._base_cache, self._base_made
+        ids, last, base, base_made, weights = self.ids, self._last, self._base_cache, self._base_made, self._weights
         caches = [base] + ([last[1]] if last is not None else [])
         snapshots = [(cache, cache.snapshot()) for cache in caches]
         try:
@@ -177,12 +179,24 @@ class AdapterSession:
         except BaseException:
             for cache, snapshot in snapshots:
                 cache.restore(snapshot)
-            self.ids, self._last, self._base_cache, self._base_made = ids, last, base, base_made
+            self.ids, self._last, self._base_cache, self._base_made, self._weights = ids, last, base, base_made, weights
             raise
+
+    def _forget_old_weights(self) -> None:
+        """Drop the caches where the model's weights changed since they were computed (an adapter loaded again under
+        its name, weights written in place): they hold the old weights' KV, and the next turn prefills the
+        conversation."""
+        now = weights_version(self.shared.model)
+        if self._weights is not None and now != self._weights and (self._last or self._base_cache.get_seq_length()):
+            logger.warning("the model's weights changed since this session's caches were computed: they are dropped "
+                           "and the next turn prefills the conversation (%d tokens)", self.ids.shape[1])
+            self._base_cache, self._base_made, self._last = ContextCache(), EXACT, None
+        self._weights = now
 
     def _start(self, adapter: str | None, prompt: torch.Tensor) -> Start:
         """The cache the turn starts from: the base cache (base turns), the adapter's own (it took the last turn), or
         the base cache mapped (or shared) into the adapter."""
+        self._forget_old_weights()
         if adapter is None:
             return Start(self._base_cache, self._base_made)
         if self._last is not None and self._last[0] == adapter:

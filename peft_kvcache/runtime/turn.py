@@ -11,6 +11,7 @@ the caller of these functions holds it.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Literal, get_args
@@ -25,9 +26,12 @@ from ..maps.kvmap import KVMap
 from ..modeling._compat import with_cache
 from ..modeling.adapters import adapter_active, is_activated_lora, is_peft_model, model_lock
 from ..modeling.capture import cache_states, forward
+from ..modeling.identity import cached_fingerprint
 from ..modeling.layout import layer_placements, model_device
 from .cache import ContextCache, MappedCache
 from .reuse import EXACT, ContextSource, Made, label
+
+logger = logging.getLogger(__name__)
 
 KeepBase = Literal["prefill", "reverse_map"]
 KEEP_BASE: tuple[str, ...] = get_args(KeepBase)
@@ -215,7 +219,8 @@ def catch_up_base(shared: SharedPeftModel, adapter: str, base_cache: ContextCach
     reverse = shared.maps.to_base.get(adapter)
     # The sink is always the base model's own: mapping it back would cost the most quality.
     if (keep_base == "prefill" or reverse is None or is_activated_lora(model, adapter)
-            or start < reverse.config.sink_tokens or adapter_cache.dropped_positions):
+            or start < reverse.config.sink_tokens or adapter_cache.dropped_positions
+            or not _fits(reverse, model, adapter)):
         with adapter_active(model, None):
             forward(model, ids[:, start:end], base_cache, position_ids=torch.arange(start, end)[None])
         return end - start
@@ -226,6 +231,24 @@ def catch_up_base(shared: SharedPeftModel, adapter: str, base_cache: ContextCach
     for layer, (keys, values) in enumerate(mapped):
         base_cache.update(keys, values, layer)
     return 0
+
+
+def _fits(kv_map: KVMap, model: torch.nn.Module, adapter: str) -> bool:
+    """Whether ``adapter``'s map back to the base was fitted for the weights both load now (an adapter loaded again
+    under its name has other weights): where not, the base catches up by a pass of its own, said once per map."""
+    with adapter_active(model, adapter):
+        source = cached_fingerprint(model)
+    with adapter_active(model, None):
+        target = cached_fingerprint(model)
+    fits = (source, target) == (kv_map.config.source_fingerprint, kv_map.config.target_fingerprint)
+    if not fits and id(kv_map) not in _SAID:
+        _SAID.add(id(kv_map))
+        logger.warning("the %s -> base map was fitted for other weights than the model loads now: the base cache "
+                       "catches up by a pass of the base model instead", adapter)
+    return fits
+
+
+_SAID: set[int] = set()
 
 
 __all__ = ["KEEP_BASE", "FirstTokenTimer", "KeepBase", "SharedPeftModel", "Start", "TurnResult", "cache_from_base",
