@@ -311,7 +311,9 @@ def test_a_turn_takes_one_conversations_integer_ids_only(peft_setup, ids, match)
     assert session.ids.numel() == 0
 
 
-@pytest.mark.parametrize("asked", [{"num_return_sequences": 2, "do_sample": True}, {"num_beams": 2}])
+@pytest.mark.parametrize("asked", [{"num_return_sequences": 2, "do_sample": True}, {"num_beams": 2},
+                                   {"input_ids": torch.zeros(1, 3, dtype=torch.long)}, {"past_key_values": None},
+                                   {"return_dict_in_generate": True}])
 def test_a_turn_gives_one_reply_and_refuses_to_ask_for_more(peft_setup, asked):
     _, model, maps = peft_setup
     session = AdapterSession(SharedPeftModel(model, maps), **GREEDY)

@@ -229,7 +229,15 @@ def _one_reply(generation_kwargs: dict) -> dict:
         if value is not None and value != 1:
             raise SessionError(f"{name}={value!r}: a session continues one conversation with one reply per turn; "
                                f"leave {name} at 1")
+    owned = sorted(SESSION_OWNED.intersection(generation_kwargs))
+    if owned:  # before any model runs: generate() would take them twice, or return what a turn cannot read
+        raise SessionError(f"{', '.join(owned)}: the session passes the conversation, its cache and mask itself "
+                           "(a streamer goes to turn(streamer=...)); leave them out of the generation arguments")
     return generation_kwargs
+
+
+SESSION_OWNED = frozenset({"input_ids", "attention_mask", "cache", "past_key_values", "position_ids", "streamer",
+                           "return_dict_in_generate", "inputs"})
 
 
 __all__ = ["AdapterSession"]

@@ -152,7 +152,7 @@ def take_turn(shared: SharedPeftModel, adapter: str | None, prompt: torch.Tensor
         output = generate_on_cache(shared.model, prompt, start.cache, streamer=timer,
                                    **({"stopping_criteria": stopping_criteria} if stopping_criteria else {}),
                                    **generation_kwargs)
-    generated = output[:, prompt.shape[1]:]
+    generated = output[:, prompt.shape[1]:].clone()  # the caller's own: the session keeps output as its history
     made = start.made if cached else EXACT
     result = TurnResult(adapter, generated, prompt.shape[1], made.context_source if cached else "prefilled", cached,
                         timer.seconds, start.prepare_seconds,
