@@ -96,7 +96,8 @@ def test_the_package_source_contains_no_unpickling():
     assert offenders == []
 
 
-@pytest.mark.parametrize("text", ["", "{", "not json", '{"format_version": 1,', "\xff\xfe"])
+@pytest.mark.parametrize("text", ["", "{", "not json", '{"format_version": 1,', "\xff\xfe",
+                                  '{"format_version": ' + "9" * 5000 + "}"])  # past Python's digit limit
 def test_invalid_json_config(saved, text):
     (saved / "config.json").write_bytes(text.encode("latin-1"))
     message = _load_error(saved)
@@ -181,6 +182,7 @@ def test_a_large_but_plausible_layout_fails_on_the_header_without_allocating(sav
     dict(rotary_summary(8), attention_scaling="1.0"),
     dict(rotary_summary(8), attention_scaling=float("nan")),
     dict(rotary_summary(8), attention_scaling=0),
+    dict(rotary_summary(8), rope_type="dynamic", max_position=-5),
     "default",
 ])
 def test_malformed_rotary_summary(saved, rotary):
@@ -205,6 +207,7 @@ def test_malformed_per_head_figures(saved, field, value):
     ("source_name", 3), ("calibration", {"options": {"sink_tokens": -1}}), ("calibration", {"options": {"sink_tokens": 1.5}}),
     ("quality", {"gate": {"predicted_retention": float("nan")}}), ("quality", {"figures": {"x": {"value": "0.9", "results": "r.json", "key": "x"}}}),
     ("refresh", {"tokens": -3}), ("unknown_key", 1),
+    ("pair_kind", "same_shape"),  # between layouts that differ: a cross-shape map
 ])
 def test_other_tampered_fields(saved, field, value):
     _edit_config(saved, lambda d: d.update({field: value}))
@@ -556,3 +559,46 @@ def test_saving_the_same_weights_again_keeps_the_files_bytes(tmp_path):
     changed = make_map(seed=1)
     changed.save_pretrained(folder, chart=False, overwrite=True)
     assert (folder / "model.safetensors").read_bytes() != before
+
+
+def test_a_map_saved_again_while_it_is_read_is_read_from_one_folder(saved, tmp_path, monkeypatch):
+    """A save swaps the whole folder: a read that took the config of one map and the weights of the next is read
+    again, never mixed."""
+    from peft_kvcache.maps import storage
+
+    newer = make_map(seed=5)
+    newer.config.source_name = "another-source"  # a config that tells the two maps apart
+    read_config, saves = storage.load_config, []
+
+    def config_then_a_save(folder):
+        config = read_config(folder)
+        if not saves:
+            saves.append(newer.save_pretrained(saved, chart=False))
+        return config
+
+    monkeypatch.setattr(storage, "load_config", config_then_a_save)
+    loaded = KVMap.from_pretrained(saved)
+    assert saves and loaded.config.to_dict() == newer.config.to_dict()
+    assert all(torch.equal(loaded.tensors[name], tensor) for name, tensor in newer.tensors.items())
+
+
+def test_a_map_tensor_that_is_not_floating_point_is_refused_before_saving(tmp_path):
+    kv_map = make_map()
+    name = next(iter(kv_map.tensors))
+    with pytest.raises(ArtifactError, match="floating point"):
+        KVMap(kv_map.config, {**kv_map.tensors, name: kv_map.tensors[name].to(torch.int64)})
+
+
+
+def test_a_route_through_a_model_that_is_one_end_is_the_direct_lookup(tmp_path):
+    """Identities are compared by their weights' fingerprint (two read apart hold equal rotary tensors, which do not
+    compare as one truth value)."""
+    from peft_kvcache.maps.registry import Identity
+    from peft_kvcache.modeling.positions import RotarySpec
+
+    def identity(fingerprint: str) -> Identity:
+        return Identity(fingerprint, make_map().config.target_layout, RotarySpec(torch.ones(4), 1.0, 8))
+
+    registry = MapRegistry([tmp_path])
+    direct = registry.find(identity("a"), identity("b"))
+    assert registry.route(identity("a"), identity("b"), via=identity("a")) == direct

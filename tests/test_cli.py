@@ -352,7 +352,9 @@ def test_calibrate_adapters_names_a_bad_adapter_argument(workspace, adapter_fold
     base = ["calibrate-adapters", "--base", str(workspace["target"]), "--data", str(workspace["data"]),
             "--output", str(tmp_path), "--no-progress"]
     for adapter, named in [("terse", "NAME=PATH"), (f"x={tmp_path}", "adapter_config.json"),
-                           (f"terse={adapter_folders['terse']}", None)]:
+                           (f"terse={adapter_folders['terse']}", None),
+                           (f"org/terse={adapter_folders['terse']}", "letters, digits"),  # it names map folders
+                           (f"base:terse={adapter_folders['terse']}", "letters, digits")]:
         args = base + ["--adapter", adapter] + (["--adapter", f"terse={adapter_folders['loud']}"] if named is None else [])
         status, _, err = cli(args)
         assert status == 2 and err.count("\n") == 1, err

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import typing
 from collections.abc import Sequence
 from dataclasses import fields
@@ -14,6 +15,7 @@ from ..errors import PeftKVCacheError
 from ..maps.config import CalibrationConfig
 
 ADAPTER_DEFAULTS = {"same_layer": True}  # calibrate-adapters' CalibrationConfig defaults (each layer from itself)
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # an adapter's name, as it names map folders
 
 
 class CLIUsageError(PeftKVCacheError, ValueError):
@@ -23,7 +25,7 @@ class CLIUsageError(PeftKVCacheError, ValueError):
 
 def parse_adapter_specs(specs: Sequence[str]) -> dict[str, str]:
     """``{name: folder or Hub id}`` from ``--adapter NAME=PATH`` arguments, checked before any model loads (a
-    `CLIUsageError` for a malformed, repeated or unusable one; names hold no ':', which clients use as base:adapter).
+    `CLIUsageError` for a malformed, repeated or unusable one; names hold letters, digits, '_', '-' and '.' only).
     """
     adapters: dict[str, str] = {}
     for spec in specs:
@@ -32,8 +34,9 @@ def parse_adapter_specs(specs: Sequence[str]) -> dict[str, str]:
             raise CLIUsageError(f"--adapter {spec!r}: expected NAME=PATH (a folder saved by PEFT or a Hub repo id)")
         if name in adapters:
             raise CLIUsageError(f"--adapter {name!r} is given twice")
-        if ":" in name:
-            raise CLIUsageError(f"--adapter {name!r}: a name holds no ':' (clients may write base:adapter)")
+        if not ADAPTER_NAME.fullmatch(name):  # it names map folders, and clients write base:adapter
+            raise CLIUsageError(f"--adapter {name!r}: a name holds letters, digits, '_', '-' and '.' only (it names "
+                                "the map folders, and clients write base:adapter)")
         local = Path(path).expanduser()
         if local.exists() and not (local / "adapter_config.json").is_file():
             raise CLIUsageError(f"--adapter {spec!r}: {path} holds no adapter_config.json (not a PEFT adapter)")

@@ -153,6 +153,9 @@ class KVMapConfig:
                             f"heads and an even head_dim up to {MAX_HEAD_DIM})")
         if self.pair_kind not in PAIR_KINDS:
             raise RecordError(f"{where}.pair_kind is {self.pair_kind!r}; expected one of {PAIR_KINDS}")
+        if self.pair_kind == "same_shape" and self.source_layout != self.target_layout:
+            raise RecordError(f"{where}.pair_kind is 'same_shape' but the layouts differ ({self.source_layout} -> "
+                              f"{self.target_layout}): a map between other shapes is 'cross_shape'")
         if self.vocab_size <= 0:
             raise RecordError(f"{where}.vocab_size must be positive, got {self.vocab_size}")
         sources, targets = self.source_candidates, self.target_layout.num_layers
@@ -164,9 +167,11 @@ class KVMapConfig:
         for side, rotary, layout in (("source", self.source_rotary, self.source_layout),
                                      ("target", self.target_rotary, self.target_layout)):
             if not (rotary.head_dim == layout.head_dim and 0 < rotary.rotary_dim <= rotary.head_dim
-                    and rotary.rotary_dim % 2 == 0 and rotary.attention_scaling > 0):
+                    and rotary.rotary_dim % 2 == 0 and rotary.attention_scaling > 0
+                    and (rotary.max_position is None or rotary.max_position > 0)):
                 raise RecordError(f"{where}.{side}_rotary is malformed: {rotary} (expects head_dim {layout.head_dim}, an "
-                            "even rotary_dim up to it and a positive attention_scaling)")
+                            "even rotary_dim up to it, a positive attention_scaling and a positive max_position "
+                            "or none)")
         heads = self.target_layout.kv_heads
         for name, width in (("key_r2", heads), ("value_r2", heads), ("key_lambdas", heads),
                             ("value_lambdas", heads), ("key_candidate_r2", sources), ("value_candidate_r2", sources)):

@@ -267,6 +267,8 @@ class KVMap:
             if tensor is None or tuple(tensor.shape) != shape:
                 got = None if tensor is None else tuple(tensor.shape)
                 raise ArtifactError(f"map tensor {name!r} should have shape {shape}, got {got}")
+            if not tensor.is_floating_point():  # saved, it would not load again
+                raise ArtifactError(f"map tensor {name!r} is {tensor.dtype}: a map's tensors are floating point")
             if not torch.isfinite(tensor).all():
                 raise ArtifactError(f"map tensor {name!r} contains NaN or Inf")
 

@@ -153,7 +153,7 @@ class MapRegistry:
         """`find`, else (with ``via``, e.g. the base model between two adapters) the map ``source -> via`` followed by
         ``via -> target``; the reason of the direct lookup when neither exists."""
         direct = self.find(source, target)
-        if isinstance(direct, MapMatch) or via is None or via in (source, target):
+        if isinstance(direct, MapMatch) or via is None or via.fingerprint in (source.fingerprint, target.fingerprint):
             return direct
         first, second = self.find(source, via), self.find(via, target)
         if isinstance(first, MapMatch) and isinstance(second, MapMatch):

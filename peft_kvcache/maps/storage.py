@@ -84,8 +84,27 @@ def load_map(path_or_repo_id: str | os.PathLike, *, revision: str | None = None,
     if (folder / CONFIG_NAME).is_file() and not weights_path.is_file():
         raise ArtifactError(f"{folder} is not a KV map: {WEIGHTS_NAME} is missing (a card whose weights are kept "
                             "out of git holds its config.json and README.md: load the map from where it was published)")
-    config = load_config(folder)
-    return config, _read_tensors(weights_path, expected_shapes(config))
+    for _ in range(READ_ATTEMPTS):  # a save swaps the whole folder: a read that saw two folders is read again
+        before = _folder_identity(folder)
+        config = load_config(folder)
+        tensors = _read_tensors(weights_path, expected_shapes(config))
+        if _folder_identity(folder) == before:
+            return config, tensors
+    raise ArtifactError(f"{folder} was replaced while it was read, {READ_ATTEMPTS} times: load it again once the "
+                        "process writing it is done")
+
+
+READ_ATTEMPTS = 3
+
+
+def _folder_identity(folder: Path) -> tuple[int, int] | None:
+    """The folder's device and inode (`replace_folder` swaps in a new folder: the config and the weights are read
+    from one only if these did not change in between)."""
+    try:
+        info = os.stat(folder)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
 
 
 def load_config(folder: Path) -> KVMapConfig:
@@ -99,7 +118,7 @@ def load_config(folder: Path) -> KVMapConfig:
         data = json.loads(config_path.read_text(encoding="utf-8"))
     except OSError as err:
         raise ArtifactError(f"{config_path} cannot be read: {err}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+    except (ValueError, RecursionError) as err:  # JSON and UTF-8 errors, and integers past Python's digit limit
         raise ArtifactError(f"{config_path} is not valid JSON: {err}") from None
     return KVMapConfig.from_dict(data, where=str(config_path))
 
