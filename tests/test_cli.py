@@ -111,6 +111,22 @@ def test_bad_arguments_exit_nonzero_and_name_the_argument(workspace):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("command", ["calibrate", "calibrate-adapters"])
+def test_an_output_that_cannot_be_written_is_refused_before_any_model_loads(tmp_path, command):
+    taken = tmp_path / "notes"
+    taken.mkdir()
+    (taken / "mine.txt").write_text("not a map")
+    (tmp_path / "file.txt").write_text("a file")
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    models = (["--source", "no-such-model", "--target", "no-such-model"] if command == "calibrate" else
+              ["--base", "no-such-model", "--adapter", f"a={tmp_path / 'adapter'}"])
+    outputs = [(tmp_path / "file.txt", "file")] + ([(taken, "not a KV map folder")] if command == "calibrate" else [])
+    for output, named in outputs:
+        status, _, err = cli([command, *models, "--data", "stdlib", "--output", str(output)])
+        assert status != 0 and named in err and "cannot be loaded" not in err, err
+
+
 @pytest.mark.parametrize("args, named", [
     (["calibrate", "--source", "s", "--target", "t", "--output", "o", "--heldout-fraction", "1.5"],
      "--heldout-fraction"),

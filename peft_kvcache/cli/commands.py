@@ -50,8 +50,10 @@ def _texts(args: argparse.Namespace, split: str) -> tuple[dict[str, str], str]:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from ..calibration.loop import calibrate, join_process_group
     from ..maps.card import inherited_license, summary_text
+    from ..maps.storage import check_save_target
 
     config = _config(args)
+    check_save_target(args.output)  # before hours of calibration, on every rank alike
     rank, world = join_process_group()
     texts, description = _texts(args, "calibration")
     (source, tokenizer), (target, _) = (_load_model("--source", args.source, args.dtype),
@@ -77,11 +79,18 @@ def cmd_calibrate_adapters(args: argparse.Namespace) -> int:
     from ..calibration.loop import calibrate_adapters
     from ..calibration.rank import choose_adapter_ranks
     from ..lab.corpus import token_sequences
-    from ..maps.adapter_maps import default_prefix
+    from ..maps.adapter_maps import default_prefix, folder_name
+    from ..maps.storage import check_save_target
     from ..modeling.adapters import load_adapters
 
     config = _config(args, **ADAPTER_DEFAULTS)
     adapters = parse_adapter_specs(args.adapter)
+    prefix = args.prefix or default_prefix(args.base)
+    if Path(args.output).is_file():
+        raise CLIUsageError(f"--output {args.output} is a file: it takes a folder, which will hold a folder per map")
+    for name in adapters:  # every map folder, before any model loads
+        for reverse in (False, True):
+            check_save_target(Path(args.output) / folder_name(prefix, name, reverse))
     ranks = sorted(set(args.choose_rank or ()))
     if ranks and (not args.blend_files or config.residual_rank or ranks[0] < 1):
         raise CLIUsageError("--choose-rank needs --blend-files (the texts that choose), positive ranks and no "
@@ -118,7 +127,6 @@ def cmd_calibrate_adapters(args: argparse.Namespace) -> int:
                                         progress=not args.no_progress)
         maps = choose_adapter_blends(maps, model, sequences, continuation=BLEND_CONTINUATION,
                                      progress=not args.no_progress)
-    prefix = args.prefix or default_prefix(args.base)
     for folder, (_, _, kv_map) in zip(maps.save_pretrained(args.output, prefix, args.repo_namespace), maps.all()):
         print(f"saved {kv_map!r} to {folder}")
     return 0

@@ -37,18 +37,10 @@ _FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": 
 def save_map(config: KVMapConfig, tensors: dict[str, torch.Tensor], save_directory: str | os.PathLike, *,
              repo_id: str | None = None, chart: bool = True, overwrite: bool = False) -> Path:
     """Write a map's folder atomically and return it (`KVMap.save_pretrained` says what goes in and how)."""
-    target = Path(save_directory)
-    if target.is_symlink():
-        target = target.resolve()
-    if target.exists() and not target.is_dir():
-        raise ArtifactError(f"cannot save a map to {target}: it is a file, not a folder")
+    target = check_save_target(save_directory, overwrite)
     config_text = json.dumps(config.to_dict(), indent=2) + "\n"
     # a map built in Python (e.g. an edited config) must load again: the check `from_pretrained` will run
     KVMapConfig.from_dict(json.loads(config_text), "the map's config (not saved)")
-    recover_folder(target, _complete)
-    if target.is_dir() and any(target.iterdir()) and not is_map_folder(target) and not overwrite:
-        raise ArtifactError(f"{target} exists and is not a KV map folder (no peft-kvcache config.json): "
-                            "refusing to replace it; pass overwrite=True or choose another folder")
     staging = staging_folder(target)
     try:
         has_chart = chart and plot_layer_selection(config, staging / CHART_NAME) is not None
@@ -72,6 +64,22 @@ def save_map(config: KVMapConfig, tensors: dict[str, torch.Tensor], save_directo
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     logger.info("saved map %s -> %s to %s", config.source_name, config.target_name, target)
+    return target
+
+
+def check_save_target(save_directory: str | os.PathLike, overwrite: bool = False) -> Path:
+    """The folder a map will be saved to, refused (`ArtifactError`) where it cannot be: a file, or a folder that is
+    not a map's (unless ``overwrite``); a swap a crash left half done is finished first. Cheap: callers run it before
+    any model does (a calibration's hours are not lost to a bad ``--output``)."""
+    target = Path(save_directory)
+    if target.is_symlink():
+        target = target.resolve()
+    if target.exists() and not target.is_dir():
+        raise ArtifactError(f"cannot save a map to {target}: it is a file, not a folder")
+    recover_folder(target, _complete)
+    if target.is_dir() and any(target.iterdir()) and not is_map_folder(target) and not overwrite:
+        raise ArtifactError(f"{target} exists and is not a KV map folder (no peft-kvcache config.json): "
+                            "refusing to replace it; pass overwrite=True or choose another folder")
     return target
 
 
