@@ -72,11 +72,14 @@ def replace_folder(staging: Path, target: Path) -> None:
     """Put the complete folder ``staging`` at ``target``, replacing what is there. Where the system can swap
     two folders atomically there is no moment without a complete folder at ``target``; elsewhere the old folder
     is first moved to ``.<name>.old-<pid>-*`` beside it, and `recover_folder` puts it back if the process dies
-    before the new one is in."""
+    before the new one is in. The staged files reach the disk first: a crash after the swap finds them whole."""
+    _sync_folder(staging)
     if not target.exists():
         os.rename(staging, target)
+        _sync(target.parent)
         return
     if exchange(staging, target):
+        _sync(target.parent)
         shutil.rmtree(staging, ignore_errors=True)  # staging now holds the old version
         return
     backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-{os.getpid()}-", dir=target.parent))
@@ -86,7 +89,30 @@ def replace_folder(staging: Path, target: Path) -> None:
     except BaseException:
         os.replace(backup, target)
         raise
+    _sync(target.parent)
     shutil.rmtree(backup, ignore_errors=True)
+
+
+def _sync_folder(folder: Path) -> None:
+    """fsync every file in ``folder``, then the folder itself (its entries)."""
+    for path in folder.iterdir():
+        if path.is_file():
+            _sync(path)
+    _sync(folder)
+
+
+def _sync(path: Path) -> None:
+    """fsync a file or a folder (a folder's entries: where a rename landed); a system that cannot is passed over."""
+    try:
+        handle = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass  # some file systems refuse fsync on a folder: nothing more to do there
+    finally:
+        os.close(handle)
 
 
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>staging|old)-(?P<pid>\d+)-[^/]+$")

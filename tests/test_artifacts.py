@@ -602,3 +602,12 @@ def test_a_route_through_a_model_that_is_one_end_is_the_direct_lookup(tmp_path):
     registry = MapRegistry([tmp_path])
     direct = registry.find(identity("a"), identity("b"))
     assert registry.route(identity("a"), identity("b"), via=identity("a")) == direct
+
+
+def test_a_saved_map_reaches_the_disk_before_it_replaces_the_old_one(saved, monkeypatch):
+    """The staged files are fsynced before the swap: after a crash the folder holds whole files, not empty ones."""
+    synced, real_fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.fstat(fd).st_ino) or real_fsync(fd))
+    folder = make_map(seed=3).save_pretrained(saved, chart=False)
+    for name in ("config.json", "model.safetensors", "README.md"):
+        assert (folder / name).stat().st_ino in synced, name
