@@ -611,3 +611,13 @@ def test_a_saved_map_reaches_the_disk_before_it_replaces_the_old_one(saved, monk
     folder = make_map(seed=3).save_pretrained(saved, chart=False)
     for name in ("config.json", "model.safetensors", "README.md"):
         assert (folder / name).stat().st_ino in synced, name
+
+
+def test_a_registry_refuses_a_folder_saved_again_with_another_map_since_it_matched(saved):
+    registry = MapRegistry([saved.parent])
+    newer = make_map(seed=4)
+    newer.config.source_fingerprint = "f" * 16  # another source's map, saved where the matched one was
+    newer.save_pretrained(saved, chart=False)
+    with pytest.raises(ArtifactError, match="another map than the one this registry matched"):
+        registry.load(str(saved))
+    assert MapRegistry([saved.parent]).load(str(saved)).config.source_fingerprint == "f" * 16

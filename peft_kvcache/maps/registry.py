@@ -161,14 +161,25 @@ class MapRegistry:
         return direct
 
     def load(self, folder: str) -> KVMap:
-        """The map of a folder this registry matched (loaded once)."""
+        """The map of a folder this registry matched (loaded once), refused (`ArtifactError`) where another map was
+        saved there since: it would be applied to the pair the first one was matched for."""
         if folder not in self._maps:
-            self._maps[folder] = KVMap.from_pretrained(folder)
+            kv_map = KVMap.from_pretrained(folder)
+            matched = self.configs.get(folder)
+            if matched is not None and _pair_of(kv_map.config) != _pair_of(matched):
+                raise ArtifactError(f"{folder} holds another map than the one this registry matched (saved again "
+                                    "since): build the registry again to use it")
+            self._maps[folder] = kv_map
         return self._maps[folder]
 
     def loaded(self) -> list[str]:
         """The folders loaded so far."""
         return list(self._maps)
+
+
+def _pair_of(config: KVMapConfig) -> tuple:
+    """What a registry matched a map on: the fingerprints of the weights at both ends and the two KV layouts."""
+    return config.source_fingerprint, config.target_fingerprint, config.source_layout, config.target_layout
 
 
 def _stored_rotary(folder: str, config: KVMapConfig) -> tuple[RotarySpec, RotarySpec]:
