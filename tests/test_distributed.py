@@ -135,3 +135,59 @@ def test_calibrate_under_torchrun_fits_the_same_map_as_one_process(tmp_path, mod
         other = distributed.tensors[name]
         relative = float((other - tensor).norm() / tensor.norm().clamp_min(1e-30))
         assert relative < 1e-6, (name, relative)
+
+
+FAILING_RANK = '''
+import sys
+
+import torch
+import torch.distributed as dist
+
+from peft_kvcache.calibration.loop import collect
+from peft_kvcache.calibration.texts import CalibrationTexts
+from peft_kvcache.maps.config import CalibrationConfig
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+texts = CalibrationTexts.build([torch.arange(10) + i for i in range(8)], None, CalibrationConfig(heldout_fraction=0.3))
+
+
+class TokenCount:  # the accumulator interface collect feeds: here, the tokens seen
+    def __init__(self):
+        self.count = torch.zeros(1)
+
+    def add(self, split, runs, mask):
+        self.count += mask.sum()
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def all_reduce(self):
+        dist.all_reduce(self.count)
+
+
+def run_models(ids, mask):
+    if rank == 1:
+        raise RuntimeError("out of memory on rank 1")
+    return {}
+
+
+try:
+    collect(run_models, TokenCount(), texts, progress=False)
+except Exception as err:
+    print(f"rank {rank}: {type(err).__name__}: {err}", flush=True)
+    sys.exit(3)
+'''
+
+
+def test_a_process_that_fails_stops_the_others_instead_of_leaving_them_in_the_reduce(tmp_path):
+    script = tmp_path / "failing_rank.py"
+    script.write_text(FAILING_RANK)
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(_free_port()), str(script)], env=env, capture_output=True, text=True, timeout=180)
+    log = done.stdout + done.stderr
+    assert done.returncode != 0 and "rank 1: RuntimeError: out of memory on rank 1" in log, log[-3000:]
+    assert "rank 0: CalibrationError: another calibration process failed" in log, log[-3000:]
