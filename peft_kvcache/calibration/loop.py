@@ -79,32 +79,6 @@ def collect(run_models: Callable[[torch.Tensor, torch.Tensor], dict[str, Capture
         raise CalibrationError(f"rank must be in 0..{world - 1}, got {rank}")
     if checkpoint_every < 1:
         raise CalibrationError(f"checkpoint_every must be at least 1 batch, got {checkpoint_every}")
-    distributed = world > 1 and dist.is_available() and dist.is_initialized()
-    try:
-        seconds = _collect_shard(run_models, accumulator, texts, batch_size, progress, checkpoint_dir,
-                                 checkpoint_every, checkpoint_key, rank, world)
-    except BaseException:
-        if distributed:  # the other ranks learn it at the status reduce below instead of waiting in all_reduce
-            _all_ranks_ok(False)
-        raise
-    if distributed:
-        if not _all_ranks_ok(True):
-            raise CalibrationError("another calibration process failed (its own error says why): this one stops "
-                                   "too; a checkpoint_dir keeps what each process had collected")
-        accumulator.all_reduce()
-    return seconds
-
-
-def _all_ranks_ok(ok: bool) -> bool:
-    """Whether every process of the group got through its shard (one small all-reduce: the least of the flags)."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def _collect_shard(run_models, accumulator, texts: CalibrationTexts, batch_size: int, progress: bool,
-                   checkpoint_dir, checkpoint_every: int, checkpoint_key: dict | None, rank: int, world: int) -> float:
-    """`collect`'s work on this process's chunks (``rank::world`` of each split), before any reduce."""
     per_split = [texts.split(split)[rank::world] for split in SPLITS]
     checkpoint, done, started = None, Progress(), time.perf_counter()
     if checkpoint_dir is not None:
@@ -131,6 +105,8 @@ def _collect_shard(run_models, accumulator, texts: CalibrationTexts, batch_size:
         if checkpoint is not None:
             checkpoint.save(accumulator.state_dict(), Progress(index + 1, 0, complete=index + 1 == len(SPLITS),
                                                                seconds=done.seconds + time.perf_counter() - started))
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        accumulator.all_reduce()
     return done.seconds
 
 
