@@ -123,6 +123,14 @@ def test_sparse_control_with_every_position_is_the_targets_own_prefill(sibling_p
     assert rows["sparse@2+r4"]["kl"] > 1e-4   # a few positions and no mapped context: far from it
 
 
+def test_a_context_too_short_for_a_refresh_scores_its_sparse_control_without_picked_positions(sibling_pair,
+                                                                                                 sibling_map):
+    source, target = sibling_pair
+    report = evaluate_retention(source, target, sibling_map, random_ids(2, 8, seed=12), context_length=2,
+                                continuation_length=4, windows=(1,), refresh=(4,), sparse_control=True, progress=False)
+    assert "sparse@1+r4" in {row["variant"] for row in report.rows()}
+
+
 @pytest.mark.parametrize("options, match", [({"windows": ()}, "windows"), ({"windows": (40,)}, "windows"),
                                              ({"refresh": (0,), "sparse_control": True}, "refresh budgets"),
                                              ({"continuation_length": 0}, "continuation of 1 or more")])

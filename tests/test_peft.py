@@ -229,8 +229,9 @@ def test_a_switch_restores_the_adapter_state_it_found():
         with model.disable_adapter():
             plain = model(ids).logits
             with adapter_active(model, "strong"):  # asked for by name: it runs, disabled or not
-                assert active_adapters(model) == {"strong"}
+                assert active_adapters(model) == {"strong"} and model._adapters_disabled is False  # hooks run too
                 assert not torch.equal(model(ids).logits, plain)
+            assert model._adapters_disabled is True
             with adapter_active(model, None):
                 assert active_adapters(model) == set()
             assert active_adapters(model) == set() and torch.equal(model(ids).logits, plain)

@@ -67,4 +67,6 @@ def test_a_run_on_changed_code_records_the_changes_and_results_being_written_are
     state = code_state(changed)
     assert state["dirty"] is True and "-x = 1" in state["changes"] and "+x = 2" in state["changes"]
     assert "runs.jsonl" not in state["changes"]
+    inside = code_state(changed / "benchmarks")  # a run started from a subfolder reads the whole tree
+    assert inside["dirty"] is True and "+x = 2" in inside["changes"] and "runs.jsonl" not in inside["changes"]
 

@@ -377,6 +377,7 @@ def test_caches_of_weights_since_changed_are_dropped_and_the_next_turn_prefills(
     session = AdapterSession(real_shared, keep_base=keep_base, **GEN)
     session.turn(random_ids(1, 30, seed=1)[0], adapter="strong")
     weight = next(p for name, p in model.named_parameters() if "lora_B" in name and ".strong" in name)
+    kept = weight.detach().clone()
     with torch.no_grad():
         weight.add_(0.05)
     try:
@@ -391,4 +392,4 @@ def test_caches_of_weights_since_changed_are_dropped_and_the_next_turn_prefills(
         assert again.model_tokens["keep_base"] > 0
     finally:
         with torch.no_grad():
-            weight.sub_(0.05)
+            weight.copy_(kept)

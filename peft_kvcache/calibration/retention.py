@@ -186,6 +186,11 @@ class RetentionReport:
 
 
 @torch.no_grad()
+def picked_positions(cache: MappedCache) -> torch.Tensor:
+    """The context positions a cache's refresh recomputed (none where no refresh ran: a context too short)."""
+    return cache.refresh.positions if cache.refresh is not None else torch.empty(0, dtype=torch.long)
+
+
 def evaluate_retention(
     source_model,
     target_model,
@@ -274,7 +279,7 @@ def evaluate_retention(
             scores[f"mapped@{w}+r{k}"].add(cached_logits(target_model, cache, ids, context_length, 1), full, labels)
             if sparse_control:
                 scores[f"sparse@{w}+r{k}"].add(window_logits(target_model, ids, context_length, w, sink,
-                                                             also=cache.refresh.positions), full, labels)
+                                                             also=picked_positions(cache)), full, labels)
         for w in controls if window_control else []:
             scores[f"window@{w}"].add(window_logits(target_model, ids, context_length, w, sink), full, labels)
         if check_tokens:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from dataclasses import fields, replace
@@ -53,7 +54,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from ..maps.storage import check_save_target
 
     config = _config(args)
-    check_save_target(args.output)  # before hours of calibration, on every rank alike
+    if int(os.environ.get("RANK", "0")) == 0:  # before hours of calibration; the rank that will save (it may
+        check_save_target(args.output)           # finish a swap a crash left half done: one process at a time)
     rank, world = join_process_group()
     texts, description = _texts(args, "calibration")
     (source, tokenizer), (target, _) = (_load_model("--source", args.source, args.dtype),

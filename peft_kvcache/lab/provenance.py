@@ -50,7 +50,7 @@ def _version(package: str) -> str | None:
 _CODE_STATES: dict[Path, dict] = {}
 
 
-CODE_PATHS = ("--", ".", ":(exclude)benchmarks/results")  # results being written are data, not code
+CODE_PATHS = ("--", ":(top)", ":(top,exclude)benchmarks/results")  # results being written are data, not code
 
 
 def code_state(cwd: str | os.PathLike | None = None) -> dict:

@@ -3,6 +3,7 @@ one lock every user of a model's adapter state holds."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import threading
@@ -73,15 +74,20 @@ def adapter_active(model: torch.nn.Module, adapter: str | None) -> Iterator[None
     if previous == [adapter] and not disabled:
         yield
         return
+    flagged = getattr(model, "_adapters_disabled", None)  # PeftModel's own flag, which gates its forward hooks
     try:
         if disabled:
             model.base_model.enable_adapter_layers()
+            if flagged is not None:
+                model._adapters_disabled = False
         _set_active(model, [adapter])
         yield
     finally:
         _set_active(model, previous)
         if disabled:
             model.base_model.disable_adapter_layers()
+            if flagged is not None:
+                model._adapters_disabled = flagged
 
 
 def _set_active(model: torch.nn.Module, names: list[str]) -> None:
@@ -89,8 +95,14 @@ def _set_active(model: torch.nn.Module, names: list[str]) -> None:
     makes an adapter trainable unless told otherwise)."""
     frozen = all(getattr(model.peft_config.get(name), "inference_mode", True) for name in names)
     target = model if len(names) == 1 else model.base_model  # a PeftModel takes one name
-    takes_mode = "inference_mode" in inspect.signature(type(target).set_adapter).parameters  # peft >= 0.18's
-    target.set_adapter(names[0] if len(names) == 1 else names, **({"inference_mode": frozen} if takes_mode else {}))
+    mode = {"inference_mode": frozen} if _takes_inference_mode(type(target)) else {}
+    target.set_adapter(names[0] if len(names) == 1 else names, **mode)
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_inference_mode(cls: type) -> bool:
+    """Whether ``cls.set_adapter`` takes ``inference_mode`` (read once per class: a switch runs this)."""
+    return "inference_mode" in inspect.signature(cls.set_adapter).parameters
 
 
 def load_adapters(base_model: torch.nn.Module, adapters: dict[str, str]) -> torch.nn.Module:
