@@ -178,8 +178,10 @@ class MapRegistry:
 
 
 def _pair_of(config: KVMapConfig) -> tuple:
-    """What a registry matched a map on: the fingerprints of the weights at both ends and the two KV layouts."""
-    return config.source_fingerprint, config.target_fingerprint, config.source_layout, config.target_layout
+    """What a registry matched a map on, and what a match hands out: the fingerprints of the weights at both ends, the
+    two KV layouts and rotary records, the sink's length."""
+    return (config.source_fingerprint, config.target_fingerprint, config.source_layout, config.target_layout,
+            config.source_rotary, config.target_rotary, config.sink_tokens)
 
 
 def _stored_rotary(folder: str, config: KVMapConfig) -> tuple[RotarySpec, RotarySpec]:
