@@ -162,6 +162,12 @@ class KVMap:
 
     # ----- checks against models -----
 
+    def fitted_for(self, source_fingerprint: str, target_fingerprint: str) -> bool:
+        """Whether this map was fitted for weights with these fingerprints (`modeling.identity.cached_fingerprint`),
+        for a caller that reads them itself: one PEFT model on both sides, its adapter active on one."""
+        return (source_fingerprint, target_fingerprint) == (self.config.source_fingerprint,
+                                                            self.config.target_fingerprint)
+
     def check_models(self, source_model: torch.nn.Module | None, target_model: torch.nn.Module,
                      target_key: tuple | None = None) -> None:
         """Refuse models other than the ones this map was fitted for, naming both sides (``target_key``: the

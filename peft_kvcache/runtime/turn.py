@@ -240,7 +240,7 @@ def _fits(kv_map: KVMap, model: torch.nn.Module, adapter: str) -> bool:
         source = cached_fingerprint(model)
     with adapter_active(model, None):
         target = cached_fingerprint(model)
-    fits = (source, target) == (kv_map.config.source_fingerprint, kv_map.config.target_fingerprint)
+    fits = kv_map.fitted_for(source, target)
     if not fits and id(kv_map) not in _SAID:
         _SAID.add(id(kv_map))
         logger.warning("the %s -> base map was fitted for other weights than the model loads now: the base cache "
