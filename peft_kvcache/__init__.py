@@ -30,7 +30,8 @@ from .modeling.adapters import adapter_active, load_adapters
 from .modeling.capture import CapturedKV, run_with_cache
 from .modeling.identity import forget_weights
 from ._allocator import keep_freed_memory
-from .runtime.cache import ContextCache, MappedCache
+from .runtime.cache import ContextCache
+from .runtime.mapped import MappedCache
 from .runtime.check import ContextCheck, check_context, meets_quality, prefill_context
 from .runtime.sessions import AdapterSession
 from .runtime.turn import SharedPeftModel, TurnResult

@@ -30,7 +30,7 @@ from ..maps.config import KINDS, BlendRecord
 from ..maps.kvmap import KVMap
 from ..modeling.adapters import adapter_active
 from ..modeling.capture import CapturedKV, run_with_cache
-from ..runtime.cache import MappedCache
+from ..runtime.mapped import MappedCache
 from .retention import cached_logits, full_logits, token_kl
 
 DEFAULT_BLEND_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)

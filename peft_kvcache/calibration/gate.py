@@ -26,7 +26,7 @@ from ..maps.config import DataRecord, GateRecord
 from ..modeling._compat import replay_attention
 from ..modeling.capture import CapturedKV, cache_states, forward, run_with_cache
 from ..modeling.layout import decoder_layers
-from ..runtime.cache import MappedCache
+from ..runtime.mapped import MappedCache
 
 
 def _prefix_mask(prefix: int, queries: int, dtype: torch.dtype, device) -> torch.Tensor:

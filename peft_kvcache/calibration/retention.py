@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from ..errors import EvaluationError
 from ..maps.config import Figure, Refresh
 from ..modeling.capture import forward, run_with_cache
-from ..runtime.cache import MappedCache
+from ..runtime.mapped import MappedCache
 from ..runtime.check import ContextCheck, check_context
 from .bootstrap import resample_indices
 

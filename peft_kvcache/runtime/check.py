@@ -18,7 +18,7 @@ from ..errors import CacheMismatchError, QualityError
 from ..modeling._compat import output_cache
 from ..modeling.capture import cache_states, forward, run_with_cache
 from ..modeling.positions import positions_from_mask
-from .cache import MappedCache
+from .mapped import MappedCache
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from ..modeling._compat import eager_attention, masked_attention
 from ..modeling.capture import CapturedKV, forward, run_with_cache
 
 if TYPE_CHECKING:  # for annotations only: the cache module runs the refresh
-    from .cache import MappedCache
+    from .mapped import MappedCache
     from ..maps.kvmap import KVMap
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,8 @@ from ..modeling.adapters import adapter_active, is_activated_lora, is_peft_model
 from ..modeling.capture import cache_states, forward
 from ..modeling.identity import cached_fingerprint
 from ..modeling.layout import layer_placements, model_device
-from .cache import ContextCache, MappedCache
+from .cache import ContextCache
+from .mapped import MappedCache
 from .reuse import EXACT, ContextSource, Made, label
 
 logger = logging.getLogger(__name__)
