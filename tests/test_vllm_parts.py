@@ -219,6 +219,7 @@ def test_the_map_is_chosen_by_the_weights_both_variants_load(tmp_path, engine_mo
                                  "qwen2.5-coder-0.5b-to-1.5b-top2"), folder, config)
     choice = registry.find(BASE, SHOUT)
     assert choice == MapMatch((str(tmp_path / "smollm2-135m-instruct-base-to-shout"),), 1)
+    assert _fitted_as_matched(choice)  # what the worker checks the folder against when it loads it
     assert registry.find(SHOUT, BASE).folders[0].endswith("shout-to-base")
     assert registry.find(BASE, Variant("docstring", str(ROOT / "adapters/docstring"))) == "no_map"
     assert registry.find(BASE, Variant("shout", str(ROOT / "adapters/docstring"))) == "no_map"  # a name is not enough
@@ -232,7 +233,15 @@ def test_between_two_adapters_the_maps_go_through_the_base_model(tmp_path, engin
                            folder, config)
     assert registry.find(SHOUT, docstring) == MapMatch((str(tmp_path / "smollm2-135m-instruct-shout-to-base"),
                                                          str(tmp_path / "smollm2-135m-instruct-base-to-docstring")), 1)
+    assert _fitted_as_matched(registry.find(SHOUT, docstring))
     assert registry.find(docstring, SHOUT) == "no_map"  # neither docstring -> base nor base -> shout is here
+
+
+def _fitted_as_matched(choice: MapMatch) -> bool:
+    from peft_kvcache.maps.kvmap import KVMap
+
+    return len(choice.prints) == len(choice.folders) and all(
+        KVMap.from_pretrained(folder).fitted_for(*prints) for folder, prints in zip(choice.folders, choice.prints))
 
 
 @needs_smollm
@@ -375,7 +384,7 @@ def test_the_step_share_option_is_checked_by_name():
 def test_a_switch_waits_for_its_own_map_not_for_every_map_the_loader_reads():
     import threading
 
-    from peft_kvcache.vllm.worker import LoadedMaps
+    from peft_kvcache.vllm.loaded_maps import LoadedMaps
 
     maps, second = LoadedMaps(), threading.Event()
 
@@ -484,6 +493,32 @@ def test_a_load_whose_stream_cannot_be_synced_is_reported_failed_and_the_job_thr
     assert not waiter.is_alive(), "the job thread stopped serving"
     assert side.finished()[1] == {"first", "second"} and side.load_errors() == {0, 1}
     assert side.take_report().failed_loads == ["first", "second"]
+
+
+def test_a_map_folder_saved_again_for_other_weights_after_the_scheduler_matched_it_is_not_applied(tmp_path):
+    """The scheduler matched a folder's map at start; the folder is then saved again with a map of other weights
+    before the worker reads it (a lazy read): the worker refuses to apply it (the load fails, vLLM recomputes)."""
+    from peft_kvcache.maps.registry import MapRegistry
+    from peft_kvcache.vllm import worker as worker_module
+    from peft_kvcache.errors import CacheMismatchError
+    from peft_kvcache.vllm.jobs import LoadJob
+    from peft_kvcache.vllm.parallel import Shard
+
+    folder = tmp_path / "map"
+    shutil.copytree(ROOT / "hub_cards" / "smollm2-135m-instruct-base-to-shout", folder)
+    matched = MapRegistry([str(folder)]).configs[str(folder)]  # what the scheduler read at start
+    prints = ((matched.source_fingerprint, matched.target_fingerprint),)
+    shutil.rmtree(folder)
+    shutil.copytree(ROOT / "hub_cards" / "smollm2-135m-instruct-base-to-docstring", folder)  # saved again
+
+    side = worker_module.WorkerSide(None, shard=Shard())
+    side._maps.finish()  # the folder is read when a load asks for it
+    job = LoadJob("request", "mapped", ("key",), 0, (0,), (str(folder),), None, False, prints)
+    with pytest.raises(CacheMismatchError, match="saved again"):
+        next(side._mapped(job, [], []))
+    unchecked = LoadJob("request", "mapped", ("key",), 0, (0,), (str(folder),), None, False)
+    with pytest.raises(CacheMismatchError, match="fingerprints"):
+        next(side._mapped(unchecked, [], []))
 
 
 @needs_smollm

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -79,10 +79,13 @@ def _rotary(read) -> tuple[RotarySpec | None, str | None]:
 @dataclass(frozen=True)
 class MapMatch:
     """The map folders that take one model's KV to another's, applied in order (one map, or a map to a shared model
-    and that model's map onward), and how many leading tokens the target computes itself."""
+    and that model's map onward), and how many leading tokens the target computes itself. ``prints``: each folder's
+    (source, target) weight fingerprints as matched, for a reader that loads the folder later (`KVMap.fitted_for`
+    tells whether it was saved again for other weights since)."""
 
     folders: tuple[str, ...]
     sink_tokens: int
+    prints: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
 
 class MapRegistry:
@@ -146,7 +149,8 @@ class MapRegistry:
                 reason = UNUSABLE_MAP
                 continue
             if same_rotary(stored[0], source.rotary) and same_rotary(stored[1], target.rotary):
-                return MapMatch((folder,), config.sink_tokens)
+                return MapMatch((folder,), config.sink_tokens,
+                                ((config.source_fingerprint, config.target_fingerprint),))
         return reason
 
     def route(self, source: Identity, target: Identity, via: Identity | None = None) -> MapMatch | str:
@@ -157,7 +161,7 @@ class MapRegistry:
             return direct
         first, second = self.find(source, via), self.find(via, target)
         if isinstance(first, MapMatch) and isinstance(second, MapMatch):
-            return MapMatch(first.folders + second.folders, second.sink_tokens)
+            return MapMatch(first.folders + second.folders, second.sink_tokens, first.prints + second.prints)
         return direct
 
     def load(self, folder: str) -> KVMap:

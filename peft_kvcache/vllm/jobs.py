@@ -43,7 +43,9 @@ class LoadJob:
     ``("store", key)`` kept from its earlier request, or ``("map", folder, start)`` shipped in a map; or not at all
     (`UNPLANNED`: the worker reports the load failed, and vLLM recomputes the blocks).
     ``per_shard``: every map was fitted per shard for the engine's split of the KV heads, so each rank maps its own
-    heads without gathering the others' (decided here, once, so that every rank takes the same path)."""
+    heads without gathering the others' (decided here, once, so that every rank takes the same path).
+    ``map_prints``: each map's (source, target) weight fingerprints as the scheduler matched it: a folder saved again
+    since holds a map of other weights, which the worker refuses to apply (the load fails; vLLM recomputes)."""
 
     request_id: str
     kind: str
@@ -53,6 +55,7 @@ class LoadJob:
     map_folders: tuple[str, ...] = ()
     sink_key: tuple | None = None
     per_shard: bool = False
+    map_prints: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass

@@ -229,11 +229,11 @@ class SchedulerSide:
         ids: tuple[int, ...] = ()
         if loaded:  # first of all: vLLM will skip these tokens, so they must be written (or reported as failed)
             ids = self._external_blocks(plan, block_ids, num_external_tokens)
-            folders = plan.choice.folders if plan.choice else ()
+            folders, prints = (plan.choice.folders, plan.choice.prints) if plan.choice else ((), ())
             per_shard = bool(folders) and all(self.maps.registry.configs[f].calibration.options.head_shards
                                               == self.head_groups for f in folders)
             self.loads.append(LoadJob(rid, plan.kind, plan.entry.key, plan.local_blocks * self.block_size, ids, folders,
-                                      plan.sink_key, per_shard))
+                                      plan.sink_key, per_shard, prints))
             self.index.touch(plan.entry)
             if self.async_loads:
                 self.loading.add(rid)

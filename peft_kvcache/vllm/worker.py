@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -32,47 +32,12 @@ from ..maps.registry import MapRegistry
 from ..modeling.layout import KVLayout
 from .jobs import UNPLANNED, DropJob, LoadJob, SaveJob, WorkerReport
 from .layout import CpuLayout, LogicalLayout, PagedLayout
+from .loaded_maps import LoadedMaps
 from .parallel import Shard, shard_of, unsupported_parallelism
 from .slices import DEFAULT_SHARE, StepSlicer
 from .store import KVStore, StoredKV
 
 logger = logging.getLogger(__name__)
-
-
-class LoadedMaps:
-    """The maps a background loader reads at start, each usable as soon as it is read: a switch waits for its own map,
-    not for every map under the root (with a hundred adapters' maps, the first switch would wait for all of them)."""
-
-    def __init__(self) -> None:
-        self._ready = threading.Condition()
-        self._maps: dict[str, KVMap | str] = {}  # folder -> its map, or why it could not be loaded
-        self._finished = False
-
-    def put(self, folder: str, found: KVMap | str) -> None:
-        with self._ready:
-            self._maps[folder] = found
-            self._ready.notify_all()
-
-    def finish(self) -> None:
-        """The loader is done: a folder it did not read is read by whoever asks for it."""
-        with self._ready:
-            self._finished = True
-            self._ready.notify_all()
-
-    def get(self, folder: str, read: Callable[[str], KVMap]) -> KVMap | str:
-        """``folder``'s map (or why it could not be loaded), waiting until the loader has read it or finished; a folder
-        the loader never reads (not found at start) is read now with ``read``."""
-        with self._ready:
-            self._ready.wait_for(lambda: folder in self._maps or self._finished)
-            if folder in self._maps:
-                return self._maps[folder]
-        found = read(folder)
-        self.put(folder, found)
-        return found
-
-    def loaded(self) -> int:
-        with self._ready:
-            return sum(isinstance(m, KVMap) for m in self._maps.values())
 
 
 class WorkerSide:
@@ -365,15 +330,18 @@ class WorkerSide:
         tensor-parallel group first, this rank's target heads kept, the target's own sink in front: one target layer
         a slice, each layer of the last map as ``(layer, keys, values)`` ``[heads, tokens, head_dim]``, None for a
         layer of an earlier map."""
+        if len(job.map_prints) != len(job.map_folders):
+            raise CacheMismatchError("a mapped load without the fingerprints its maps were matched on")
+        maps = [self._map(folder, prints) for folder, prints in zip(job.map_folders, job.map_prints)]
         positions = torch.arange(job.start, job.start + keys[0].shape[1])[None]
         keys, values = [k[None] for k in keys], [v[None] for v in values]  # [1, kv_heads, tokens, head_dim]
         # positions 0.. of the conversation, computed by the target itself
         own_keys, own_values = self._sink(job.sink_key) if job.sink_key is not None else (None, None)
         heads = self.shard.heads
-        for i, folder in enumerate(job.map_folders):
-            last = i == len(job.map_folders) - 1
+        for i, kv_map in enumerate(maps):
+            last = i == len(maps) - 1
             placements = [(layer.device, self.layout.dtype if last else torch.float32) for layer in self.layers]
-            layers = iter_map_cache(self._map(folder), keys, values, positions, positions, placements)
+            layers = iter_map_cache(kv_map, keys, values, positions, positions, placements)
             if not last:
                 mapped = []
                 for pair in layers:
@@ -395,15 +363,19 @@ class WorkerSide:
         if sink_key[0] == "store":
             sink = self.store.sinks[sink_key[1]]
             return sink.keys, sink.values
-        keys, values = self._map(sink_key[1]).shipped_sink(sink_key[2])  # [layers, all heads, tokens, head_dim]
+        # [layers, all heads, tokens, head_dim]; its folder is the last map's, checked by then
+        keys, values = self._map(sink_key[1]).shipped_sink(sink_key[2])
         return list(keys[:, self.shard.heads]), list(values[:, self.shard.heads])
 
-    def _map(self, folder: str) -> KVMap:
+    def _map(self, folder: str, prints: tuple[str, str] | None = None) -> KVMap:
         """A map loaded at start (waiting for the loader to read it if a switch comes first); one it could not load
-        fails."""
+        fails, and so does one of other weights than ``prints`` (source, target), what the scheduler matched: the
+        folder was saved again between the scheduler's read and the worker's."""
         found = self._maps.get(folder, KVMap.from_pretrained)
         if isinstance(found, str):
             raise CacheMismatchError(f"map {folder} could not be loaded at start: {found}")
+        if prints is not None and not found.fitted_for(*prints):
+            raise CacheMismatchError(f"map {folder} was saved again for other weights since the scheduler matched it")
         return found
 
     def load_errors(self) -> set[int]:
