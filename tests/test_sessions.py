@@ -393,3 +393,46 @@ def test_caches_of_weights_since_changed_are_dropped_and_the_next_turn_prefills(
     finally:
         with torch.no_grad():
             weight.copy_(kept)
+
+
+INVOCATION = [7, 11, 13]
+
+
+def _activated_lora():
+    """A tiny model with one Activated LoRA (``act``) of real effect: it acts from its invocation tokens on."""
+    torch.manual_seed(21)
+    config = LoraConfig(task_type="CAUSAL_LM", r=8, lora_alpha=16, target_modules=MODULES, init_lora_weights=False,
+                        alora_invocation_tokens=INVOCATION)
+    return get_peft_model(tiny_model("llama", seed=3), config, adapter_name="act").eval()
+
+
+def test_an_activated_lora_shares_the_base_kv_up_to_each_requests_own_invocation():
+    """Every turn of an Activated LoRA equals its full prefill, in sessions and the server: a turn after its own turn
+    (its cache holds its KV from the last invocation on, where a prefill of the next request computes the base's),
+    and a turn whose invocation lies inside the base's context (the base's KV is shared only up to it)."""
+    from peft_kvcache.maps.adapter_maps import AdapterMaps
+    from peft_kvcache.serving.engine import PrefixEngine
+    from peft_kvcache.serving.store import PrefixStore
+
+    shared = SharedPeftModel(_activated_lora(), AdapterMaps())
+    invocation = torch.tensor([INVOCATION])
+    messages = [ids[None] for ids in random_ids(5, 12, seed=8)]
+    script = [(None, messages[0]), ("act", torch.cat([messages[1], invocation], 1)),
+              ("act", torch.cat([messages[2], invocation], 1)),
+              (None, torch.cat([messages[3], invocation], 1)), ("act", messages[4])]
+    session, engine = AdapterSession(shared, **GEN), PrefixEngine(shared, PrefixStore(2**24), min_mapped_tokens=0)
+    sources, conversation = [], torch.zeros(1, 0, dtype=torch.long)
+    for adapter, message in script:
+        prompt = torch.cat([conversation, message], 1)
+        expected = _full_reprefill(shared.model, prompt, adapter)
+        turn = session.turn(message, adapter=adapter)
+        served = engine.run(adapter, prompt[0], GEN)
+        assert torch.equal(turn.new_ids, expected) and torch.equal(served.new_ids, expected), (adapter, len(sources))
+        sources.append([(turn.context_source, turn.cached_tokens), (served.context_source, served.cached_tokens)])
+        if adapter == "act":  # the base's KV of the conversation so far, up to this request's last invocation
+            last_invocation = max(i for i in range(prompt.shape[1]) if prompt[0, i: i + 3].tolist() == INVOCATION)
+            shared_tokens = min(conversation.shape[1] - 1, last_invocation)
+            assert sources[-1] == [("shared", shared_tokens)] * 2, len(sources)
+            inside = last_invocation < conversation.shape[1] - 1
+        conversation = torch.cat([prompt, expected], 1)
+    assert inside  # the last turn's invocation lies inside the base's context

@@ -135,6 +135,21 @@ def is_activated_lora(model: torch.nn.Module, adapter: str) -> bool:
     return bool(getattr(model.peft_config[adapter], "alora_invocation_tokens", None))
 
 
+def activated_from(model: torch.nn.Module, adapter: str | None, ids: torch.Tensor) -> int | None:
+    """Where an Activated LoRA ``adapter`` starts acting on a request's token ids ``ids`` ``[n]``: PEFT's rule, the
+    start of the last occurrence of its invocation tokens (``n`` where they do not occur: it acts nowhere). Every
+    position before it holds the base model's KV, every one from it the adapter's, so a cache of the adapter's made
+    for another request (another last invocation) is not this request's; None for any other adapter."""
+    if adapter is None or not is_activated_lora(model, adapter):
+        return None
+    invocation = torch.tensor(model.peft_config[adapter].alora_invocation_tokens, dtype=ids.dtype)
+    ids, width = ids.cpu(), len(invocation)
+    for start in reversed((ids[: len(ids) - width + 1] == invocation[0]).nonzero()[:, 0].tolist()):
+        if torch.equal(ids[start: start + width], invocation):
+            return start
+    return len(ids)
+
+
 _LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCKS_GUARD = threading.Lock()
 

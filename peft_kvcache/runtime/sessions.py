@@ -48,7 +48,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..errors import CacheMismatchError, SessionError
 from ..modeling._compat import weights_version
-from ..modeling.adapters import adapter_active
+from ..modeling.adapters import activated_from, adapter_active
 from ..modeling.capture import forward
 from ..modeling.layout import check_token_ids, vocab_size_of
 from .cache import ContextCache
@@ -199,9 +199,14 @@ class AdapterSession:
         self._forget_old_weights()
         if adapter is None:
             return Start(self._base_cache, self._base_made)
-        if self._last is not None and self._last[0] == adapter:
+        # an Activated LoRA's own cache holds its KV from its last turn's invocation on: this turn shares the base's
+        # KV up to its own invocation instead
+        activated = activated_from(self.shared.model, adapter, prompt[0])
+        if self._last is not None and self._last[0] == adapter and activated is None:
             return Start(self._last[1], self._last[2])
         length = self._base_cache.get_seq_length()
+        if activated is not None:
+            length = min(length, activated)
         if length == 0:
             return Start(ContextCache())
         return cache_from_base(self.shared, adapter, self._base_cache, prompt[:, :length], self._base_made)

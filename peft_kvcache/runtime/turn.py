@@ -181,8 +181,9 @@ def check_keep_base(keep_base: str) -> None:
 def cache_from_base(shared: SharedPeftModel, adapter: str, base_cache: ContextCache, context_ids: torch.Tensor,
                     base_made: Made = EXACT) -> Start:
     """``adapter``'s cache of ``context_ids`` ``[1, k]`` built from the base model's cache of them (it must cover
-    exactly those ``k`` tokens; ``base_made``: how that cache was made): reused as is for an Activated LoRA (its
-    prefix KV *is* the base's), else mapped with the base -> adapter map, the adapter computing the sink itself. The
+    exactly those ``k`` tokens, or for an Activated LoRA at least them; ``base_made``: how that cache was made): for an
+    Activated LoRA the first ``k`` positions shared as they are (before its invocation its KV *is* the base's), else
+    mapped with the base -> adapter map, the adapter computing the sink itself. The
     caller holds the model's lock; ``base_cache`` is read, never changed.
 
     Example:
@@ -193,7 +194,10 @@ def cache_from_base(shared: SharedPeftModel, adapter: str, base_cache: ContextCa
     model, length = shared.model, context_ids.shape[1]
     if is_activated_lora(model, adapter):
         made = Made("shared", None, length) if base_made.exact else base_made.cut(length)
-        return Start(base_cache.copy(), made, 0, time.perf_counter() - began)
+        shared_cache = base_cache.copy()
+        if shared_cache.get_seq_length() > length:  # its invocation lies inside the base's context
+            shared_cache.truncate(length)
+        return Start(shared_cache, made, 0, time.perf_counter() - began)
     kv_map = shared.map_to(adapter)
     with adapter_active(model, adapter):
         mapped = MappedCache.from_source(base_cache, kv_map, model, input_ids=context_ids)

@@ -43,6 +43,7 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 from transformers.generation.streamers import BaseStreamer
 
 from ..modeling._compat import weights_version
+from ..modeling.adapters import activated_from, is_activated_lora
 from ..modeling.capture import cache_states
 from ..runtime.cache import ContextCache
 from ..runtime.reuse import EXACT, MIN_MAPPED_TOKENS, Made, mapping_pays
@@ -165,6 +166,18 @@ class PrefixEngine:
         if reuse == "none" or limit <= 0:
             return Start(ContextCache())
         ids = prompt[0]
+        activated = activated_from(self.shared.model, adapter, ids)
+        if activated is not None:  # an Activated LoRA: its entries hold its KV from another request's invocation on;
+            # the base's KV before this request's invocation is its own
+            limit = min(limit, activated)
+            if reuse != "map" or limit <= 0:
+                return Start(ContextCache())
+            base, base_length = self.store.longest(None, ids, limit)
+            if base is None or not self._pays_from_base(adapter, base.made, base_length, 0):
+                return Start(ContextCache())
+            self.store.touch(base)
+            return cache_from_base(self.shared, adapter, ContextCache(base.kv.prefix(base_length)),
+                                   prompt[:, :base_length], base.made.cut(base_length))
         own, exact_length = self.store.longest(adapter, ids, limit, exact=True)
         best, best_length = own, exact_length
         if reuse == "map":
@@ -185,8 +198,6 @@ class PrefixEngine:
     def _pays_from_base(self, adapter: str, base_made: Made, length: int, exact_length: int) -> bool:
         """Whether the base's prefix of ``length`` tokens may serve ``adapter`` (mapped, or shared as is by an
         Activated LoRA: exact when the base prefix is)."""
-        from ..modeling.adapters import is_activated_lora
-
         shared_exactly = is_activated_lora(self.shared.model, adapter) and base_made.exact
         made = Made("shared", None, length) if shared_exactly else base_made.mapped_again(length)
         return mapping_pays(made, length - exact_length, self.min_mapped_tokens)
@@ -196,7 +207,9 @@ class PrefixEngine:
         if self.reuse == "none":
             return 0
         covered = cache.get_seq_length()  # the conversation but its last token
-        if not cache.dropped_positions:  # a cache holding only some positions (an index recipe) is not a prefix's KV
+        # a cache holding only some positions (an index recipe) is not a prefix's KV; an Activated LoRA's serves only
+        # requests of the same last invocation (never looked up: they recompute a few tokens)
+        if not cache.dropped_positions and not (adapter is not None and is_activated_lora(self.shared.model, adapter)):
             self.store.add(adapter, output[0, :covered], cache_states(cache), made if covered else EXACT)
         if self.reuse != "map" or adapter is None:
             return 0
