@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -183,8 +184,8 @@ def cache_from_base(shared: SharedPeftModel, adapter: str, base_cache: ContextCa
     """``adapter``'s cache of ``context_ids`` ``[1, k]`` built from the base model's cache of them (it must cover
     exactly those ``k`` tokens, or for an Activated LoRA at least them; ``base_made``: how that cache was made): for an
     Activated LoRA the first ``k`` positions shared as they are (before its invocation its KV *is* the base's), else
-    mapped with the base -> adapter map, the adapter computing the sink itself. The
-    caller holds the model's lock; ``base_cache`` is read, never changed.
+    mapped with the base -> adapter map, the adapter computing the sink itself. The caller holds the model's lock;
+    ``base_cache`` is read, never changed.
 
     Example:
         >>> start = cache_from_base(shared, "shout", base_cache, ids[:, :-1])   # doctest: +SKIP
@@ -246,14 +247,14 @@ def _fits(kv_map: KVMap, model: torch.nn.Module, adapter: str) -> bool:
     with adapter_active(model, None):
         target = cached_fingerprint(model)
     fits = kv_map.fitted_for(source, target)
-    if not fits and id(kv_map) not in _SAID:
-        _SAID.add(id(kv_map))
+    if not fits and kv_map not in _SAID:
+        _SAID.add(kv_map)
         logger.warning("the %s -> base map was fitted for other weights than the model loads now: the base cache "
                        "catches up by a pass of the base model instead", adapter)
     return fits
 
 
-_SAID: set[int] = set()
+_SAID: weakref.WeakSet = weakref.WeakSet()  # maps whose misfit was said (an id() could be a later map's)
 
 
 __all__ = ["KEEP_BASE", "FirstTokenTimer", "KeepBase", "SharedPeftModel", "Start", "TurnResult", "cache_from_base",

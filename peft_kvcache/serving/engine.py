@@ -6,7 +6,8 @@ token prefix of the prompt the store holds and
 
 - reuses it when it was computed by the requested model on the exact context (``"reused"``);
 - else maps the base model's cache of the longest base prefix into the requested adapter
-  (`peft_kvcache.runtime.turn.cache_from_base`: ``"mapped"``; an Activated LoRA reuses it as is, ``"shared"``), or
+  (`peft_kvcache.runtime.turn.cache_from_base`: ``"mapped"``; an Activated LoRA reuses it as is up to the request's
+  invocation, ``"shared"``, and never its own entries: they hold its KV from another request's invocation on), or
   reuses an entry of the requested model that was itself derived from a mapped (or shared) prefix, labelled as what
   it is, never ``"reused"``;
 - and prefills only the rest (all of it: ``"prefilled"``);
