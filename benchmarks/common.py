@@ -4,6 +4,7 @@ table formatting."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import statistics
@@ -143,3 +144,26 @@ def map_fingerprint(folder: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()[:16]
+
+
+def map_fingerprints(folder: Path) -> list[str]:
+    """`map_fingerprint` of a map folder's weights, then of the same file with its header's metadata in each other
+    order: the fingerprints the same weights were recorded under while safetensors wrote that metadata in an order
+    seeded per process (`benchmarks.recipe_records.rekey`)."""
+    path = folder / "model.safetensors"
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    metadata = header.pop("__metadata__", {})
+    prints = [map_fingerprint(folder)]
+    for order in itertools.permutations(metadata.items()):
+        text = json.dumps({"__metadata__": dict(order), **header}, separators=(",", ":"), ensure_ascii=False).encode()
+        digest = hashlib.sha256(length.to_bytes(8, "little") + text.ljust(length))
+        with open(path, "rb") as f:
+            f.seek(8 + length)
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        if digest.hexdigest()[:16] not in prints:
+            prints.append(digest.hexdigest()[:16])
+    return prints
+

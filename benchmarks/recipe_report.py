@@ -10,7 +10,6 @@ Writes benchmarks/results/sibling-recipes-<role>-<context>.json/.md.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from . import siblings
@@ -21,7 +20,8 @@ from peft_kvcache.maps.storage import WEIGHTS_NAME
 
 from .recipe_budget import TTFT_GOALS
 from .recipe_scores import RECALL, Scores, current_maps, group, normalized, refit_differences, summary
-from .recipes import check_chosen_maps, chosen_defaults, read_records, records_path, report_stem
+from .recipe_records import read_records, records_path
+from .recipes import check_chosen_maps, chosen_defaults, report_stem
 
 RECALL_FLOOR = 0.95  # a default keeps at least this normalized far-fact recall
 TTFT_LENGTH = max(TTFT_GOALS)  # the goal at the longest context bounds the maps' cost

@@ -77,11 +77,11 @@ from . import siblings
 from .common import RESULTS, ROOT, map_fingerprint
 from .pass_store import PassStore
 from .recipe_budget import direction_budget
+from .recipe_records import append, drop_partial_line, read_records, record_key, records_path, rekey
 from .tasks import ANSWER_TOKENS, DEPTHS, recall_examples
 
 logger = logging.getLogger(__name__)
 
-RECORDS = RESULTS / "sibling-recipes"
 PASSES = ROOT / "runs" / "passes"  # the models' full passes over the examples (benchmarks.pass_store), not in git
 PROBE, SPAN = 16, 8
 CONTINUATION = 128  # scored continuation tokens per window
@@ -354,10 +354,6 @@ def budget_sources(role: str, directions) -> dict[str, dict]:
     return {d: {"budget": report[d]["budget"], "from": "the selection report"} for d in directions if d in report}
 
 
-def records_path(role: str, context: int) -> Path:
-    return RECORDS / f"{role}-{context}.jsonl"
-
-
 def supersede(role: str, context: int, task: str, reason: str) -> int:
     """Move every record of the tasks whose name starts with ``task`` from the role's records to
     ``<role>-<context>.superseded.jsonl``, each with ``superseded: reason`` (what was measured on examples built
@@ -383,43 +379,6 @@ def supersede(role: str, context: int, task: str, reason: str) -> int:
     kept = "".join(json.dumps(r) + "\n" for r in records if not r["task"].startswith(task))
     atomic_write(path, lambda tmp: Path(tmp).write_text(kept))
     return len(moved)
-
-
-def read_records(path: Path) -> list[dict]:
-    """Every complete record of ``path`` (a line cut short by a stop mid-write is skipped)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
-def record_key(example_id: str, direction: str, variant: str, fingerprint: str | None, dtype: str) -> tuple:
-    """What makes a record done: a run with the models in another dtype measures it again."""
-    return example_id, direction, variant, fingerprint, dtype
-
-
-def drop_partial_line(path: Path) -> None:
-    """Cut a last line that a stop left without its newline, so the next append starts a line of its own."""
-    if not path.exists():
-        return
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with open(path, "r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
-
-
-def append(path: Path, record: dict) -> None:
-    """One JSON line, flushed and synced: a stop loses at most the line being written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
 
 
 # ----- the run -----
@@ -490,6 +449,7 @@ def run(models: dict, tokenizer, map_sets: dict[str, dict[str, Path]], role: str
     drop_partial_line(path.with_name("runs.jsonl"))  # this run's line must not join a torn one
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     commit = code_state()["commit"]
+    rekey([folders[d] for folders in map_sets.values() for d in directions], path.parent)
     maps = {d: {label: KVMap.from_pretrained(folders[d]) for label, folders in map_sets.items()} for d in directions}
     prints = {d: {label: map_fingerprint(folders[d]) for label, folders in map_sets.items()} for d in directions}
     sources = {d: dict((budgets or {}).get(d) or {}) for d in directions}

@@ -12,10 +12,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import random_ids
+from conftest import make_map, random_ids
 
-from benchmarks import pass_store, recipe_budget, recipe_report, recipe_scores, recipes
-from benchmarks.common import map_fingerprint
+from benchmarks import pass_store, recipe_budget, recipe_records, recipe_report, recipe_scores, recipes
+from benchmarks.common import map_fingerprint, map_fingerprints
 from benchmarks.pass_store import PassStore, full_pass
 from benchmarks.recipes import PROBE, Example, ExampleRun, Variant
 from peft_kvcache import MappedCache
@@ -651,7 +651,7 @@ def test_a_text_under_two_paths_is_one_file_for_continuation_windows_and_recall_
 
 
 def test_supersede_moves_a_tasks_records_aside_and_a_stop_between_its_writes_loses_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(recipes, "RECORDS", tmp_path)
+    monkeypatch.setattr(recipe_records, "RECORDS", tmp_path)
     monkeypatch.setattr(recipes, "RESULTS", tmp_path)
     reports = [tmp_path / f"sibling-recipes-{role}-2048.json" for role in ("final", "selection")]
     for report in reports:
@@ -713,3 +713,32 @@ def test_a_run_records_which_lever_an_addition_was_made_on(sibling_map, tmp_path
     sibling_map.save_pretrained(tmp_path / "distilled", chart=False)
     (tmp_path / "distilled" / "lever.json").write_text(json.dumps({"addition": "distill", "on": "basis512"}))
     assert recipes.map_facts(tmp_path / "distilled", sibling_map, "f")["added_to"] == "basis512"
+
+
+def test_records_of_the_same_weights_under_the_other_header_order_take_the_files_fingerprint(tmp_path):
+    folder = make_map().save_pretrained(tmp_path / "maps" / "up", chart=False)
+    own = map_fingerprint(folder)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()  # the file an older writer could leave: the header's metadata in the other order
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    header["__metadata__"] = dict(reversed(header["__metadata__"].items()))
+    weights.write_bytes(data[:8] + json.dumps(header, separators=(",", ":")).encode().ljust(length) + data[8 + length:])
+    old, other = map_fingerprint(folder), "0123456789abcdef"  # other: records of other weights
+    assert old != own and map_fingerprints(folder) == [old, own]
+    records = tmp_path / "records"
+    records.mkdir()
+    lines = [json.dumps({"example": "e1", "map": old}), json.dumps({"example": "e2", "map": other}),
+             json.dumps({"example": "e3", "map": None})]
+    (records / "final-2048.jsonl").write_text("\n".join(lines) + '\n{"example": "e4", "ma')  # a stop's torn line
+    (records / "runs.jsonl").write_text(json.dumps({"run": "r1", "map_sets": {"b": {"up": {"fingerprint": old}}}}) + "\n")
+
+    assert recipe_records.rekey([folder], records) == {old: own}
+    assert map_fingerprint(folder) == own  # the file written again, its metadata sorted
+    assert [r["map"] for r in recipes.read_records(records / "final-2048.jsonl")] == [own, other, None]
+    assert (records / "final-2048.jsonl").read_text().endswith('\n{"example": "e4", "ma')
+    runs = recipes.read_records(records / "runs.jsonl")
+    assert runs[0]["map_sets"]["b"]["up"]["fingerprint"] == own and runs[-1]["rekeyed"] == {old: own}
+    assert recipe_records.rekey([folder], records) == {}  # nothing left to rename, nothing said
+    assert len(recipes.read_records(records / "runs.jsonl")) == 2
+

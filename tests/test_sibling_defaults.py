@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from benchmarks import common, recipe_report, recipe_scores, recipes, siblings
+from benchmarks import common, recipe_records, recipe_report, recipe_scores, recipes, siblings
 from peft_kvcache.errors import RecordError
 from peft_kvcache.lab.provenance import lookup
 from peft_kvcache.maps.config import GateRecord
@@ -33,7 +33,7 @@ def results(tmp_path, monkeypatch):
     (root / "sibling-recipes").mkdir(parents=True)
     for module in (common, recipes, recipe_report, figures):
         monkeypatch.setattr(module, "RESULTS", root)
-    monkeypatch.setattr(recipes, "RECORDS", root / "sibling-recipes")
+    monkeypatch.setattr(recipe_records, "RECORDS", root / "sibling-recipes")
     for stem in (f"ttft-{UP}", f"ttft-{DOWN}", "siblings", "sibling-budget", "adapters", "adapters-reverse",
                  *(f"ttft-{figures.folder_name(figures.PREFIX, a, False)}" for a in common.ADAPTERS)):
         shutil.copy(common.ROOT / "benchmarks" / "results" / f"{stem}.json", root)

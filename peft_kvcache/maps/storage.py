@@ -18,7 +18,7 @@ from huggingface_hub import snapshot_download
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .._files import UMASK, is_repo_id, recover_folder, replace_folder, staging_folder
+from .._files import UMASK, atomic_write, is_repo_id, recover_folder, replace_folder, staging_folder
 from ..errors import ArtifactError
 from .card import CHART_NAME, plot_layer_selection, render_card
 from .config import FORMAT_VERSION, KVMapConfig, expected_shapes, weights_dtype
@@ -49,8 +49,7 @@ def save_map(config: KVMapConfig, tensors: dict[str, torch.Tensor], save_directo
             # would otherwise shuffle
             shutil.copy2(target / WEIGHTS_NAME, staging / WEIGHTS_NAME)
         else:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, staging / WEIGHTS_NAME,
-                      metadata={"format": "pt", "peft_kvcache_format": str(FORMAT_VERSION)})
+            save_weights(tensors, staging / WEIGHTS_NAME)
         (staging / CONFIG_NAME).write_text(config_text)
         render_card(config, repo_id or target.name, chart=has_chart, weights_dtype=weights_dtype(tensors)).save(
             staging / CARD_NAME)
@@ -152,6 +151,42 @@ def _read_tensors(weights_path: Path, expected: dict[str, tuple[int, ...]]) -> d
     except (SafetensorError, OSError, RuntimeError) as err:
         raise ArtifactError(f"{weights_path} is corrupted or truncated: {err}") from None
     return tensors
+
+
+def save_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write a map's weights to ``path``, the same bytes for the same tensors (`sort_weights_metadata`)."""
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path,
+              metadata={"format": "pt", "peft_kvcache_format": str(FORMAT_VERSION)})
+    _sort_metadata(path)
+
+
+def sort_weights_metadata(path: Path) -> bool:
+    """Write the weights file ``path`` again, atomically, with its header's metadata in sorted order where an older
+    writer left it otherwise (the same tensors and bytes else); returns whether it changed. safetensors orders that
+    metadata by a hash seeded per process, so one map's weights made either of two files (and fingerprints)."""
+    metadata = list(_read_header(path)[1].get("__metadata__", {}))
+    if metadata == sorted(metadata):
+        return False
+    atomic_write(path, lambda tmp: (shutil.copyfile(path, tmp), _sort_metadata(Path(tmp))))
+    return True
+
+
+def _read_header(path: Path) -> tuple[int, dict]:
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        return length, json.loads(f.read(length))
+
+
+def _sort_metadata(path: Path) -> None:
+    """Sort the header's metadata of the weights file ``path`` in place (the same keys: the header keeps its length)."""
+    length, header = _read_header(path)
+    header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(text) > length:  # safetensors' own JSON is as compact: not expected
+        raise ArtifactError(f"{path}: the weights' header grew when its metadata was sorted; save again")
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(text.ljust(length))
 
 
 def _holds_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> bool:
