@@ -23,9 +23,10 @@ dropped (the map used only to choose positions).
 ``--lever LABEL=FOLDER`` adds a lever's maps, whose rows are named ``LABEL:recipe``. The recorded runs took as base
 maps the capture's top-2 fit, kept in ``runs/levers/capture-top2`` since the levers' maps replaced it in
 ``hub_cards/`` (a run on other base maps would start the unlabelled rows over); git holds them at 009d39d
-(``git show 009d39d:hub_cards/<pair>/model.safetensors``, the same bytes). A lever's maps fitted again on another
-machine need not be the same bytes (a fresh fit of basis512 and top4 was not), so records are keyed by the maps'
-fingerprint and a run on refitted maps starts those rows over:
+(``git show 009d39d:hub_cards/<pair>/model.safetensors``, the same bytes). Records are keyed by the maps' fingerprint:
+a lever's maps fitted again to the same values (same data and CPU arithmetic) keep their rows (a run first gives
+records of an older writer's file of the same weights the file's fingerprint: `recipe_records.rekey`); maps fitted
+to other values start those rows over:
 
     python -m benchmarks.recipes run --maps runs/levers/capture-top2 --role selection --context 2048 \
         --lever basis512=runs/levers/basis512 --lever top4=runs/levers/top4

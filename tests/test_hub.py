@@ -4,7 +4,9 @@ trip; push_to_hub against a fake HfApi."""
 
 from __future__ import annotations
 
+import copy
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import huggingface_hub
@@ -173,12 +175,12 @@ class FakeHub:
         self.uploaded: dict[str, bytes] = {}
         self.loaded: KVMap | None = None
 
-    def install(self, monkeypatch) -> None:
+    def install(self, monkeypatch, namespace: str = "org") -> None:
         hub = self
 
-        def create_repo(api, repo_id, **kwargs):
+        def create_repo(api, repo_id, **kwargs):  # a bare name lands in the token's namespace, as on the Hub
             hub.calls.append(("create_repo", dict(kwargs, repo_id=repo_id)))
-            return huggingface_hub.RepoUrl(f"https://huggingface.co/{repo_id}")
+            return huggingface_hub.RepoUrl(f"https://huggingface.co/{repo_id if '/' in repo_id else f'{namespace}/{repo_id}'}")
 
         def create_branch(api, repo_id, **kwargs):
             hub.calls.append(("create_branch", dict(kwargs, repo_id=repo_id)))
@@ -215,6 +217,26 @@ def test_push_to_hub_creates_the_repo_and_uploads_the_whole_folder(pair, monkeyp
     readme = hub.uploaded["README.md"].decode()
     assert f'KVMap.from_pretrained("{REPO}")' in readme and "/tmp" not in readme
     assert _same_tensors(hub.loaded, kv_map)
+
+
+def test_a_map_that_cannot_be_saved_creates_no_repo(pair, monkeypatch):
+    _, _, kv_map = pair
+    hub = FakeHub()
+    hub.install(monkeypatch)
+    broken = copy.copy(kv_map)  # a config edited into one that would not load again
+    broken.config = replace(kv_map.config, source_layout=replace(kv_map.config.source_layout, num_layers=-1))
+    with pytest.raises(ArtifactError, match="source_layout is implausible"):
+        broken.push_to_hub(REPO)
+    assert hub.calls == []
+
+
+def test_a_repo_id_without_namespace_gets_the_hubs_full_id_in_its_card(pair, monkeypatch):
+    _, _, kv_map = pair
+    hub = FakeHub()
+    hub.install(monkeypatch, namespace="me")
+    kv_map.push_to_hub("tiny-kvmap")
+    assert hub.calls[-1][1]["repo_id"] == "me/tiny-kvmap"
+    assert 'KVMap.from_pretrained("me/tiny-kvmap")' in hub.uploaded["README.md"].decode()
 
 
 def test_push_to_a_branch_creates_it_first(pair, monkeypatch):

@@ -240,11 +240,14 @@ class KVMap:
         from huggingface_hub import HfApi
 
         api = HfApi(token=token)
-        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-        if branch is not None:
-            api.create_branch(repo_id, branch=branch, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
+            # saved first: a map that cannot be saved (a config edited into one that would not load) creates no repo
             folder = self.save_pretrained(Path(tmp) / repo_id.split("/")[-1], repo_id=repo_id)
+            created = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+            if created != repo_id:  # the Hub added the namespace: the card's snippet names the full id
+                repo_id, folder = created, self.save_pretrained(folder, repo_id=created)
+            if branch is not None:
+                api.create_branch(repo_id, branch=branch, exist_ok=True)
             info = api.upload_folder(repo_id=repo_id, repo_type="model", folder_path=folder,
                                      commit_message=commit_message, revision=branch, create_pr=create_pr)
         logger.info("pushed map %s -> %s to %s", self.config.source_name, self.config.target_name, repo_id)
