@@ -100,6 +100,25 @@ def test_normalized_retention_is_the_share_of_the_context_gain():
     assert math.isnan(flat.normalized("mapped@1"))
 
 
+def test_resamples_where_normalized_retention_is_undefined_widen_its_interval_or_leave_none():
+    # the context helps the full prefill on a few examples only: resamples without them have no normalized figure
+    def report(helped: int) -> RetentionReport:
+        return _report({"full": [0.8] * helped + [0.4] * (20 - helped), "no_context": [0.4] * 20,
+                        "mapped@1": [0.6] * helped + [0.4] * (20 - helped)})
+
+    def finite_only(r: RetentionReport) -> torch.Tensor:  # what dropping the undefined resamples would report
+        values = r.normalized("mapped@1", r._resamples())
+        return values[torch.isfinite(values)]
+
+    few = report(5)  # (15/20)^20: 0.3% of resamples undefined
+    assert 0 < (~torch.isfinite(few.normalized("mapped@1", few._resamples()))).sum() <= 25
+    low, high = few.interval(lambda idx: few.normalized("mapped@1", idx))
+    kept = finite_only(few)
+    assert low <= float(kept.quantile(0.025)) and high >= float(kept.quantile(0.975))
+    many = report(3)  # (17/20)^20: 3.9% undefined, more than a tail holds
+    assert all(math.isnan(v) for v in many.interval(lambda idx: many.normalized("mapped@1", idx)))
+
+
 def test_intervals_are_paired_over_examples():
     """Examples differ a lot in difficulty but a is always 0.1 above b: a paired interval is tight around 0.1,
     an unpaired one would span the spread between examples."""

@@ -133,12 +133,20 @@ class RetentionReport:
         return torch.where(gap >= MIN_GAP, (mean(name) - none) / gap, torch.nan)
 
     def interval(self, statistic: Callable[[torch.Tensor | None], torch.Tensor]) -> tuple[float, float]:
-        """95% paired bootstrap interval of ``statistic(index)`` over examples."""
+        """95% paired bootstrap interval of ``statistic(index)`` over examples. A resample whose statistic is undefined
+        (normalized retention where its examples' context gains too little) could lie anywhere: it counts at the far
+        end of each tail, so the interval only widens, and is NaN where more than 2.5% of resamples are undefined."""
         values = statistic(self._resamples())
-        values = values[torch.isfinite(values)]
-        if values.numel() == 0:
+        finite = values[torch.isfinite(values)]
+        undefined = values.numel() - finite.numel()
+        if finite.numel() == 0:
             return float("nan"), float("nan")
-        return float(values.quantile(0.025)), float(values.quantile(0.975))
+        # the 2.5% and 97.5% positions among all resamples, the undefined ones first for the low tail, last for the high
+        low, high = 0.025 * (values.numel() - 1) - undefined, 0.975 * (values.numel() - 1)
+        if finite.numel() == 0 or low < 0 or high > finite.numel() - 1:
+            return float("nan"), float("nan")
+        span = max(finite.numel() - 1, 1)
+        return float(finite.quantile(low / span)), float(finite.quantile(high / span))
 
     def paired_difference(self, a: str, b: str, metric: str = "normalized") -> dict:
         """Difference ``a - b`` of normalized retention (or of mean KL with ``metric='kl'``) with its paired
