@@ -91,6 +91,53 @@ def test_adapter_shards_add_up_to_the_whole():
                                 texts)
 
 
+FAILING_RANK = """
+import time
+from conftest import random_ids, tiny_model
+from peft_kvcache.calibration.loop import collect, join_process_group
+from peft_kvcache.calibration.statistics import ModelSide, StatisticsRun
+from peft_kvcache.calibration.texts import CalibrationTexts
+from peft_kvcache.maps.config import CalibrationConfig
+from peft_kvcache.modeling.capture import run_with_cache
+
+rank, world = join_process_group()
+source, target = tiny_model("qwen2", seed=0), tiny_model("qwen2", seed=1)
+run = StatisticsRun({"source": ["target"]}, {"source": ModelSide.of(source), "target": ModelSide.of(target)},
+                    CalibrationConfig())
+texts = CalibrationTexts.build(random_ids(10, 9), None, CalibrationConfig(heldout_fraction=0.3))
+
+def run_models(ids, mask):
+    if rank == 1:
+        raise ValueError("rank 1 cannot read its data")
+    return {"source": run_with_cache(source, ids, mask), "target": run_with_cache(target, ids, mask)}
+
+try:
+    collect(run_models, run, texts, 2, progress=False)
+except Exception as error:
+    print(f"rank {rank}: {type(error).__name__}: {error}", flush=True)
+    if rank == 1:  # a caller that goes on with something else: its process stays up, so gloo never breaks
+        time.sleep(300)
+"""
+
+
+def test_a_process_that_fails_its_share_stops_the_others_outside_torchrun():
+    # launched as a scheduler (slurm, mpirun) would: no torchrun agent stops the others when one fails, and one that
+    # stays up leaves them waiting in the reduction (gloo breaks only when its process exits)
+    port, env = _free_port(), dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "tests"))
+    ranks = [subprocess.Popen([sys.executable, "-c", FAILING_RANK], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+             for r in range(2)]
+    try:
+        first = ranks[0].communicate(timeout=120)[0]  # rank 1 stays up: rank 0 must stop by itself
+    finally:
+        for process in ranks:
+            process.kill()
+    logs = [first, ranks[1].communicate()[0]]
+    assert "rank 1: ValueError: rank 1 cannot read its data" in logs[1], logs[1][-2000:]
+    assert "rank 0: CalibrationError: another process of this calibration failed" in logs[0], logs[0][-2000:]
+
+
 @pytest.fixture(scope="module")
 def model_folders(tmp_path_factory):
     folder = tmp_path_factory.mktemp("models")

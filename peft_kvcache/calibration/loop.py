@@ -72,7 +72,9 @@ def collect(run_models: Callable[[torch.Tensor, torch.Tensor], dict[str, Capture
     an interrupted run started again with the same arguments resumes where it stopped, with the same result; a
     checkpoint of other data, options or models is refused. Under ``torchrun`` (or with ``shard=(rank, world)``)
     each process runs chunks ``rank::world`` of each split and, with torch.distributed, the accumulator's
-    ``all_reduce()`` sums the shards so that every process holds the statistics of all the chunks.
+    ``all_reduce()`` sums the shards so that every process holds the statistics of all the chunks; a process whose
+    share fails says so at that reduction, where the others raise `CalibrationError` instead of waiting for ever
+    (torchrun stops them itself; other launchers do not).
     """
     rank, world = shard or _shard()
     if not 0 <= rank < world:
@@ -87,27 +89,45 @@ def collect(run_models: Callable[[torch.Tensor, torch.Tensor], dict[str, Capture
         counts = [-(-len(chunks) // batch_size) for chunks in per_split]
         checkpoint = CalibrationCheckpoint(checkpoint_dir, digest, counts, rank)
         done = checkpoint.load(accumulator.state_dict()) or done
-    for index, (split, chosen) in enumerate(zip(SPLITS, per_split)):
-        if done.complete or index < done.split:
-            continue
-        skip = done.batches if index == done.split else 0
-        with tqdm(total=sum(len(s) for s in chosen), desc=f"calibration ({split})", unit="tok",
-                  disable=not progress) as bar:
-            bar.update(sum(len(s) for s in chosen[: skip * batch_size]))
-            for count, (ids, mask) in enumerate(batches(chosen, batch_size), start=1):
-                if count <= skip:
-                    continue
-                accumulator.add(split, run_models(ids, mask), mask)
-                bar.update(int(mask.sum()))
-                if checkpoint is not None and count % checkpoint_every == 0:
-                    checkpoint.save(accumulator.state_dict(),
-                                    Progress(index, count, seconds=done.seconds + time.perf_counter() - started))
-        if checkpoint is not None:
-            checkpoint.save(accumulator.state_dict(), Progress(index + 1, 0, complete=index + 1 == len(SPLITS),
-                                                               seconds=done.seconds + time.perf_counter() - started))
-    if world > 1 and dist.is_available() and dist.is_initialized():
+    together = world > 1 and dist.is_available() and dist.is_initialized()
+    try:
+        for index, (split, chosen) in enumerate(zip(SPLITS, per_split)):
+            if done.complete or index < done.split:
+                continue
+            skip = done.batches if index == done.split else 0
+            with tqdm(total=sum(len(s) for s in chosen), desc=f"calibration ({split})", unit="tok",
+                      disable=not progress) as bar:
+                bar.update(sum(len(s) for s in chosen[: skip * batch_size]))
+                for count, (ids, mask) in enumerate(batches(chosen, batch_size), start=1):
+                    if count <= skip:
+                        continue
+                    accumulator.add(split, run_models(ids, mask), mask)
+                    bar.update(int(mask.sum()))
+                    if checkpoint is not None and count % checkpoint_every == 0:
+                        checkpoint.save(accumulator.state_dict(),
+                                        Progress(index, count, seconds=done.seconds + time.perf_counter() - started))
+            if checkpoint is not None:
+                checkpoint.save(accumulator.state_dict(), Progress(index + 1, 0, complete=index + 1 == len(SPLITS),
+                                                                   seconds=done.seconds + time.perf_counter() - started))
+    except Exception:
+        if together:  # the others learn it in the collective they wait in, instead of waiting there for ever
+            _any_failed(True)
+        raise
+    if together:
+        if _any_failed(False):
+            raise CalibrationError("another process of this calibration failed (its own error says why): the "
+                                   "statistics of this one are not reduced")
         accumulator.all_reduce()
     return done.seconds
+
+
+def _any_failed(failed: bool) -> bool:
+    """Whether any process of the group failed its share of the collection (every process calls it once)."""
+    flag = torch.tensor([float(failed)])
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+    return bool(flag.item())
 
 
 # ----- fit -----
