@@ -102,6 +102,19 @@ def test_reverse_map_policy_catches_up_without_the_model(real_shared):
     assert session.base_cached_tokens == session.ids.shape[1] - 1
 
 
+def test_the_reverse_maps_weights_check_walks_the_weights_once(real_shared, monkeypatch):
+    # every reverse-map turn checks both ends' fingerprints: switching adapters keeps the weights' version, so one walk
+    from peft_kvcache.modeling import identity
+    from peft_kvcache.runtime import turn as turn_module
+
+    walks, real = [], identity.weights_version
+    for module in (identity, turn_module):
+        monkeypatch.setattr(module, "weights_version", lambda model: walks.append(1) or real(model))
+    reverse = real_shared.maps.to_base["strong"]
+    assert turn_module._fits(reverse, real_shared.model, "strong")
+    assert len(walks) == 1
+
+
 def test_sessions_in_threads_match_their_solo_runs(real_shared):
     scripts = {seed: list(zip([STRONG_MILD[a] for _, a in SCRIPT], _messages(seed))) for seed in (11, 12, 13, 14)}
 

@@ -205,10 +205,11 @@ def _adapter_of(param_name: str) -> str:
     return ""
 
 
-def weights_key(model: torch.nn.Module) -> tuple:
+def weights_key(model: torch.nn.Module, version: tuple | None = None) -> tuple:
     """What a memo of anything computed from the model's weights is keyed on: the active adapters and the
-    weights' version (`_compat.weights_version`), so loading other weights invalidates it."""
-    return tuple(sorted(active_adapters(model))), weights_version(model)
+    weights' version (`_compat.weights_version`, read here unless given: switching adapters leaves it as it is), so
+    loading other weights invalidates it."""
+    return tuple(sorted(active_adapters(model))), weights_version(model) if version is None else version
 
 
 class ModelMemo:

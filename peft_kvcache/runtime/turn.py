@@ -24,10 +24,10 @@ from ..errors import SessionError
 from ..maps.adapter_maps import AdapterMaps
 from ..maps.apply import map_cache
 from ..maps.kvmap import KVMap
-from ..modeling._compat import with_cache
+from ..modeling._compat import weights_version, with_cache
 from ..modeling.adapters import adapter_active, is_activated_lora, is_peft_model, model_lock
 from ..modeling.capture import cache_states, forward
-from ..modeling.identity import cached_fingerprint
+from ..modeling.identity import cached_fingerprint, weights_key
 from ..modeling.layout import layer_placements, model_device
 from .cache import ContextCache
 from .mapped import MappedCache
@@ -242,10 +242,11 @@ def catch_up_base(shared: SharedPeftModel, adapter: str, base_cache: ContextCach
 def _fits(kv_map: KVMap, model: torch.nn.Module, adapter: str) -> bool:
     """Whether ``adapter``'s map back to the base was fitted for the weights both load now (an adapter loaded again
     under its name has other weights): where not, the base catches up by a pass of its own, said once per map."""
+    version = weights_version(model)  # one walk over the weights for both ends: switching adapters keeps it
     with adapter_active(model, adapter):
-        source = cached_fingerprint(model)
+        source = cached_fingerprint(model, weights_key(model, version))
     with adapter_active(model, None):
-        target = cached_fingerprint(model)
+        target = cached_fingerprint(model, weights_key(model, version))
     fits = kv_map.fitted_for(source, target)
     if not fits and kv_map not in _SAID:
         _SAID.add(kv_map)
