@@ -5,7 +5,9 @@ trip; push_to_hub against a fake HfApi."""
 from __future__ import annotations
 
 import copy
+import json
 import shutil
+from fnmatch import fnmatch
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from peft_kvcache import ArtifactError, KVMap, MappedCache
+from peft_kvcache.maps import storage
 from peft_kvcache.maps.config import QualityRecord
 
 REPO = "org/tiny-kvmap"
@@ -248,6 +251,42 @@ def test_push_to_a_branch_creates_it_first(pair, monkeypatch):
     assert names.index("create_repo") < names.index("create_branch") < names.index("upload_folder")
     assert hub.calls[names.index("create_branch")][1]["branch"] == "v2"
     assert hub.calls[names.index("upload_folder")][1]["revision"] == "v2"
+
+
+def _hub_serving(remote: Path, tmp_path: Path, monkeypatch) -> list[tuple]:
+    """The Hub as `snapshot_download` sees it, serving the files of ``remote`` at one commit; returns what each call
+    asked for (revision and the files it downloaded)."""
+    calls, snapshot = [], tmp_path / "hub" / "models--org--m" / "snapshots" / ("4" * 40)
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None, **kwargs):
+        snapshot.mkdir(parents=True, exist_ok=True)
+        wanted = sorted(f.name for f in remote.iterdir() if any(fnmatch(f.name, p) for p in allow_patterns))
+        for name in wanted:
+            shutil.copy(remote / name, snapshot)
+        calls.append((revision, wanted))
+        return str(snapshot)
+
+    monkeypatch.setattr(storage, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return calls
+
+
+def test_a_models_repo_id_is_refused_before_its_weights_download(tmp_path, monkeypatch):
+    remote = tmp_path / "remote"  # a model's repo: a transformers config and weights under the map's file name
+    remote.mkdir()
+    (remote / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 896}))
+    (remote / "model.safetensors").write_bytes(b"gigabytes")
+    calls = _hub_serving(remote, tmp_path, monkeypatch)
+    with pytest.raises(ArtifactError, match="'org/m' is not a KV map"):
+        KVMap.from_pretrained("org/m")
+    assert calls == [(None, ["config.json"])]
+
+
+def test_a_maps_files_come_from_the_commit_whose_config_was_read(tmp_path, monkeypatch, saved_maps):
+    calls = _hub_serving(saved_maps["main"], tmp_path, monkeypatch)
+    loaded = KVMap.from_pretrained("org/m", revision="main")
+    assert _same_tensors(loaded, KVMap.from_pretrained(saved_maps["main"]))
+    assert calls == [("main", ["config.json"]), ("4" * 40, ["README.md", "config.json", "layer_r2.png", "model.safetensors"])]
 
 
 def test_a_cache_whose_refs_point_outside_it_is_refused(tmp_path, monkeypatch):

@@ -213,6 +213,10 @@ def is_map_folder(folder: Path, complete: bool = False) -> bool:
         data = json.loads(config.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
+    return _is_map_config(data)
+
+
+def _is_map_config(data) -> bool:
     return isinstance(data, dict) and "source_fingerprint" in data and "format_version" in data
 
 
@@ -255,20 +259,35 @@ def resolve_map_folder(path_or_repo_id: str | os.PathLike, *, revision: str | No
         raise ArtifactError(f"{path} is a file; a KV map is a folder holding {CONFIG_NAME} and {WEIGHTS_NAME}")
     if not is_repo_id(spec):
         raise ArtifactError(f"there is no map folder at {spec!r} (and it is not a Hub repo id): check the path")
+    from huggingface_hub import constants
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
-    try:
-        folder = snapshot_download(spec, revision=revision, allow_patterns=list(MAP_FILES), repo_type="model",
-                                   **hub_options)
-    except (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled) as err:  # the Hub's own errors pass
-        err.add_note(f"peft-kvcache: there is no local folder {spec!r} either, so it was looked up on the Hub")
-        raise
-    except (ValueError, OSError) as err:
-        raise ArtifactError(f"{spec!r} cannot be resolved from the Hub cache: {err}") from None
-    from huggingface_hub import constants
+    def fetch(patterns: list[str], at: str | None) -> Path:
+        try:
+            return Path(snapshot_download(spec, revision=at, allow_patterns=patterns, repo_type="model", **hub_options))
+        except (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled) as err:  # the Hub's own errors pass
+            err.add_note(f"peft-kvcache: there is no local folder {spec!r} either, so it was looked up on the Hub")
+            raise
+        except (ValueError, OSError) as err:
+            raise ArtifactError(f"{spec!r} cannot be resolved from the Hub cache: {err}") from None
 
+    # config.json first: a model's repo id passed as a map's is refused before its weights (gigabytes) download
+    snapshot = fetch([CONFIG_NAME], revision)
     cache = Path(hub_options.get("cache_dir") or constants.HF_HUB_CACHE).resolve()
-    if not Path(folder).resolve().is_relative_to(cache):  # a tampered refs/<revision> file
-        raise ArtifactError(f"the Hub cache's revision of {spec!r} points outside the cache ({folder}); delete "
+    if not snapshot.resolve().is_relative_to(cache):  # a tampered refs/<revision> file
+        raise ArtifactError(f"the Hub cache's revision of {spec!r} points outside the cache ({snapshot}); delete "
                             f"{cache / ('models--' + spec.replace('/', '--'))} and download it again")
-    return Path(folder)
+    if _another_config(snapshot / CONFIG_NAME):
+        raise ArtifactError(f"{spec!r} is not a KV map: its {CONFIG_NAME} lacks a map's keys (a model's repo? pass the "
+                            "map's repo id, as a map card's usage snippet names it)")
+    return fetch(list(MAP_FILES), snapshot.name)  # the commit whose config was read
+
+
+def _another_config(path: Path) -> bool:
+    """Whether ``path`` is a readable JSON object that is not a map's config (a model's, say); a damaged one is left
+    to `load_config`, which says what is wrong with it."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path.stat().st_size <= _MAX_CONFIG_BYTES else None
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and not _is_map_config(data)
