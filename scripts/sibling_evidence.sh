@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 29's long runs in their order, each resumable (a step already done costs only its checks), so one command
+# continues them in any session, on any machine of this kind:
+#
+#     nohup setsid bash scripts/sibling_evidence.sh > runs/sibling-evidence.log 2>&1 &
+#
+# Needs the sibling fixtures (python -m peft_kvcache.modeling.fixtures gguf:qwen2.5-coder-0.5b-instruct
+# gguf:qwen2.5-coder-1.5b-instruct). Lever maps live in runs/levers (not in git): fitted again where missing, to the
+# same bytes on the same CPU arithmetic (records keep their rows). Records append to benchmarks/results/sibling-recipes
+# and must be committed before a session ends. The final runs pass the levers whose maps hold today's defaults; where a
+# selection report chooses a default on another lever, add it to them (the run refuses without it and says so).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+base=runs/levers/capture-top2
+for pair in qwen2.5-coder-0.5b-to-1.5b-top2 qwen2.5-coder-1.5b-to-0.5b-top2; do  # the capture's top-2 fit, in git
+    if [ ! -f "$base/$pair/model.safetensors" ]; then
+        mkdir -p "$base/$pair"
+        for f in config.json model.safetensors; do git show "009d39d:hub_cards/$pair/$f" > "$base/$pair/$f"; done
+    fi
+done
+lever() { python -m benchmarks.lever_maps "$@"; }
+recipes() { python -m benchmarks.recipes "$@"; }
+lever --label top4 --top-k 4
+lever --label basis512 --top-k 28 --basis-rank 512
+L="--maps $base --lever basis512=runs/levers/basis512 --lever top4=runs/levers/top4"
+recipes run $L --role final --context 2048 --passes-limit 52
+recipes report --role final --context 2048
+lever --label joint --joint-kinds
+lever --label attention --attention-weighting 0.5
+lever --label l2048 --max-length 2048
+NEW="--lever joint=runs/levers/joint --lever attention=runs/levers/attention --lever l2048=runs/levers/l2048"
+recipes run $L $NEW --role selection --context 2048 --passes-limit 52 --only joint: --only attention: --only l2048:
+recipes report --role selection --context 2048
+lever --label distill --distill --on capture-top2
+lever --label nonlinear --nonlinear --on top4
+NEW="$NEW --lever distill=runs/levers/distill --lever nonlinear=runs/levers/nonlinear"
+recipes run $L $NEW --role selection --context 2048 --passes-limit 52 --only distill: --only nonlinear:
+recipes report --role selection --context 2048
+recipes run $L $NEW --role final --context 4096 --passes-limit 52
+recipes report --role final --context 4096
