@@ -23,6 +23,8 @@ recipes() { python -m benchmarks.recipes "$@"; }
 lever --label top4 --top-k 4
 lever --label basis512 --top-k 28 --basis-rank 512
 L="--maps $base --lever basis512=runs/levers/basis512 --lever top4=runs/levers/top4"
+recipes run $L --role selection --context 2048 --passes-limit 52 --only basis512: --only top4:  # a refit's own rows
+recipes report --role selection --context 2048
 recipes run $L --role final --context 2048 --passes-limit 52
 recipes report --role final --context 2048
 lever --label joint --joint-kinds
