@@ -35,6 +35,7 @@ from peft_kvcache.calibration.distill import distill_map
 from peft_kvcache.calibration.loop import statistics_options
 from peft_kvcache.calibration.nonlinear import fit_nonlinear_heads
 from peft_kvcache.errors import RecordError
+from peft_kvcache.lab.provenance import provenance
 from peft_kvcache.maps.config import CalibrationConfig
 from peft_kvcache.maps.storage import WEIGHTS_NAME
 from peft_kvcache.lab.corpus import stdlib_texts
@@ -71,6 +72,7 @@ def fit(label: str, changes: dict, files: int, progress: bool = True) -> Path:
         for direction, out in folders.items():
             siblings.fit_direction(run, direction, texts, scale, configs[direction], vocab).save_pretrained(
                 out, chart=False)
+            write_fitted(out)
 
     siblings.capture(models, texts, [files], config, on_scale, checkpoint_root=statistics_folder(config),
                      progress=progress)
@@ -119,8 +121,28 @@ def add_to_maps(label: str, addition: str, options: dict, files: int, on: str, p
         kv_map = ADDITIONS[addition](fitted, source, target, stdlib_texts("calibration", files), tokenizer,
                                      progress=progress, **options)
         kv_map.save_pretrained(out, chart=False)  # lever.json last: a folder without it is not done
+        write_fitted(out)
         atomic_write(out / "lever.json", lambda tmp: Path(tmp).write_text(json.dumps(what, indent=1)))
     return folder
+
+
+FITTED_NAME = "fitted.json"  # beside a lever's map: the machine that fitted it (its weights follow the CPU's kernels)
+
+
+def write_fitted(folder: Path) -> None:
+    """Say beside a lever's map which machine fitted it (`provenance`: CPU model and vector extensions, threads,
+    versions): the same fit on AVX-512 and AVX2 machines gave maps that differ at rounding, so a fingerprint's
+    records belong to one kind of machine's fit."""
+    atomic_write(folder / FITTED_NAME, lambda tmp: Path(tmp).write_text(json.dumps(provenance(), indent=1)))
+
+
+def fitted_on(folder: Path) -> dict | None:
+    """The CPU and vector extensions ``write_fitted`` recorded for ``folder``'s map (None for maps fitted before)."""
+    path = folder / FITTED_NAME
+    if not path.is_file():
+        return None
+    facts = json.loads(path.read_text())
+    return {"cpu": facts.get("cpu"), "cpu_features": facts.get("cpu_features")}
 
 
 def for_source(config: CalibrationConfig, layers: int) -> CalibrationConfig:

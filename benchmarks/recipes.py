@@ -74,7 +74,7 @@ from peft_kvcache.modeling.capture import CapturedKV
 from peft_kvcache.modeling.identity import cached_fingerprint
 from peft_kvcache.runtime.refresh import attention_scores, refresh_positions, select_spans
 
-from . import siblings
+from . import lever_maps, siblings
 from .common import RESULTS, ROOT, map_fingerprint
 from .pass_store import PassStore
 from .recipe_budget import direction_budget
@@ -415,7 +415,9 @@ def map_facts(folder: Path, kv_map: KVMap, fingerprint: str) -> dict:
     options = {f.name: getattr(config.calibration.options, f.name) for f in fields(CalibrationConfig)
                if getattr(config.calibration.options, f.name) != getattr(CalibrationConfig(), f.name)}
     added = folder / "lever.json"  # a lever added to another's maps (benchmarks.lever_maps --on) says which
+    fitted = lever_maps.fitted_on(folder)
     return {"folder": str(folder), "fingerprint": fingerprint, "parameters": parameter_count(config),
+            **({"fitted_on": fitted} if fitted else {}),
             "multiply_adds_per_token": kv_map.multiply_adds_per_token, "options": options,
             "distilled": config.distillation is not None and config.distillation.kept,
             **({"added_to": json.loads(added.read_text())["on"]} if added.is_file() else {})}

@@ -715,6 +715,21 @@ def test_a_run_records_which_lever_an_addition_was_made_on(sibling_map, tmp_path
     assert recipes.map_facts(tmp_path / "distilled", sibling_map, "f")["added_to"] == "basis512"
 
 
+def test_a_run_records_which_machine_fitted_a_levers_maps(sibling_map, tmp_path):
+    # a fit's weights follow the CPU's kernels (AVX-512 and AVX2 machines fitted maps apart at rounding)
+    from benchmarks import lever_maps
+    from peft_kvcache.lab.provenance import provenance
+
+    folder = sibling_map.save_pretrained(tmp_path / "lever", chart=False)
+    assert "fitted_on" not in recipes.map_facts(folder, sibling_map, "f")  # maps fitted before it was recorded
+    lever_maps.write_fitted(folder)
+    here = provenance()
+    assert recipes.map_facts(folder, sibling_map, "f")["fitted_on"] == {"cpu": here["cpu"],
+                                                                        "cpu_features": here["cpu_features"]}
+    sibling_map.save_pretrained(folder, chart=False)  # a card rendered again keeps it
+    assert lever_maps.fitted_on(folder) is not None
+
+
 def test_records_of_the_same_weights_under_the_other_header_order_take_the_files_fingerprint(tmp_path):
     folder = make_map().save_pretrained(tmp_path / "maps" / "up", chart=False)
     own = map_fingerprint(folder)
