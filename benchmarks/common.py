@@ -156,7 +156,7 @@ def map_fingerprints(folder: Path) -> list[str]:
         header = json.loads(f.read(length))
     metadata = header.pop("__metadata__", {})
     prints = [map_fingerprint(folder)]
-    for order in itertools.permutations(metadata.items()):
+    for order in itertools.permutations(metadata.items()) if metadata else ():
         text = json.dumps({"__metadata__": dict(order), **header}, separators=(",", ":"), ensure_ascii=False).encode()
         digest = hashlib.sha256(length.to_bytes(8, "little") + text.ljust(length))
         with open(path, "rb") as f:

@@ -4,7 +4,7 @@ beside them saying what each run was (`benchmarks.recipes` writes both, `benchma
 
 A record names its map by the fingerprint of the map's weights file. Until `peft_kvcache.maps.storage.save_weights`
 sorted it, safetensors wrote the file's header metadata in an order seeded per process, so one map's weights,
-fitted again on the same machine and data (the same values, bit for bit), were recorded under either of two
+fitted again on the same kind of machine and data (the same values, bit for bit), were recorded under either of two
 fingerprints; `rekey` gives such records the fingerprint of the file as it is written now.
 """
 

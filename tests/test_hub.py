@@ -183,7 +183,8 @@ class FakeHub:
 
         def create_repo(api, repo_id, **kwargs):  # a bare name lands in the token's namespace, as on the Hub
             hub.calls.append(("create_repo", dict(kwargs, repo_id=repo_id)))
-            return huggingface_hub.RepoUrl(f"https://huggingface.co/{repo_id if '/' in repo_id else f'{namespace}/{repo_id}'}")
+            full = repo_id if "/" in repo_id else f"{namespace}/{repo_id}"
+            return huggingface_hub.RepoUrl(f"https://huggingface.co/{full}")
 
         def create_branch(api, repo_id, **kwargs):
             hub.calls.append(("create_branch", dict(kwargs, repo_id=repo_id)))

@@ -746,7 +746,8 @@ def test_records_of_the_same_weights_under_the_other_header_order_take_the_files
     lines = [json.dumps({"example": "e1", "map": old}), json.dumps({"example": "e2", "map": other}),
              json.dumps({"example": "e3", "map": None})]
     (records / "final-2048.jsonl").write_text("\n".join(lines) + '\n{"example": "e4", "ma')  # a stop's torn line
-    (records / "runs.jsonl").write_text(json.dumps({"run": "r1", "map_sets": {"b": {"up": {"fingerprint": old}}}}) + "\n")
+    run = {"run": "r1", "map_sets": {"b": {"up": {"fingerprint": old}}}}
+    (records / "runs.jsonl").write_text(json.dumps(run) + "\n")
 
     assert recipe_records.rekey([folder], records) == {old: own}
     assert map_fingerprint(folder) == own  # the file written again, its metadata sorted

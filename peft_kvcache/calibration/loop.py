@@ -107,8 +107,9 @@ def collect(run_models: Callable[[torch.Tensor, torch.Tensor], dict[str, Capture
                         checkpoint.save(accumulator.state_dict(),
                                         Progress(index, count, seconds=done.seconds + time.perf_counter() - started))
             if checkpoint is not None:
-                checkpoint.save(accumulator.state_dict(), Progress(index + 1, 0, complete=index + 1 == len(SPLITS),
-                                                                   seconds=done.seconds + time.perf_counter() - started))
+                seconds = done.seconds + time.perf_counter() - started
+                checkpoint.save(accumulator.state_dict(),
+                                Progress(index + 1, 0, complete=index + 1 == len(SPLITS), seconds=seconds))
     except Exception:
         if together:  # the others learn it in the collective they wait in, instead of waiting there for ever
             _any_failed(True)

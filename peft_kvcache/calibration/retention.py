@@ -139,8 +139,6 @@ class RetentionReport:
         values = statistic(self._resamples())
         finite = values[torch.isfinite(values)]
         undefined = values.numel() - finite.numel()
-        if finite.numel() == 0:
-            return float("nan"), float("nan")
         # the 2.5% and 97.5% positions among all resamples, the undefined ones first for the low tail, last for the high
         low, high = 0.025 * (values.numel() - 1) - undefined, 0.975 * (values.numel() - 1)
         if finite.numel() == 0 or low < 0 or high > finite.numel() - 1:
