@@ -151,11 +151,14 @@ def map_fingerprints(folder: Path) -> list[str]:
     order: the fingerprints the same weights were recorded under while safetensors wrote that metadata in an order
     seeded per process (`benchmarks.recipe_records.rekey`)."""
     path = folder / "model.safetensors"
-    with open(path, "rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(length))
-    metadata = header.pop("__metadata__", {})
     prints = [map_fingerprint(folder)]
+    try:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(min(length, 100 * 2**20)))
+        metadata = header.pop("__metadata__", {})
+    except (ValueError, AttributeError):  # not a safetensors header: the file's own fingerprint only
+        return prints
     for order in itertools.permutations(metadata.items()) if metadata else ():
         text = json.dumps({"__metadata__": dict(order), **header}, separators=(",", ":"), ensure_ascii=False).encode()
         digest = hashlib.sha256(length.to_bytes(8, "little") + text.ljust(length))

@@ -9,6 +9,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from benchmarks import common, recipe_records, recipe_report, recipe_scores, recipes, siblings
 from peft_kvcache.errors import RecordError
@@ -16,6 +17,7 @@ from peft_kvcache.lab.provenance import lookup
 from peft_kvcache.maps.config import GateRecord
 from peft_kvcache.maps.records import to_json
 from peft_kvcache.maps.recipe import Refresh
+from peft_kvcache.maps.storage import save_weights
 from scripts import figures, publish
 
 UP, DOWN = siblings.pair_name("up"), siblings.pair_name("down")
@@ -267,7 +269,7 @@ def test_a_levers_maps_carry_their_own_gate_never_the_captures(results, monkeypa
         shutil.copy(common.ROOT / "benchmarks" / "results" / f"{stem}.json", results)
     folder = tmp_path / "levers" / "attn" / UP
     folder.mkdir(parents=True)
-    (folder / "model.safetensors").write_bytes(b"the lever's weights")
+    save_weights({"w": torch.ones(2)}, folder / "model.safetensors")
     publisher = publish.Publisher(tmp_path / "work")
     with pytest.raises(RecordError, match="run the lever_gate stage"):
         publisher.sibling_gate("up")  # no gate of the lever's maps measured yet
@@ -277,6 +279,9 @@ def test_a_levers_maps_carry_their_own_gate_never_the_captures(results, monkeypa
     with pytest.raises(RecordError, match="run the lever_gate stage"):
         publisher.sibling_gate("up")  # measured on other weights (the lever refitted since)
     measured["fingerprints"]["up"]["attn"] = common.map_fingerprint(folder)
+    (results / "sibling-lever-gates.json").write_text(json.dumps(measured))
+    assert publisher.sibling_gate("up").predicted_retention == 0.42
+    measured["fingerprints"]["up"]["attn"] = common.map_fingerprints(folder)[1]  # same weights, other header order
     (results / "sibling-lever-gates.json").write_text(json.dumps(measured))
     assert publisher.sibling_gate("up").predicted_retention == 0.42
     scale = str(common.read_results("sibling-scaling")["curve"]["down"]["chosen_files"])
