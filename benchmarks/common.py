@@ -18,6 +18,7 @@ import torch
 from peft_kvcache.calibration.bootstrap import bootstrap_interval
 from peft_kvcache.lab.provenance import code_state, write_results
 from peft_kvcache.maps.compute import ENVIRONMENT
+from peft_kvcache.maps.storage import header_bytes, weights_header
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SMALL, LARGE = "gguf:qwen2.5-coder-0.5b-instruct", "gguf:qwen2.5-coder-1.5b-instruct"
@@ -153,15 +154,13 @@ def map_fingerprints(folder: Path) -> list[str]:
     path = folder / "model.safetensors"
     prints = [map_fingerprint(folder)]
     try:
-        with open(path, "rb") as f:
-            length = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(min(length, 100 * 2**20)))
+        length, header = weights_header(path)
         metadata = header.pop("__metadata__", {})
     except (ValueError, AttributeError):  # not a safetensors header: the file's own fingerprint only
         return prints
     for order in itertools.permutations(metadata.items()) if metadata else ():
-        text = json.dumps({"__metadata__": dict(order), **header}, separators=(",", ":"), ensure_ascii=False).encode()
-        digest = hashlib.sha256(length.to_bytes(8, "little") + text.ljust(length))
+        reordered = header_bytes({"__metadata__": dict(order), **header}, length)
+        digest = hashlib.sha256(length.to_bytes(8, "little") + reordered)
         with open(path, "rb") as f:
             f.seek(8 + length)
             for block in iter(lambda: f.read(1 << 20), b""):

@@ -164,29 +164,37 @@ def sort_weights_metadata(path: Path) -> bool:
     """Write the weights file ``path`` again, atomically, with its header's metadata in sorted order where an older
     writer left it otherwise (the same tensors and bytes else); returns whether it changed. safetensors orders that
     metadata by a hash seeded per process, so one map's weights made either of two files (and fingerprints)."""
-    metadata = list(_read_header(path)[1].get("__metadata__", {}))
+    metadata = list(weights_header(path)[1].get("__metadata__", {}))
     if metadata == sorted(metadata):
         return False
     atomic_write(path, lambda tmp: (shutil.copyfile(path, tmp), _sort_metadata(Path(tmp))))
     return True
 
 
-def _read_header(path: Path) -> tuple[int, dict]:
+def weights_header(path: Path) -> tuple[int, dict]:
+    """A safetensors file's header: its length in bytes and its JSON (metadata and each tensor's entry); a length past
+    the file's size reads what the file holds (the JSON then fails to parse: ValueError)."""
     with open(path, "rb") as f:
         length = int.from_bytes(f.read(8), "little")
-        return length, json.loads(f.read(length))
+        return length, json.loads(f.read(min(length, path.stat().st_size)))
+
+
+def header_bytes(header: dict, length: int) -> bytes:
+    """``header`` (`weights_header`'s JSON, its entries reordered) as safetensors writes it: compact JSON padded with
+    spaces to ``length`` bytes, so the tensors' offsets stay as they are."""
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(text) > length:  # safetensors' own JSON is as compact: not expected for the same entries
+        raise ArtifactError(f"a weights header of {len(text)} bytes does not fit the {length} the file holds")
+    return text.ljust(length)
 
 
 def _sort_metadata(path: Path) -> None:
     """Sort the header's metadata of the weights file ``path`` in place (the same keys: the header keeps its length)."""
-    length, header = _read_header(path)
+    length, header = weights_header(path)
     header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    if len(text) > length:  # safetensors' own JSON is as compact: not expected
-        raise ArtifactError(f"{path}: the weights' header grew when its metadata was sorted; save again")
     with open(path, "r+b") as f:
         f.seek(8)
-        f.write(text.ljust(length))
+        f.write(header_bytes(header, length))
 
 
 def _holds_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> bool:

@@ -142,12 +142,10 @@ def activated_from(model: torch.nn.Module, adapter: str | None, ids: torch.Tenso
     for another request (another last invocation) is not this request's; None for any other adapter."""
     if adapter is None or not is_activated_lora(model, adapter):
         return None
-    invocation = torch.tensor(model.peft_config[adapter].alora_invocation_tokens, dtype=ids.dtype)
-    ids, width = ids.cpu(), len(invocation)
-    for start in reversed((ids[: len(ids) - width + 1] == invocation[0]).nonzero()[:, 0].tolist()):
-        if torch.equal(ids[start: start + width], invocation):
-            return start
-    return len(ids)
+    from peft.tuners.lora.variants import calculate_alora_offsets  # PEFT's own search, read only for an aLoRA
+
+    from_end = calculate_alora_offsets(model.peft_config, adapter, ids.cpu().long()[None])[0]
+    return len(ids) - from_end if from_end is not None else len(ids)
 
 
 _LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

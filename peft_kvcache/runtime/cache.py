@@ -1,7 +1,7 @@
 """`ContextCache`: a transformers `DynamicCache` pre-filled with a conversation's context (a prefill's, or another
 model's mapped into this one's KV space: `peft_kvcache.runtime.mapped.MappedCache`), handed to
-``model.generate(cache=...)`` (or ``past_key_values=``) in place of prefill; it knows where the next tokens go and
-refuses a prompt that does not continue it."""
+``model.generate(cache=...)`` in place of prefill; it knows where the next tokens go and refuses a prompt that does
+not continue it."""
 
 from __future__ import annotations
 

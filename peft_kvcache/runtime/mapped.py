@@ -1,6 +1,6 @@
 """`MappedCache`: a `ContextCache` pre-filled with a source model's context mapped into the target's KV space, the
 target's own attention sink in front and the map's recommended refresh applied, handed to
-``target_model.generate(cache=...)`` (or ``past_key_values=``) in place of prefill."""
+``target_model.generate(cache=...)`` in place of prefill."""
 
 from __future__ import annotations
 

@@ -167,22 +167,15 @@ class PrefixEngine:
         if reuse == "none" or limit <= 0:
             return Start(ContextCache())
         ids = prompt[0]
+        # an Activated LoRA's own entries hold its KV from another request's invocation on: it starts from the base's
+        # KV only, up to this request's invocation
         activated = activated_from(self.shared.model, adapter, ids)
-        if activated is not None:  # an Activated LoRA: its entries hold its KV from another request's invocation on;
-            # the base's KV before this request's invocation is its own
-            limit = min(limit, activated)
-            if reuse != "map" or limit <= 0:
-                return Start(ContextCache())
-            base, base_length = self.store.longest(None, ids, limit)
-            if base is None or not self._pays_from_base(adapter, base.made, base_length, 0):
-                return Start(ContextCache())
-            self.store.touch(base)
-            return cache_from_base(self.shared, adapter, ContextCache(base.kv.prefix(base_length)),
-                                   prompt[:, :base_length], base.made.cut(base_length))
-        own, exact_length = self.store.longest(adapter, ids, limit, exact=True)
+        own_entries = activated is None
+        limit = limit if own_entries else min(limit, activated)
+        own, exact_length = self.store.longest(adapter, ids, limit, exact=True) if own_entries else (None, 0)
         best, best_length = own, exact_length
-        if reuse == "map":
-            derived, length = self.store.longest(adapter, ids, limit)
+        if reuse == "map" and limit > 0:
+            derived, length = self.store.longest(adapter, ids, limit) if own_entries else (None, 0)
             if length > best_length and mapping_pays(derived.made, length - exact_length, self.min_mapped_tokens):
                 best, best_length = derived, length
             if adapter is not None and self.shared.mappable(adapter):
