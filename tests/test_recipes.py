@@ -14,10 +14,12 @@ import pytest
 import torch
 from conftest import make_map, random_ids
 
-from benchmarks import pass_store, recipe_budget, recipe_records, recipe_report, recipe_scores, recipes
+from benchmarks import (pass_store, recipe_budget, recipe_examples, recipe_records, recipe_report, recipe_scores,
+                        recipes)
 from benchmarks.common import map_fingerprint, map_fingerprints
 from benchmarks.pass_store import PassStore, full_pass
-from benchmarks.recipes import PROBE, Example, ExampleRun, Variant
+from benchmarks.recipe_examples import Example
+from benchmarks.recipes import PROBE, ExampleRun, Variant
 from peft_kvcache import MappedCache
 from peft_kvcache.calibration.retention import cached_logits, window_logits
 from peft_kvcache.errors import CacheMismatchError, RecordError
@@ -638,13 +640,13 @@ def test_map_facts_come_from_a_run_of_the_maps_the_records_hold():
 
 def test_a_text_under_two_paths_is_one_file_for_continuation_windows_and_recall_fillers(monkeypatch):
     code = {"a.py": "x = 1\n" * 40, "copy/a.py": "x = 1\n" * 40, "c.py": "y = 2\n" * 40}
-    monkeypatch.setattr(recipes, "stdlib_texts", lambda *args: dict(code))
-    monkeypatch.setattr(recipes, "prose_texts", lambda *args: {"p.txt": "words " * 40, "q.txt": "words " * 40})
-    monkeypatch.setattr(recipes, "token_ids", lambda tokenizer, text: torch.tensor([ord(c) for c in text]))
+    monkeypatch.setattr(recipe_examples, "stdlib_texts", lambda *args: dict(code))
+    monkeypatch.setattr(recipe_examples, "prose_texts", lambda *args: {"p.txt": "words " * 40, "q.txt": "words " * 40})
+    monkeypatch.setattr(recipe_examples, "token_ids", lambda tokenizer, text: torch.tensor([ord(c) for c in text]))
     fillers = []
-    monkeypatch.setattr(recipes, "recall_examples",
+    monkeypatch.setattr(recipe_examples, "recall_examples",
                         lambda tokenizer, texts, *args, **kwargs: fillers.append(list(texts)) or ([], []))
-    found = recipes.examples(None, "selection", 100 - recipes.CONTINUATION, 10, 1, 1)
+    found = recipe_examples.examples(None, "selection", 100 - recipe_examples.CONTINUATION, 10, 1, 1)
     assert [e.file for e in found] == ["a.py", "c.py"]  # one window per distinct text
     assert ["a.py", "c.py"] in fillers and all("copy/a.py" not in f for f in fillers)
     assert ["p.txt"] in fillers and all("q.txt" not in f for f in fillers)  # prose fillers too
