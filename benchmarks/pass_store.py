@@ -30,6 +30,7 @@ from peft_kvcache.modeling.layout import model_device
 logger = logging.getLogger(__name__)
 
 
+@torch.no_grad()  # a caller with autograd on would otherwise keep the whole pass's activations alive with its logits
 def full_pass(model, ids: torch.Tensor, continuation: int) -> tuple[torch.Tensor, CapturedKV]:
     """One pass of ``model`` over ``ids[:-1]``: its continuation logits ``[M, vocab]`` and its own KV."""
     out = forward(model, ids[None, :-1], None, logits_to_keep=continuation)

@@ -638,6 +638,15 @@ def test_map_facts_come_from_a_run_of_the_maps_the_records_hold():
     assert recipe_report.latest_map_facts(runs, "up", {"attn": "a1"})["attn"]["parameters"] == 10
 
 
+def test_a_full_pass_keeps_no_autograd_graph_whoever_calls_it(sibling_pair):
+    # called with autograd on (a script outside the benchmark's no_grad), the logits held the pass's activations:
+    # a probe over a dozen 2k-token examples of the 1.5B ran out of memory
+    _, target = sibling_pair
+    assert torch.is_grad_enabled()
+    logits, kv = full_pass(target, random_ids(1, 12, seed=4)[0], 3)
+    assert not logits.requires_grad and not kv.keys[0].requires_grad
+
+
 def test_a_text_under_two_paths_is_one_file_for_continuation_windows_and_recall_fillers(monkeypatch):
     code = {"a.py": "x = 1\n" * 40, "copy/a.py": "x = 1\n" * 40, "c.py": "y = 2\n" * 40}
     monkeypatch.setattr(recipe_examples, "stdlib_texts", lambda *args: dict(code))
