@@ -8,6 +8,7 @@ and options (`siblings.CONFIG`) with the lever's changes, both directions from o
     python -m benchmarks.lever_maps --label distill --distill --on capture-top2   # the capture's fit, distilled
     python -m benchmarks.lever_maps --label basis512-distill --distill --on basis512   # a lever's maps, distilled
     python -m benchmarks.lever_maps --label nonlinear --nonlinear --on top4     # a lever's maps with nonlinear heads
+    python -m benchmarks.lever_maps --label top4-bonus1 --bonus 1 --on top4     # ... with a 1-nat attention bonus
     python -m benchmarks.recipes run --maps runs/levers/capture-top2 --role selection --lever attention=runs/levers/attention
 
 Writes ``runs/levers/<label>/<pair>`` (maps named as the published ones). The statistics are checkpointed under
@@ -31,6 +32,7 @@ import torch
 
 from peft_kvcache import KVMap
 from peft_kvcache._files import atomic_write
+from peft_kvcache.calibration.bonus import add_attention_bonus
 from peft_kvcache.calibration.distill import distill_map
 from peft_kvcache.calibration.loop import statistics_options
 from peft_kvcache.calibration.nonlinear import fit_nonlinear_heads
@@ -80,13 +82,19 @@ def fit(label: str, changes: dict, files: int, progress: bool = True) -> Path:
 
 
 # What can be added to a published map after its fit: name -> function(map, source, target, texts, tokenizer, **options)
-ADDITIONS = {"distill": distill_map, "nonlinear": fit_nonlinear_heads}
+def attention_bonus(kv_map, source, target, texts, tokenizer, progress: bool = True, **options):
+    """`add_attention_bonus` as an addition (it reads the target's queries only: ``source`` is not run)."""
+    return add_attention_bonus(kv_map, target, texts, tokenizer, progress=progress, **options)
+
+
+ADDITIONS = {"distill": distill_map, "nonlinear": fit_nonlinear_heads, "bonus": attention_bonus}
 
 
 def add_to_maps(label: str, addition: str, options: dict, files: int, on: str, progress: bool = True) -> Path:
     """Both maps of the lever ``on`` (``runs/levers/<on>``; ``capture-top2``: the capture's fit, what the recipes
-    benchmark calls the published maps) with ``addition`` (`ADDITIONS`: distillation, nonlinear heads) fitted on their
-    own calibration files (the first ``files``: their held-out texts stay held out) into ``runs/levers/<label>``. A
+    benchmark calls the published maps) with ``addition`` (`ADDITIONS`: distillation, nonlinear heads, the attention
+    bonus) fitted on their own calibration files (the first ``files``: their held-out texts stay held out) into
+    ``runs/levers/<label>``. A
     direction already done from the same maps (their weights' fingerprint) with these options is kept (``lever.json``
     beside it says what was done), so a stopped run resumes with the next direction."""
     folder, base = LEVERS / label, LEVERS / on
@@ -173,9 +181,14 @@ def main(argv: list[str] | None = None) -> None:
                              "ones")
     parser.add_argument("--nonlinear", action="store_true",
                         help="add nonlinear heads to a lever's maps (--on; peft_kvcache.calibration.nonlinear)")
+    parser.add_argument("--bonus", type=float, metavar="NATS",
+                        help="add an attention bonus of NATS to a lever's maps' keys (--on; "
+                             "peft_kvcache.calibration.bonus)")
+    parser.add_argument("--bonus-distance", type=int, default=4096,
+                        help="--bonus: the query-key distances its offset serves")
     parser.add_argument("--on", metavar="LABEL",
-                        help="--distill / --nonlinear: the lever's maps to add to (runs/levers/LABEL; capture-top2: "
-                             "the capture's fit)")
+                        help="--distill / --nonlinear / --bonus: the lever's maps to add to (runs/levers/LABEL; "
+                             "capture-top2: the capture's fit)")
     parser.add_argument("--rank", type=int, default=8, help="--distill: the correction's rank")
     parser.add_argument("--steps", type=int, default=100, help="--distill: Adam steps")
     parser.add_argument("--learning-rate", type=float, default=1e-3, help="--distill: Adam's learning rate")
@@ -193,16 +206,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.files is None and len(scales) != 1:  # both directions come from one capture, at one scale
         raise RecordError(f"the published maps were fitted on different scales {sorted(scales)}: pass --files")
     files = args.files or scales.pop()
-    if args.distill or args.nonlinear:
-        if changes or (args.distill and args.nonlinear) or args.on is None:
-            raise RecordError("--distill and --nonlinear each add to a lever's maps: pass one, with --on LABEL and no "
-                              "calibration options")
-        addition, options = ("distill", {"rank": args.rank, "steps": args.steps, "learning_rate": args.learning_rate}) \
-            if args.distill else ("nonlinear", {})
+    additions = {"distill": {"rank": args.rank, "steps": args.steps, "learning_rate": args.learning_rate}
+                 } if args.distill else {}
+    additions |= {"nonlinear": {}} if args.nonlinear else {}
+    additions |= {"bonus": {"bonus": args.bonus, "max_distance": args.bonus_distance}} if args.bonus is not None else {}
+    if additions:
+        if changes or len(additions) > 1 or args.on is None:
+            raise RecordError("--distill, --nonlinear and --bonus each add to a lever's maps: pass one, with --on "
+                              "LABEL and no calibration options")
+        (addition, options), = additions.items()
         print(add_to_maps(args.label, addition, options, files, args.on))
     else:
         if args.on is not None:
-            raise RecordError("--on names the maps --distill or --nonlinear add to; a fit takes no --on")
+            raise RecordError("--on names the maps --distill, --nonlinear or --bonus add to; a fit takes no --on")
         print(fit(args.label, changes, files))
 
 

@@ -28,10 +28,18 @@ recipes report --role selection --context 2048
 recipes run $L --role final --context 2048 --passes-limit 52
 recipes report --role final --context 2048
 lever --label joint --joint-kinds
+# the attention bonus (peft_kvcache.calibration.bonus) on both defaults' maps: 1 nat, from a probe on selection texts
+lever --label top4-bonus1 --bonus 1 --on top4
+lever --label basis512-bonus1 --bonus 1 --on basis512
+B="--lever top4-bonus1=runs/levers/top4-bonus1 --lever basis512-bonus1=runs/levers/basis512-bonus1"
+NEW="$B --lever joint=runs/levers/joint"
+recipes run $L $NEW --role selection --context 2048 --passes-limit 52 --only top4-bonus1: --only basis512-bonus1: \
+    --only joint:
+recipes report --role selection --context 2048
 lever --label attention --attention-weighting 0.5
 lever --label l2048 --max-length 2048
-NEW="--lever joint=runs/levers/joint --lever attention=runs/levers/attention --lever l2048=runs/levers/l2048"
-recipes run $L $NEW --role selection --context 2048 --passes-limit 52 --only joint: --only attention: --only l2048:
+NEW="$NEW --lever attention=runs/levers/attention --lever l2048=runs/levers/l2048"
+recipes run $L $NEW --role selection --context 2048 --passes-limit 52 --only attention: --only l2048:
 recipes report --role selection --context 2048
 lever --label distill --distill --on capture-top2
 lever --label nonlinear --nonlinear --on top4

@@ -250,6 +250,10 @@ def fit_nonlinear_heads(
     if kv_map.config.basis_rank:  # the heads read each layer's dense linear output from its source layers
         raise CalibrationError("nonlinear heads extend a map with each layer's own weights; this map reads a shared "
                                f"basis (basis_rank {kv_map.config.basis_rank}): fit them on a map without one")
+    if kv_map.config.attention_bonus is not None:  # heads fitted to the target's keys would learn to undo the offset
+        raise CalibrationError("this map carries an attention bonus in its key biases, which heads fitted to the "
+                               "target's own keys would learn to undo: fit the heads first, then add the bonus "
+                               "(peft_kvcache.calibration.bonus)")
     options = kv_map.config.calibration.options
     if options.head_shards > 1:  # the heads' MLP mixes every head: the map would no longer split per shard
         raise CalibrationError(f"nonlinear heads mix all of a layer's heads; this map is fitted per head shard "

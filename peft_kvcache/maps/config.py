@@ -18,6 +18,7 @@ from ..modeling.layout import KVLayout
 from ..modeling.positions import RotaryRecord
 from .calibration_config import DEFAULT_LAMBDA_GRID, CalibrationConfig
 from .provenance import (
+    AttentionBonusRecord,
     BlendRecord,
     CalibrationRecord,
     DataRecord,
@@ -39,6 +40,7 @@ KINDS = ("keys", "values")
 PAIR_KINDS = ("same_shape", "cross_shape")
 # Refuse configs describing absurd models before allocating anything for them.
 MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 1024, 1024, 4096
+MAX_BONUS = 20.0  # nats: an attention bonus past it would drown every exact position
 
 
 @dataclass
@@ -81,6 +83,9 @@ class KVMapConfig:
     distillation: DistillationRecord | None = help_field("a low-rank correction trained by the target's next-token KL, "
                                                          "folded into the weights (None: the ridge fit as is)",
                                                          default=None)
+    attention_bonus: AttentionBonusRecord | None = help_field(
+        "a key offset per target layer and KV head, folded into the key biases, that raises every mapped key's logit "
+        "(peft_kvcache.calibration.bonus; None: none)", default=None)
     sinks: list[list[int]] = help_field("conversation starts (their first sink_tokens token ids) whose target KV the "
                                         "map ships (sink.<i>.keys / .values): the target's own attention sink, for an "
                                         "engine that cannot run the target itself", default_factory=list)
@@ -185,6 +190,14 @@ class KVMapConfig:
                     raise RecordError(f"{where}.nonlinear.{kind} must list distinct target layers in 0..{targets - 1}")
             if not 0 < self.nonlinear.hidden <= 65536:
                 raise RecordError(f"{where}.nonlinear.hidden must be in 1..65536, got {self.nonlinear.hidden}")
+        bonus = self.attention_bonus
+        if bonus is not None and not (math.isfinite(bonus.bonus) and 0 <= bonus.bonus <= MAX_BONUS
+                                      and bonus.max_distance > 0 and bonus.ridge >= 0
+                                      and all(len(rows) in (0, targets) and all(len(row) == heads for row in rows)
+                                              for rows in (bonus.achieved, bonus.spread))):
+            raise RecordError(f"{where}.attention_bonus is malformed: a bonus in 0..{MAX_BONUS} nats, a positive "
+                              f"max_distance, a ridge >= 0 and achieved / spread lists of {heads} numbers for each of "
+                              f"{targets} target layers (or none)")
         self.calibration.options.validate(f"{where}.calibration.options")
         if self.basis_rank and (any(g != self.key_layers[0] for g in self.key_layers + self.value_layers)
                                 or self.nonlinear is not None):
@@ -244,5 +257,5 @@ __all__ = [
     # re-exported, as callers import them from here: the options of a fit, the records config.json holds, Refresh
     "DEFAULT_LAMBDA_GRID", "CalibrationConfig", "TextRecord", "DataRecord", "ModelSpec", "CalibrationRecord",
     "GateRecord", "Figure", "QualityRecord", "BlendRecord", "RankRecord", "NonlinearCandidate", "NonlinearRecord",
-    "DistillationRecord", "Refresh",
+    "AttentionBonusRecord", "DistillationRecord", "Refresh",
 ]

@@ -159,6 +159,21 @@ class NonlinearRecord:
 
 
 @dataclass
+class AttentionBonusRecord:
+    """The mapped keys' attention bonus (`peft_kvcache.calibration.bonus`), folded into the key biases: the logit
+    ``bonus`` (nats) asked of every mapped key, and per target layer and KV head the bonus the offset gives the
+    target's calibration queries on average (``achieved``) and its spread over queries and distances (``spread``)."""
+
+    bonus: float = 1.0
+    max_distance: int = 2048
+    ridge: float = 1e-3
+    texts: int = 0
+    queries: int = 0
+    achieved: list[list[float]] = field(default_factory=list)
+    spread: list[list[float]] = field(default_factory=list)
+
+
+@dataclass
 class DistillationRecord:
     """A low-rank correction trained by the target's next-token KL, folded into the weights
     (`peft_kvcache.calibration.distill`): its options and the held-out KL that chose the step kept."""

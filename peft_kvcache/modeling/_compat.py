@@ -185,6 +185,41 @@ def masked_attention(model: torch.nn.Module) -> Iterator[None]:
         yield
 
 
+QUERY_RECORDER = "peft_kvcache_query_recorder"
+_RECORDERS: list = []  # the record functions of the `recording_queries` blocks running now, innermost last
+
+
+def _recorded_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, handing its query states (rotated, ``[batch, heads, queries, head_dim]``) and
+    the scaling of its logits to the innermost `recording_queries` block first."""
+    if _RECORDERS:
+        scaling = kwargs.get("scaling")
+        _RECORDERS[-1](query, query.shape[-1] ** -0.5 if scaling is None else scaling)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(QUERY_RECORDER, _recorded_attention)
+AttentionMaskInterface.register(QUERY_RECORDER, sdpa_mask)
+
+
+@contextmanager
+def recording_queries(model: torch.nn.Module, record) -> Iterator[None]:
+    """Run the block with every attention call of ``model`` handing ``record(query, scaling)`` its query states as the
+    attention reads them (after the model's own projections, norms and RoPE), layer after layer, then put the model's
+    own attention back (`_attention_as`; the same thread-safety caveat). A model that cannot switch attention raises
+    `IncompatibleModelsError`."""
+    with _attention_as(model, QUERY_RECORDER) as switched:
+        if not switched:
+            raise IncompatibleModelsError(f"{type(unwrap_peft(model)).__name__} cannot switch its attention "
+                                          "implementation, through which its queries are read")
+        _RECORDERS.append(record)
+        try:
+            yield
+        finally:
+            _RECORDERS.pop()
+
+
 def fill_cache(cache: DynamicCache, layers_kv) -> DynamicCache:
     """Put per-layer ``(keys, values)`` into an empty `DynamicCache` without copying them (``update`` would
     concatenate each onto an empty tensor: a copy of the whole context)."""

@@ -1,0 +1,188 @@
+"""The attention bonus: a closed-form key offset that gives a mapped context the attention the target would give it.
+
+A map predicts each key as its expected value given the source (a ridge fit), so a mapped key's logit is the
+expected logit, while the weight attention gives a token is ``exp(logit)``, and the mean of an exponential exceeds
+the exponential of the mean (with the keys' residual ``e``: ``E[exp(l + e)] = exp(l + var/2)`` for a Gaussian
+``e``). The positions the target computes itself (its sink, a recent window, refreshed positions, the new turn) keep
+their exact logits, so the mapped context is under-attended against them: the target leans on the few tokens it
+computed. The bonus adds ``bonus`` nats to every mapped key's logit instead.
+
+It goes through the keys alone. Per target layer and KV head, a position-free offset ``delta`` such that every query
+of the head's group, at every distance up to ``max_distance``, gives ``scaling * q_rot . R(n) delta ~= bonus`` (the
+query rotated at its position ``m``, the offset rotated at the key's ``n``): a ridge regression of the constant
+``bonus`` on the target's own calibration queries turned by random distances (``z = scaling * s^2 * R(m - n) q``,
+``s`` the RoPE's attention scaling), whose low-frequency dims, nearly unturned over a context, carry it. The offset
+joins the layer's key bias, so the mapping path, the artifact and every engine (the sessions, the server, vLLM) run
+it as any map's, and positions the target computes never carry it. `AttentionBonusRecord` keeps the bonus each head
+achieved on its calibration queries and how much it varies over queries and distances.
+
+Which ``bonus`` is measured like any lever (``benchmarks.lever_maps --bonus``), on selection texts.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import CalibrationError
+from ..maps.config import MAX_BONUS, AttentionBonusRecord, QualityRecord
+from ..maps.kvmap import KVMap
+from ..modeling._compat import recording_queries
+from ..modeling.capture import forward
+from ..modeling.layout import vocab_size_of
+from ..modeling.positions import RotarySpec, rotary_spec_of
+from .texts import CalibrationTexts
+
+logger = logging.getLogger(__name__)
+
+
+def turn(x: torch.Tensor, spec: RotarySpec, positions: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[..., n, head_dim]`` turned by RoPE's pure rotation at ``positions`` ``[n]`` (negative: turned back),
+    without the attention scaling; dims past ``rotary_dim`` pass through."""
+    half = spec.rotary_dim // 2
+    angles = positions.to(torch.float64)[:, None] * spec.inv_freq.to(torch.float64)  # [n, half]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:spec.rotary_dim]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., spec.rotary_dim:]], dim=-1)
+
+
+class QueryMoments:
+    """Per target layer and KV head, the second moment ``E[z z^T]`` and mean ``E[z]`` of its query heads' logit
+    directions ``z = scaling * s^2 * R(distance) q`` (``q`` position-free), at ``draws`` random distances in
+    ``[0, max_distance)`` per query, over the queries at positions from ``first`` on (the sink's own queries left
+    out: they never see a mapped key)."""
+
+    def __init__(self, layers: int, kv_heads: int, spec: RotarySpec, max_distance: int, first: int, draws: int = 4,
+                 seed: int = 0):
+        self.spec, self.kv_heads, self.max_distance, self.first, self.draws = spec, kv_heads, max_distance, first, draws
+        d = spec.head_dim
+        self.second = torch.zeros(layers, kv_heads, d, d, dtype=torch.float64)
+        self.mean = torch.zeros(layers, kv_heads, d, dtype=torch.float64)
+        self.count = torch.zeros(layers, dtype=torch.int64)
+        self.generator = torch.Generator().manual_seed(seed)
+        self._layer = 0
+
+    def start_pass(self) -> None:
+        """A forward pass begins: its attention calls come layer after layer."""
+        self._layer = 0
+
+    def add(self, query: torch.Tensor, scaling: float) -> None:
+        """One attention call's queries ``[1, heads, n, head_dim]``, rotated at positions ``0..n - 1``."""
+        layer = self._layer
+        self._layer += 1
+        if layer >= self.second.shape[0]:
+            raise CalibrationError(f"the target ran more attention layers than the map's {self.second.shape[0]}")
+        heads, n, d = query.shape[1:]
+        if n <= self.first:
+            return
+        s = self.spec.attention_scaling
+        free = turn(query[0].double(), self.spec, -torch.arange(n))[:, self.first:] / s  # [heads, m, d]
+        group = heads // self.kv_heads
+        for _ in range(self.draws):
+            distance = torch.randint(0, self.max_distance, (n - self.first,), generator=self.generator)
+            z = turn(free, self.spec, distance) * (scaling * s * s)
+            z = z.reshape(self.kv_heads, group * (n - self.first), d)  # query heads j*group.. read KV head j
+            self.second[layer] += z.transpose(1, 2) @ z
+            self.mean[layer] += z.sum(1)
+        self.count[layer] += group * (n - self.first) * self.draws
+
+    def offsets(self, bonus: float, ridge: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per layer and KV head the offset ``delta`` (``[layers, kv_heads, head_dim]``) of least
+        ``E[(z . delta - bonus)^2] + ridge * mean(diag E[z z^T]) * |delta|^2``, the bonus it achieves on average and
+        its spread (standard deviation) over the queries and distances."""
+        if (self.count == 0).any():
+            raise CalibrationError("some target layer saw no query past the sink: pass longer calibration texts")
+        count = self.count.to(torch.float64)[:, None]
+        second, mean = self.second / count[..., None], self.mean / count
+        eye = torch.eye(second.shape[-1], dtype=torch.float64)
+        scale = second.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None]
+        delta = torch.linalg.solve(second + ridge * scale * eye, bonus * mean[..., None])[..., 0]
+        achieved = (mean * delta).sum(-1)
+        spread = (torch.einsum("lhi,lhij,lhj->lh", delta, second, delta) - achieved**2).clamp(min=0).sqrt()
+        return delta, achieved, spread
+
+
+def add_attention_bonus(
+    kv_map: KVMap,
+    target_model: torch.nn.Module,
+    calibration_data,
+    tokenizer=None,
+    *,
+    bonus: float = 1.0,
+    max_distance: int = 4096,
+    ridge: float = 1e-3,
+    draws: int = 4,
+    seed: int = 0,
+    progress: bool = True,
+) -> KVMap:
+    """A new `KVMap`: ``kv_map`` whose mapped keys carry ``bonus`` nats more logit with every query of the target
+    (see the module's docstring), fitted on the target's own queries over ``calibration_data`` (its train split,
+    cut by the map's calibration options: whole texts held out stay unseen).
+
+    Args:
+        kv_map: a map without nonlinear heads (they read the linear output the offset would change) and without a
+            bonus already.
+        target_model: the map's target (checked by fingerprint before any pass).
+        calibration_data: texts, ``{name: text}`` or token ids, as `KVMap.calibrate` takes them.
+        bonus: the logit added to every mapped key, in nats (0 .. `MAX_BONUS`).
+        max_distance: distances between a query and a mapped key the offset serves (drawn uniformly below it):
+            RoPE turns the offset's dims apart over longer ones, so its bonus drifts past it.
+        ridge: the offset's ridge, relative to the mean query energy per dim.
+        draws: random distances per query.
+
+    Example:
+        >>> bonus_map = add_attention_bonus(kv_map, target, texts, tokenizer, bonus=1.0)   # doctest: +SKIP
+        >>> bonus_map.config.attention_bonus.achieved[0]                                    # doctest: +SKIP
+        [0.99, 0.98]
+    """
+    config = kv_map.config
+    options = config.calibration.options
+    if not (isinstance(bonus, (int, float)) and math.isfinite(bonus) and 0 <= bonus <= MAX_BONUS):
+        raise CalibrationError(f"bonus must be a number of nats in 0..{MAX_BONUS}, got {bonus!r}")
+    if max_distance < 1 or ridge < 0 or draws < 1:
+        raise CalibrationError(f"max_distance and draws must be positive and ridge >= 0, got {max_distance}, {draws}, "
+                               f"{ridge}")
+    if config.attention_bonus is not None:
+        raise CalibrationError(f"this map carries an attention bonus already ({config.attention_bonus.bonus} nats); "
+                               "add one to the map without it")
+    if config.mlp_layers("keys"):  # the heads read the linear keys: an offset before them is not an offset after
+        raise CalibrationError("this map has nonlinear key heads, which read the linear output the offset would move: "
+                               "add the bonus to a map without them")
+    kv_map.check_models(None, target_model)
+    spec = rotary_spec_of(target_model)
+    layout = config.target_layout
+    texts = CalibrationTexts.build(calibration_data, tokenizer, options, vocab_size_of(target_model))
+    chunks = texts.split("train")
+    if not chunks:
+        raise CalibrationError("the calibration data left no train chunk: pass more texts")
+    moments = QueryMoments(layout.num_layers, layout.kv_heads, spec, max_distance, options.sink_tokens, draws, seed)
+
+    def record(query: torch.Tensor, scaling: float) -> None:
+        for row in query:  # a batch of one per pass
+            moments.add(row[None], scaling)
+
+    with torch.no_grad(), recording_queries(target_model, record):
+        for ids in tqdm(chunks, desc="target queries", unit="chunk", disable=not progress):
+            moments.start_pass()
+            forward(target_model, ids[None], None, position_ids=torch.arange(ids.numel())[None])
+    delta, achieved, spread = moments.offsets(float(bonus), ridge)
+    tensors = dict(kv_map.tensors)
+    for t in range(layout.num_layers):
+        bias = tensors[f"keys.{t}.bias"]
+        tensors[f"keys.{t}.bias"] = (bias.double() + delta[t].reshape(-1)).to(bias.dtype)
+    config = copy.deepcopy(config)
+    config.quality = QualityRecord()  # the gate and figures measured the keys before the offset
+    config.attention_bonus = AttentionBonusRecord(
+        bonus=float(bonus), max_distance=max_distance, ridge=ridge, texts=len(chunks),
+        queries=int(moments.count[0]) // draws, achieved=[[round(float(a), 4) for a in row] for row in achieved],
+        spread=[[round(float(s), 4) for s in row] for row in spread])
+    logger.info("attention bonus %.2f nats: achieved %.3f on average (%.3f..%.3f), spread %.3f", bonus,
+                float(achieved.mean()), float(achieved.min()), float(achieved.max()), float(spread.mean()))
+    return KVMap(config, tensors)
+
+
+__all__ = ["QueryMoments", "add_attention_bonus", "turn"]

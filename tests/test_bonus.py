@@ -1,0 +1,137 @@
+"""The attention bonus (`peft_kvcache.calibration.bonus`): a key offset that raises every mapped key's logit by what its
+record says, measured with the target's own queries and RoPE on a cache the ordinary mapping path made; the positions
+the target computes itself keep their keys; maps it cannot extend are refused before any pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_ids, tiny_model
+
+from peft_kvcache import KVMap, MappedCache
+from peft_kvcache.calibration.bonus import add_attention_bonus
+from peft_kvcache.calibration.nonlinear import fit_nonlinear_heads
+from peft_kvcache.errors import ArtifactError, CalibrationError, FingerprintMismatchError
+from peft_kvcache.maps.config import KVMapConfig
+from peft_kvcache.maps.records import to_json
+from peft_kvcache.modeling._compat import recording_queries
+from peft_kvcache.modeling.capture import forward, run_with_cache
+
+KV_HEADS, GROUP, HEAD_DIM, DISTANCE, LENGTH = 3, 2, 16, 48, 192
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A source and a grouped-query target whose every query is one fixed vector per head (zero q_proj weights, its
+    bias set) with its energy in mid-frequency RoPE pairs only, which turn over the distances served: an offset that
+    holds the bonus must turn with them the way the model's RoPE does."""
+    source = tiny_model("qwen2", seed=0)
+    target = tiny_model("qwen2", seed=1, hidden_size=KV_HEADS * GROUP * HEAD_DIM, num_hidden_layers=3,
+                        num_attention_heads=KV_HEADS * GROUP, num_key_value_heads=KV_HEADS, intermediate_size=160)
+    generator = torch.Generator().manual_seed(2)
+    for layer in target.model.layers:
+        q = layer.self_attn.q_proj
+        vector = torch.zeros(KV_HEADS * GROUP, HEAD_DIM)
+        for pair_index in (3, 4):  # dims j and j + half rotate together; pairs 3 and 4 turn 1.5 / 0.5 rad over 48
+            vector[:, pair_index] = torch.randn(KV_HEADS * GROUP, generator=generator) * 4
+            vector[:, pair_index + HEAD_DIM // 2] = torch.randn(KV_HEADS * GROUP, generator=generator) * 4
+        with torch.no_grad():
+            q.weight.zero_()
+            q.bias.copy_(vector.reshape(-1))
+    return source, target
+
+
+@pytest.fixture(scope="module")
+def fitted(pair):
+    source, target = pair
+    return KVMap.calibrate(source, target, random_ids(12, 48), progress=False)
+
+
+@pytest.fixture(scope="module")
+def with_bonus(pair, fitted):
+    return add_attention_bonus(fitted, pair[1], random_ids(8, 64, seed=5), bonus=1.0, max_distance=DISTANCE,
+                               progress=False)
+
+
+def logit_change(pair, plain: KVMap, bonus: KVMap) -> tuple[torch.Tensor, list]:
+    """Per target layer and KV head, the mean change of the target's logits on the mapped keys (queries after them
+    within DISTANCE), and the caches' keys of both maps."""
+    source, target = pair
+    ids = random_ids(1, LENGTH, seed=9)[0][None]
+    source_kv = run_with_cache(source, ids)
+    caches = [MappedCache.from_source(source_kv, m, target, input_ids=ids, refresh_tokens=0, verify_models=False)
+              for m in (plain, bonus)]
+    queries = []
+    with torch.no_grad(), recording_queries(target, lambda query, scaling: queries.append((query, scaling))):
+        forward(target, ids, None)
+    sink = plain.config.sink_tokens
+    m, n = torch.arange(LENGTH)[:, None], torch.arange(LENGTH)[None]
+    served = (n >= sink) & (m > n) & (m - n < DISTANCE)
+    change = torch.zeros(len(queries), KV_HEADS)
+    for t, (query, scaling) in enumerate(queries):
+        moved = (caches[1].layers[t].keys - caches[0].layers[t].keys)[0]  # [kv_heads, n, head_dim]
+        grouped = query[0].reshape(KV_HEADS, GROUP, LENGTH, HEAD_DIM)  # query heads j*GROUP.. read KV head j
+        logits = scaling * torch.einsum("hgmd,hnd->hgmn", grouped, moved)
+        change[t] = logits[:, :, served].mean(dim=(1, 2))
+    return change, [[(c.layers[t].keys) for c in caches] for t in range(len(queries))]
+
+
+def test_mapped_keys_gain_the_recorded_bonus_with_the_targets_own_queries_and_rope(pair, fitted, with_bonus):
+    record = with_bonus.config.attention_bonus
+    achieved = torch.tensor(record.achieved)
+    assert achieved.shape == (3, KV_HEADS) and (achieved > 0.5).all()  # the mid-frequency pairs can carry it
+    change, keys = logit_change(pair, fitted, with_bonus)
+    assert torch.allclose(change, achieved, atol=0.08), (change, achieved)
+    sink = fitted.config.sink_tokens
+    for plain_keys, bonus_keys in keys:  # the target's own sink keeps its keys
+        assert torch.equal(plain_keys[:, :, :sink], bonus_keys[:, :, :sink])
+    assert not torch.equal(plain_keys[:, :, sink:], bonus_keys[:, :, sink:])
+    # only the key biases moved, by a position-free offset per head
+    for name, tensor in fitted.tensors.items():
+        if not name.startswith("keys.") or not name.endswith(".bias"):
+            assert torch.equal(tensor, with_bonus.tensors[name]), name
+    assert with_bonus.config.quality.gate is None  # measured on the keys before the offset
+
+
+def test_a_larger_bonus_scales_the_offset(pair, fitted, with_bonus):
+    double = add_attention_bonus(fitted, pair[1], random_ids(8, 64, seed=5), bonus=2.0, max_distance=DISTANCE,
+                                 progress=False)
+    for t in range(3):
+        moved = with_bonus.tensors[f"keys.{t}.bias"] - fitted.tensors[f"keys.{t}.bias"]
+        assert torch.allclose(double.tensors[f"keys.{t}.bias"] - fitted.tensors[f"keys.{t}.bias"], 2 * moved,
+                              atol=1e-5)
+    assert torch.allclose(torch.tensor(double.config.attention_bonus.achieved),
+                          2 * torch.tensor(with_bonus.config.attention_bonus.achieved), atol=2e-4)
+
+
+def test_the_bonus_and_its_record_survive_save_and_load(with_bonus, tmp_path):
+    loaded = KVMap.from_pretrained(with_bonus.save_pretrained(tmp_path / "bonus", chart=False))
+    assert loaded.config.attention_bonus == with_bonus.config.attention_bonus
+    assert all(torch.equal(loaded.tensors[name], tensor) for name, tensor in with_bonus.tensors.items())
+
+
+def test_maps_the_bonus_cannot_extend_are_refused_before_any_pass(pair, fitted, with_bonus, monkeypatch):
+    import peft_kvcache.calibration.bonus as bonus_module
+
+    monkeypatch.setattr(bonus_module, "forward", lambda *a, **k: pytest.fail("a model ran before the refusal"))
+    texts = random_ids(2, 64)
+    with pytest.raises(CalibrationError, match="carries an attention bonus already"):
+        add_attention_bonus(with_bonus, pair[1], texts)
+    for bad in (-1.0, float("nan"), 21.0, "1"):
+        with pytest.raises(CalibrationError, match="bonus must be a number of nats"):
+            add_attention_bonus(fitted, pair[1], texts, bonus=bad)
+    with pytest.raises(CalibrationError, match="max_distance and draws must be positive"):
+        add_attention_bonus(fitted, pair[1], texts, max_distance=0)
+    with pytest.raises(FingerprintMismatchError):
+        add_attention_bonus(fitted, pair[0], texts)  # not the map's target
+    with pytest.raises(CalibrationError, match="undo"):  # heads fitted to the target's keys would undo the offset
+        fit_nonlinear_heads(with_bonus, *pair, texts, progress=False)
+
+
+def test_a_config_with_a_malformed_bonus_is_refused(with_bonus):
+    data = to_json(with_bonus.config)
+    for field, value in (("bonus", 50.0), ("achieved", [[1.0]]), ("max_distance", 0), ("ridge", -1.0)):
+        broken = {**data, "attention_bonus": {**data["attention_bonus"], field: value}}
+        with pytest.raises(ArtifactError, match="attention_bonus is malformed"):
+            KVMapConfig.from_dict(broken)
+    assert KVMapConfig.from_dict(data).attention_bonus == with_bonus.config.attention_bonus
