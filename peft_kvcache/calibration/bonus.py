@@ -56,7 +56,7 @@ class QueryMoments:
     ``[0, max_distance)`` per query, over the queries at positions from ``first`` on (the sink's own queries left
     out: they never see a mapped key)."""
 
-    def __init__(self, layers: int, kv_heads: int, spec: RotarySpec, max_distance: int, first: int, draws: int = 4,
+    def __init__(self, layers: int, kv_heads: int, spec: RotarySpec, max_distance: int, first: int, draws: int = 1,
                  seed: int = 0):
         self.spec, self.kv_heads, self.max_distance, self.first, self.draws = spec, kv_heads, max_distance, first, draws
         d = spec.head_dim
@@ -80,14 +80,14 @@ class QueryMoments:
         if n <= self.first:
             return
         s = self.spec.attention_scaling
-        free = turn(query[0].double(), self.spec, -torch.arange(n))[:, self.first:] / s  # [heads, m, d]
+        free = turn(query[0].float(), self.spec, -torch.arange(n))[:, self.first:] / s  # [heads, m, d]
         group = heads // self.kv_heads
         for _ in range(self.draws):
             distance = torch.randint(0, self.max_distance, (n - self.first,), generator=self.generator)
             z = turn(free, self.spec, distance) * (scaling * s * s)
             z = z.reshape(self.kv_heads, group * (n - self.first), d)  # query heads j*group.. read KV head j
-            self.second[layer] += z.transpose(1, 2) @ z
-            self.mean[layer] += z.sum(1)
+            self.second[layer] += (z.transpose(1, 2) @ z).double()  # float32 per pass, summed in float64
+            self.mean[layer] += z.sum(1).double()
         self.count[layer] += group * (n - self.first) * self.draws
 
     def offsets(self, bonus: float, ridge: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -115,7 +115,7 @@ def add_attention_bonus(
     bonus: float = 1.0,
     max_distance: int = 4096,
     ridge: float = 1e-3,
-    draws: int = 4,
+    draws: int = 1,
     seed: int = 0,
     progress: bool = True,
 ) -> KVMap:
