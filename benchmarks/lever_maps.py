@@ -82,9 +82,14 @@ def fit(label: str, changes: dict, files: int, progress: bool = True) -> Path:
 
 
 # What can be added to a published map after its fit: name -> function(map, source, target, texts, tokenizer, **options)
+BONUS_FILES = 24  # the first calibration files the bonus reads the target's queries over (some 90k per KV head)
+
+
 def attention_bonus(kv_map, source, target, texts, tokenizer, progress: bool = True, **options):
-    """`add_attention_bonus` as an addition (it reads the target's queries only: ``source`` is not run)."""
-    return add_attention_bonus(kv_map, target, texts, tokenizer, progress=progress, **options)
+    """`add_attention_bonus` as an addition, over the first `BONUS_FILES` of the map's calibration files (it reads the
+    target's queries only: ``source`` is not run)."""
+    first = dict(list(texts.items())[:BONUS_FILES])
+    return add_attention_bonus(kv_map, target, first, tokenizer, progress=progress, **options)
 
 
 ADDITIONS = {"distill": distill_map, "nonlinear": fit_nonlinear_heads, "bonus": attention_bonus}
