@@ -99,9 +99,8 @@ def add_to_maps(label: str, addition: str, options: dict, files: int, on: str, p
     """Both maps of the lever ``on`` (``runs/levers/<on>``; ``capture-top2``: the capture's fit, what the recipes
     benchmark calls the published maps) with ``addition`` (`ADDITIONS`: distillation, nonlinear heads, the attention
     bonus) fitted on their own calibration files (the first ``files``: their held-out texts stay held out) into
-    ``runs/levers/<label>``. A
-    direction already done from the same maps (their weights' fingerprint) with these options is kept (``lever.json``
-    beside it says what was done), so a stopped run resumes with the next direction."""
+    ``runs/levers/<label>``. A direction already done from the same maps (their weights' fingerprint) with these
+    options is kept (``lever.json`` beside it says what was done), so a stopped run resumes with the next direction."""
     folder, base = LEVERS / label, LEVERS / on
     if folder == base:
         raise RecordError(f"--label {label} would write over the maps it adds to: choose another label")
