@@ -17,7 +17,7 @@ from peft_kvcache.maps.records import to_json
 from peft_kvcache.modeling._compat import recording_queries
 from peft_kvcache.modeling.capture import forward, run_with_cache
 
-KV_HEADS, GROUP, HEAD_DIM, DISTANCE, LENGTH = 3, 2, 16, 48, 192
+KV_HEADS, GROUP, HEAD_DIM, DISTANCE, LENGTH, LAYERS = 3, 2, 16, 48, 192, 4
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def pair():
     bias set) with its energy in mid-frequency RoPE pairs only, which turn over the distances served: an offset that
     holds the bonus must turn with them the way the model's RoPE does."""
     source = tiny_model("qwen2", seed=0)
-    target = tiny_model("qwen2", seed=1, hidden_size=KV_HEADS * GROUP * HEAD_DIM, num_hidden_layers=3,
+    target = tiny_model("qwen2", seed=1, hidden_size=KV_HEADS * GROUP * HEAD_DIM, num_hidden_layers=LAYERS,
                         num_attention_heads=KV_HEADS * GROUP, num_key_value_heads=KV_HEADS, intermediate_size=160)
     generator = torch.Generator().manual_seed(2)
     for layer in target.model.layers:
@@ -79,7 +79,7 @@ def logit_change(pair, plain: KVMap, bonus: KVMap) -> tuple[torch.Tensor, list]:
 def test_mapped_keys_gain_the_recorded_bonus_with_the_targets_own_queries_and_rope(pair, fitted, with_bonus):
     record = with_bonus.config.attention_bonus
     achieved = torch.tensor(record.achieved)
-    assert achieved.shape == (3, KV_HEADS) and (achieved > 0.5).all()  # the mid-frequency pairs can carry it
+    assert achieved.shape == (LAYERS, KV_HEADS) and (achieved > 0.5).all()  # the mid-frequency pairs can carry it
     change, keys = logit_change(pair, fitted, with_bonus)
     assert torch.allclose(change, achieved, atol=0.08), (change, achieved)
     sink = fitted.config.sink_tokens
@@ -96,7 +96,7 @@ def test_mapped_keys_gain_the_recorded_bonus_with_the_targets_own_queries_and_ro
 def test_a_larger_bonus_scales_the_offset(pair, fitted, with_bonus):
     double = add_attention_bonus(fitted, pair[1], random_ids(8, 64, seed=5), bonus=2.0, max_distance=DISTANCE,
                                  progress=False)
-    for t in range(3):
+    for t in range(LAYERS):
         moved = with_bonus.tensors[f"keys.{t}.bias"] - fitted.tensors[f"keys.{t}.bias"]
         assert torch.allclose(double.tensors[f"keys.{t}.bias"] - fitted.tensors[f"keys.{t}.bias"], 2 * moved,
                               atol=1e-5)

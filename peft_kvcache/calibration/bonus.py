@@ -96,8 +96,8 @@ class QueryMoments:
         its spread (standard deviation) over the queries and distances."""
         if (self.count == 0).any():
             raise CalibrationError("some target layer saw no query past the sink: pass longer calibration texts")
-        count = self.count.to(torch.float64)[:, None]
-        second, mean = self.second / count[..., None], self.mean / count
+        count = self.count.to(torch.float64)
+        second, mean = self.second / count[:, None, None, None], self.mean / count[:, None, None]
         eye = torch.eye(second.shape[-1], dtype=torch.float64)
         scale = second.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None]
         delta = torch.linalg.solve(second + ridge * scale * eye, bonus * mean[..., None])[..., 0]
