@@ -34,20 +34,10 @@ from ..maps.kvmap import KVMap
 from ..modeling._compat import recording_queries
 from ..modeling.capture import forward
 from ..modeling.layout import vocab_size_of
-from ..modeling.positions import RotarySpec, rotary_spec_of
+from ..modeling.positions import RotarySpec, apply_rotary, position_free_keys, rotary_cos_sin, rotary_spec_of
 from .texts import CalibrationTexts
 
 logger = logging.getLogger(__name__)
-
-
-def turn(x: torch.Tensor, spec: RotarySpec, positions: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[..., n, head_dim]`` turned by RoPE's pure rotation at ``positions`` ``[n]`` (negative: turned back),
-    without the attention scaling; dims past ``rotary_dim`` pass through."""
-    half = spec.rotary_dim // 2
-    angles = positions.to(torch.float64)[:, None] * spec.inv_freq.to(torch.float64)  # [n, half]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    x1, x2 = x[..., :half], x[..., half:spec.rotary_dim]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., spec.rotary_dim:]], dim=-1)
 
 
 class QueryMoments:
@@ -80,11 +70,12 @@ class QueryMoments:
         if n <= self.first:
             return
         s = self.spec.attention_scaling
-        free = turn(query[0].float(), self.spec, -torch.arange(n))[:, self.first:] / s  # [heads, m, d]
+        free = position_free_keys(query, self.spec, torch.arange(n)[None])[:, :, self.first:]  # [1, heads, m, d]
         group = heads // self.kv_heads
         for _ in range(self.draws):
             distance = torch.randint(0, self.max_distance, (n - self.first,), generator=self.generator)
-            z = turn(free, self.spec, distance) * (scaling * s * s)
+            cos, sin = rotary_cos_sin(self.spec, distance[None])  # scaled by s, as the model's
+            z = apply_rotary(free, cos, sin)[0] * (scaling * s)  # scaling * s^2 * R(distance) q
             z = z.reshape(self.kv_heads, group * (n - self.first), d)  # query heads j*group.. read KV head j
             self.second[layer] += (z.transpose(1, 2) @ z).double()  # float32 per pass, summed in float64
             self.mean[layer] += z.sum(1).double()
@@ -161,11 +152,7 @@ def add_attention_bonus(
         raise CalibrationError("the calibration data left no train chunk: pass more texts")
     moments = QueryMoments(layout.num_layers, layout.kv_heads, spec, max_distance, options.sink_tokens, draws, seed)
 
-    def record(query: torch.Tensor, scaling: float) -> None:
-        for row in query:  # a batch of one per pass
-            moments.add(row[None], scaling)
-
-    with torch.no_grad(), recording_queries(target_model, record):
+    with torch.no_grad(), recording_queries(target_model, moments.add):  # one chunk per pass: a batch of one
         for ids in tqdm(chunks, desc="target queries", unit="chunk", disable=not progress):
             moments.start_pass()
             forward(target_model, ids[None], None, position_ids=torch.arange(ids.numel())[None])
@@ -185,4 +172,4 @@ def add_attention_bonus(
     return KVMap(config, tensors)
 
 
-__all__ = ["QueryMoments", "add_attention_bonus", "turn"]
+__all__ = ["QueryMoments", "add_attention_bonus"]
