@@ -9,11 +9,13 @@ and options (`siblings.CONFIG`) with the lever's changes, both directions from o
     python -m benchmarks.lever_maps --label basis512-distill --distill --on basis512   # a lever's maps, distilled
     python -m benchmarks.lever_maps --label nonlinear --nonlinear --on top4     # a lever's maps with nonlinear heads
     python -m benchmarks.lever_maps --label top4-bonus1 --bonus 1 --on top4     # ... with a 1-nat attention bonus
+    python -m benchmarks.lever_maps --label top4-bonus2 --bonus 2 --on top4     # no pass: top4-bonus1's query moments
     python -m benchmarks.recipes run --maps runs/levers/capture-top2 --role selection --lever attention=runs/levers/attention
 
 Writes ``runs/levers/<label>/<pair>`` (maps named as the published ones). The statistics are checkpointed under
 ``runs/levers/statistics/<the options that shape them>``, so a stopped capture resumes and levers that differ only in
-how the maps are fitted from the statistics (``--top-k``) share one capture:
+how the maps are fitted from the statistics (``--top-k``) share one capture (the attention bonus keeps the target's
+query moments under ``runs/levers/query-moments`` alike: every bonus size and map of a direction reads one set):
 
     python -m benchmarks.lever_maps --label top4 --top-k 4
     python -m benchmarks.lever_maps --label top8 --top-k 8     # no forward pass: top4's statistics
@@ -24,6 +26,7 @@ how the maps are fitted from the statistics (``--top-k``) share one capture:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -32,13 +35,14 @@ import torch
 
 from peft_kvcache import KVMap
 from peft_kvcache._files import atomic_write
-from peft_kvcache.calibration.bonus import add_attention_bonus
+from peft_kvcache.calibration.bonus import QueryMoments, add_attention_bonus, target_query_moments
 from peft_kvcache.calibration.distill import distill_map
 from peft_kvcache.calibration.loop import statistics_options
 from peft_kvcache.calibration.nonlinear import fit_nonlinear_heads
 from peft_kvcache.errors import RecordError
 from peft_kvcache.lab.provenance import provenance
 from peft_kvcache.maps.config import CalibrationConfig
+from peft_kvcache.maps.records import to_json
 from peft_kvcache.maps.storage import WEIGHTS_NAME
 from peft_kvcache.lab.corpus import stdlib_texts
 
@@ -87,9 +91,20 @@ BONUS_FILES = 24  # the first calibration files the bonus reads the target's que
 
 def attention_bonus(kv_map, source, target, texts, tokenizer, progress: bool = True, **options):
     """`add_attention_bonus` as an addition, over the first `BONUS_FILES` of the map's calibration files (it reads the
-    target's queries only: ``source`` is not run)."""
+    target's queries only: ``source`` is not run); the query moments are read once per target, files and options
+    (kept in ``runs/levers/query-moments``)."""
     first = dict(list(texts.items())[:BONUS_FILES])
-    return add_attention_bonus(kv_map, target, first, tokenizer, progress=progress, **options)
+    read = {name: options[name] for name in ("max_distance", "draws", "seed") if name in options}
+    key = json.dumps({"target": kv_map.config.target_fingerprint, "files": sorted(first),
+                      "options": to_json(kv_map.config.calibration.options), **read}, sort_keys=True)
+    path = LEVERS / "query-moments" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+    if path.is_file():
+        moments = QueryMoments.load(path)
+    else:
+        moments = target_query_moments(kv_map, target, first, tokenizer, progress=progress, **read)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        moments.save(path)
+    return add_attention_bonus(kv_map, target, moments=moments, **options)
 
 
 ADDITIONS = {"distill": distill_map, "nonlinear": fit_nonlinear_heads, "bonus": attention_bonus}

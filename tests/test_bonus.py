@@ -9,7 +9,7 @@ import torch
 from conftest import random_ids, tiny_model
 
 from peft_kvcache import KVMap, MappedCache
-from peft_kvcache.calibration.bonus import add_attention_bonus
+from peft_kvcache.calibration.bonus import QueryMoments, add_attention_bonus, target_query_moments
 from peft_kvcache.calibration.nonlinear import fit_nonlinear_heads
 from peft_kvcache.errors import ArtifactError, CalibrationError, FingerprintMismatchError
 from peft_kvcache.maps.config import KVMapConfig
@@ -135,3 +135,68 @@ def test_a_config_with_a_malformed_bonus_is_refused(with_bonus):
         with pytest.raises(ArtifactError, match="attention_bonus is malformed"):
             KVMapConfig.from_dict(broken)
     assert KVMapConfig.from_dict(data).attention_bonus == with_bonus.config.attention_bonus
+
+
+def test_saved_query_moments_give_the_same_bonus_without_a_pass(pair, fitted, with_bonus, tmp_path, monkeypatch):
+    import peft_kvcache.calibration.bonus as bonus_module
+
+    moments = target_query_moments(fitted, pair[1], random_ids(8, 64, seed=5), max_distance=DISTANCE, progress=False)
+    loaded = QueryMoments.load(moments.save(tmp_path / "moments.safetensors"))
+    assert loaded.options() == moments.options() and loaded.texts == with_bonus.config.attention_bonus.texts
+    monkeypatch.setattr(bonus_module, "forward", lambda *a, **k: pytest.fail("a pass ran although moments were given"))
+    again = add_attention_bonus(fitted, pair[1], bonus=1.0, max_distance=DISTANCE, moments=loaded)
+    assert again.config.attention_bonus == with_bonus.config.attention_bonus
+    assert all(torch.equal(again.tensors[name], tensor) for name, tensor in with_bonus.tensors.items())
+    with pytest.raises(CalibrationError, match="take no more queries"):
+        loaded.add(torch.zeros(1, KV_HEADS * GROUP, 8, HEAD_DIM), 1.0)
+
+
+def test_query_moments_read_otherwise_are_refused(pair, fitted, tmp_path):
+    moments = target_query_moments(fitted, pair[1], random_ids(2, 64, seed=5), max_distance=DISTANCE, progress=False)
+    with pytest.raises(CalibrationError, match="asks for"):  # read at other distances than the bonus serves
+        add_attention_bonus(fitted, pair[1], moments=moments, max_distance=2 * DISTANCE)
+    with pytest.raises(CalibrationError, match="one of them"):
+        add_attention_bonus(fitted, pair[1], random_ids(2, 64), moments=moments, max_distance=DISTANCE)
+    with pytest.raises(CalibrationError, match="one of them"):
+        add_attention_bonus(fitted, pair[1], max_distance=DISTANCE)
+    moments.target = "0" * 64  # another model's queries
+    with pytest.raises(CalibrationError, match="another model"):
+        add_attention_bonus(fitted, pair[1], moments=moments, max_distance=DISTANCE)
+    (tmp_path / "not.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ArtifactError, match="holds no query moments"):
+        QueryMoments.load(tmp_path / "not.safetensors")
+
+
+def test_the_bonus_lever_reads_each_targets_query_moments_once(tmp_path, monkeypatch, pair, fitted):
+    """`benchmarks.lever_maps --bonus`: a second bonus size on the same maps runs no pass over the target (its
+    moments are kept), and its offset is the first's scaled."""
+    import peft_kvcache.calibration.bonus as bonus_module
+    from benchmarks import lever_maps, siblings
+
+    source, target = pair
+    texts = {f"f{i}.py": ids for i, ids in enumerate(random_ids(12, 48))}
+    models = {"small": source, "large": target}
+    reverse = KVMap.calibrate(target, source, texts, progress=False)
+    for direction, kv_map in (("up", fitted), ("down", reverse)):
+        kv_map.save_pretrained(tmp_path / "top4" / siblings.pair_name(direction), chart=False)
+    monkeypatch.setattr(lever_maps, "LEVERS", tmp_path)
+    monkeypatch.setattr(siblings, "load_pair", lambda: (models, None))
+    monkeypatch.setattr(lever_maps, "stdlib_texts", lambda split, files: dict(list(texts.items())[:files]))
+    one = lever_maps.add_to_maps("b1", "bonus", {"bonus": 1.0, "max_distance": DISTANCE}, files=12, on="top4",
+                                 progress=False)
+    assert len(list((tmp_path / "query-moments").glob("*.safetensors"))) == 2  # one per target
+    def no_pass(*args, **kwargs):
+        raise AssertionError("the target's queries were read again")
+
+    monkeypatch.setattr(bonus_module, "forward", no_pass)
+    two = lever_maps.add_to_maps("b2", "bonus", {"bonus": 2.0, "max_distance": DISTANCE}, files=12, on="top4",
+                                 progress=False)
+    for direction, base in (("up", fitted), ("down", reverse)):
+        maps = [KVMap.from_pretrained(folder / siblings.pair_name(direction)) for folder in (one, two)]
+        for t in range(base.config.target_layout.num_layers):
+            name = f"keys.{t}.bias"
+            assert torch.allclose(maps[1].tensors[name] - base.tensors[name],
+                                  2 * (maps[0].tensors[name] - base.tensors[name]), atol=1e-5)
+    with pytest.raises(AssertionError, match="read again"):  # other distances: moments of their own
+        lever_maps.add_to_maps("b3", "bonus", {"bonus": 1.0, "max_distance": 2 * DISTANCE}, files=12, on="top4",
+                               progress=False)

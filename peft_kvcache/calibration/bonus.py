@@ -16,23 +16,31 @@ joins the layer's key bias, so the mapping path, the artifact and every engine (
 it as any map's, and positions the target computes never carry it. `AttentionBonusRecord` keeps the bonus each head
 achieved on its calibration queries and how much it varies over queries and distances.
 
-Which ``bonus`` is measured like any lever (``benchmarks.lever_maps --bonus``), on selection texts.
+Which ``bonus`` is measured like any lever (``benchmarks.lever_maps --bonus``), on selection texts. The passes over
+the target are the costly part and depend on the target alone: `target_query_moments` keeps them (`QueryMoments.save`)
+so that every bonus size and every map into that target solves from one set (the offset is linear in the bonus).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
+from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from ..errors import CalibrationError
+from .._files import atomic_write
+from ..errors import ArtifactError, CalibrationError
 from ..maps.config import MAX_BONUS, AttentionBonusRecord, QualityRecord
 from ..maps.kvmap import KVMap
 from ..modeling._compat import recording_queries
 from ..modeling.capture import forward
+from ..modeling.identity import cached_fingerprint
 from ..modeling.layout import vocab_size_of
 from ..modeling.positions import RotarySpec, apply_rotary, position_free_keys, rotary_cos_sin, rotary_spec_of
 from .texts import CalibrationTexts
@@ -44,17 +52,58 @@ class QueryMoments:
     """Per target layer and KV head, the second moment ``E[z z^T]`` and mean ``E[z]`` of its query heads' logit
     directions ``z = scaling * s^2 * R(distance) q`` (``q`` position-free), at ``draws`` random distances in
     ``[0, max_distance)`` per query, over the queries at positions from ``first`` on (the sink's own queries left
-    out: they never see a mapped key)."""
+    out: they never see a mapped key). ``target``: the fingerprint of the model whose queries they hold; ``texts``: how
+    many calibration chunks it read (both set by `target_query_moments`)."""
 
-    def __init__(self, layers: int, kv_heads: int, spec: RotarySpec, max_distance: int, first: int, draws: int = 1,
-                 seed: int = 0):
+    FORMAT = "peft_kvcache.query_moments"
+
+    def __init__(self, layers: int, kv_heads: int, spec: RotarySpec | None, max_distance: int, first: int,
+                 draws: int = 1, seed: int = 0, head_dim: int | None = None):
         self.spec, self.kv_heads, self.max_distance, self.first, self.draws = spec, kv_heads, max_distance, first, draws
-        d = spec.head_dim
+        self.seed, self.target, self.texts = seed, "", 0
+        d = spec.head_dim if spec is not None else head_dim
         self.second = torch.zeros(layers, kv_heads, d, d, dtype=torch.float64)
         self.mean = torch.zeros(layers, kv_heads, d, dtype=torch.float64)
         self.count = torch.zeros(layers, dtype=torch.int64)
         self.generator = torch.Generator().manual_seed(seed)
         self._layer = 0
+
+    def options(self) -> dict:
+        """What the moments were read with: they serve a bonus fit asking for the same."""
+        return {"target": self.target, "max_distance": self.max_distance, "first": self.first, "draws": self.draws,
+                "seed": self.seed, "texts": self.texts}
+
+    def save(self, path: str | Path) -> Path:
+        """Write the moments and `options` to one safetensors file (replaced atomically)."""
+        path = Path(path)
+        tensors = {"second": self.second, "mean": self.mean, "count": self.count}
+        metadata = {"format": self.FORMAT, "options": json.dumps(self.options())}
+        atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> QueryMoments:
+        """Moments `save` wrote (complete: they solve offsets, they take no more queries). Refuses
+        (`ArtifactError`) a file that is not one."""
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                metadata = handle.metadata() or {}
+                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+            if metadata.get("format") != cls.FORMAT:
+                raise ValueError(f"format {metadata.get('format')!r}")
+            options = json.loads(metadata["options"])
+            second, mean, count = tensors["second"], tensors["mean"], tensors["count"]
+            layers, kv_heads, d = mean.shape
+            if second.shape != (layers, kv_heads, d, d) or count.shape != (layers,):
+                raise ValueError("tensor shapes disagree")
+            moments = cls(layers, kv_heads, None, int(options["max_distance"]), int(options["first"]),
+                          int(options["draws"]), int(options["seed"]), head_dim=d)
+            moments.target, moments.texts = str(options["target"]), int(options["texts"])
+        except (OSError, SafetensorError, ValueError, KeyError, TypeError) as error:
+            raise ArtifactError(f"{path} holds no query moments `QueryMoments.save` wrote ({error}): compute them "
+                                "again with target_query_moments") from error
+        moments.second, moments.mean, moments.count = second.double(), mean.double(), count.long()
+        return moments
 
     def start_pass(self) -> None:
         """A forward pass begins: its attention calls come layer after layer."""
@@ -62,6 +111,8 @@ class QueryMoments:
 
     def add(self, query: torch.Tensor, scaling: float) -> None:
         """One attention call's queries ``[1, heads, n, head_dim]``, rotated at positions ``0..n - 1``."""
+        if self.spec is None:
+            raise CalibrationError("loaded query moments are complete: they take no more queries")
         layer = self._layer
         self._layer += 1
         if layer >= self.second.shape[0]:
@@ -97,10 +148,51 @@ class QueryMoments:
         return delta, achieved, spread
 
 
-def add_attention_bonus(
+def _check_bonus_options(bonus, max_distance: int, ridge: float, draws: int) -> None:
+    if not (isinstance(bonus, (int, float)) and math.isfinite(bonus) and 0 <= bonus <= MAX_BONUS):
+        raise CalibrationError(f"bonus must be a number of nats in 0..{MAX_BONUS}, got {bonus!r}")
+    if max_distance < 1 or ridge < 0 or draws < 1:
+        raise CalibrationError(f"max_distance and draws must be positive and ridge >= 0, got {max_distance}, {draws}, "
+                               f"{ridge}")
+
+
+def target_query_moments(
     kv_map: KVMap,
     target_model: torch.nn.Module,
     calibration_data,
+    tokenizer=None,
+    *,
+    max_distance: int = 4096,
+    draws: int = 1,
+    seed: int = 0,
+    progress: bool = True,
+) -> QueryMoments:
+    """The passes of `add_attention_bonus`: the target's query moments over ``calibration_data``'s train split, cut
+    by ``kv_map``'s calibration options (checked against ``kv_map``'s target by fingerprint before any pass). Save
+    them (`QueryMoments.save`) and hand them to `add_attention_bonus` (``moments=``) to try several bonus sizes, or
+    maps into the same target calibrated alike, for one set of passes."""
+    _check_bonus_options(0.0, max_distance, 0.0, draws)
+    config = kv_map.config
+    kv_map.check_models(None, target_model)
+    options, layout = config.calibration.options, config.target_layout
+    texts = CalibrationTexts.build(calibration_data, tokenizer, options, vocab_size_of(target_model))
+    chunks = texts.split("train")
+    if not chunks:
+        raise CalibrationError("the calibration data left no train chunk: pass more texts")
+    spec = rotary_spec_of(target_model)
+    moments = QueryMoments(layout.num_layers, layout.kv_heads, spec, max_distance, options.sink_tokens, draws, seed)
+    moments.target, moments.texts = cached_fingerprint(target_model), len(chunks)
+    with torch.no_grad(), recording_queries(target_model, moments.add):  # one chunk per pass: a batch of one
+        for ids in tqdm(chunks, desc="target queries", unit="chunk", disable=not progress):
+            moments.start_pass()
+            forward(target_model, ids[None], None, position_ids=torch.arange(ids.numel())[None])
+    return moments
+
+
+def add_attention_bonus(
+    kv_map: KVMap,
+    target_model: torch.nn.Module,
+    calibration_data=None,
     tokenizer=None,
     *,
     bonus: float = 1.0,
@@ -108,6 +200,7 @@ def add_attention_bonus(
     ridge: float = 1e-3,
     draws: int = 1,
     seed: int = 0,
+    moments: QueryMoments | None = None,
     progress: bool = True,
 ) -> KVMap:
     """A new `KVMap`: ``kv_map`` whose mapped keys carry ``bonus`` nats more logit with every query of the target
@@ -118,12 +211,15 @@ def add_attention_bonus(
         kv_map: a map without nonlinear heads (they read the linear output the offset would change) and without a
             bonus already.
         target_model: the map's target (checked by fingerprint before any pass).
-        calibration_data: texts, ``{name: text}`` or token ids, as `KVMap.calibrate` takes them.
+        calibration_data: texts, ``{name: text}`` or token ids, as `KVMap.calibrate` takes them (none with
+            ``moments``).
         bonus: the logit added to every mapped key, in nats (0 .. `MAX_BONUS`).
         max_distance: distances between a query and a mapped key the offset serves (drawn uniformly below it):
             RoPE turns the offset's dims apart over longer ones, so its bonus drifts past it.
         ridge: the offset's ridge, relative to the mean query energy per dim.
         draws: random distances per query.
+        moments: `target_query_moments` of this target read with the same ``max_distance``, ``draws``, ``seed`` and
+            sink: no pass runs.
 
     Example:
         >>> bonus_map = add_attention_bonus(kv_map, target, texts, tokenizer, bonus=1.0)   # doctest: +SKIP
@@ -131,32 +227,23 @@ def add_attention_bonus(
         [0.99, 0.98]
     """
     config = kv_map.config
-    options = config.calibration.options
-    if not (isinstance(bonus, (int, float)) and math.isfinite(bonus) and 0 <= bonus <= MAX_BONUS):
-        raise CalibrationError(f"bonus must be a number of nats in 0..{MAX_BONUS}, got {bonus!r}")
-    if max_distance < 1 or ridge < 0 or draws < 1:
-        raise CalibrationError(f"max_distance and draws must be positive and ridge >= 0, got {max_distance}, {draws}, "
-                               f"{ridge}")
+    _check_bonus_options(bonus, max_distance, ridge, draws)
     if config.attention_bonus is not None:
         raise CalibrationError(f"this map carries an attention bonus already ({config.attention_bonus.bonus} nats); "
                                "add one to the map without it")
     if config.mlp_layers("keys"):  # the heads read the linear keys: an offset before them is not an offset after
         raise CalibrationError("this map has nonlinear key heads, which read the linear output the offset would move: "
                                "add the bonus to a map without them")
-    kv_map.check_models(None, target_model)
-    spec = rotary_spec_of(target_model)
-    layout = config.target_layout
-    texts = CalibrationTexts.build(calibration_data, tokenizer, options, vocab_size_of(target_model))
-    chunks = texts.split("train")
-    if not chunks:
-        raise CalibrationError("the calibration data left no train chunk: pass more texts")
-    moments = QueryMoments(layout.num_layers, layout.kv_heads, spec, max_distance, options.sink_tokens, draws, seed)
-
-    with torch.no_grad(), recording_queries(target_model, moments.add):  # one chunk per pass: a batch of one
-        for ids in tqdm(chunks, desc="target queries", unit="chunk", disable=not progress):
-            moments.start_pass()
-            forward(target_model, ids[None], None, position_ids=torch.arange(ids.numel())[None])
+    if (moments is None) == (calibration_data is None):
+        raise CalibrationError("pass calibration_data (the target's queries are read over it) or moments (read "
+                               "already), one of them")
+    if moments is None:
+        moments = target_query_moments(kv_map, target_model, calibration_data, tokenizer, max_distance=max_distance,
+                                       draws=draws, seed=seed, progress=progress)
+    else:
+        _check_moments(moments, kv_map, target_model, max_distance=max_distance, draws=draws, seed=seed)
     delta, achieved, spread = moments.offsets(float(bonus), ridge)
+    layout = config.target_layout
     tensors = dict(kv_map.tensors)
     for t in range(layout.num_layers):
         bias = tensors[f"keys.{t}.bias"]
@@ -164,7 +251,7 @@ def add_attention_bonus(
     config = copy.deepcopy(config)
     config.quality = QualityRecord()  # the gate and figures measured the keys before the offset
     config.attention_bonus = AttentionBonusRecord(
-        bonus=float(bonus), max_distance=max_distance, ridge=ridge, texts=len(chunks),
+        bonus=float(bonus), max_distance=max_distance, ridge=ridge, texts=moments.texts,
         queries=int(moments.count[0]) // draws, achieved=[[round(float(a), 4) for a in row] for row in achieved],
         spread=[[round(float(s), 4) for s in row] for row in spread])
     logger.info("attention bonus %.2f nats: achieved %.3f on average (%.3f..%.3f), spread %.3f", bonus,
@@ -172,4 +259,20 @@ def add_attention_bonus(
     return KVMap(config, tensors)
 
 
-__all__ = ["QueryMoments", "add_attention_bonus"]
+def _check_moments(moments: QueryMoments, kv_map: KVMap, target_model: torch.nn.Module, **asked) -> None:
+    """Refuse (`CalibrationError`) moments another target's queries gave, or read otherwise than asked."""
+    kv_map.check_models(None, target_model)
+    layout = kv_map.config.target_layout
+    if moments.target != cached_fingerprint(target_model):
+        raise CalibrationError(f"the query moments were read from another model (fingerprint {moments.target[:12]}) "
+                               "than the target given: compute them with this target")
+    read = {"first": moments.first, **{name: getattr(moments, name) for name in asked}}
+    wanted = {"first": kv_map.config.sink_tokens, **asked}
+    shape = (layout.num_layers, layout.kv_heads, layout.head_dim)
+    if read != wanted or tuple(moments.mean.shape) != shape:
+        raise CalibrationError(f"the query moments were read with {read} over {tuple(moments.mean.shape)} (layers, KV "
+                               f"heads, head dim); this bonus asks for {wanted} over {shape}: pass the same options "
+                               "or compute them again")
+
+
+__all__ = ["QueryMoments", "add_attention_bonus", "target_query_moments"]
