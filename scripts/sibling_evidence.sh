@@ -20,6 +20,12 @@ for pair in qwen2.5-coder-0.5b-to-1.5b-top2 qwen2.5-coder-1.5b-to-0.5b-top2; do 
 done
 lever() { python -m benchmarks.lever_maps "$@"; }
 recipes() { python -m benchmarks.recipes "$@"; }
+# a selection report, then the final 2k texts of the default it chose (only that default's rows are missing there)
+selected() {
+    recipes report --role selection --context 2048
+    recipes run $L $NEW --role final --context 2048 --passes-limit 52
+    recipes report --role final --context 2048
+}
 lever --label top4 --top-k 4
 lever --label basis512 --top-k 28 --basis-rank 512
 L="--maps $base --lever basis512=runs/levers/basis512 --lever top4=runs/levers/top4"
@@ -35,16 +41,24 @@ B="--lever top4-bonus1=runs/levers/top4-bonus1 --lever basis512-bonus1=runs/leve
 NEW="$B --lever joint=runs/levers/joint"
 recipes run $L $NEW --role selection --context 2048 --passes-limit 52 --only top4-bonus1: --only basis512-bonus1: \
     --only joint:
-recipes report --role selection --context 2048
+selected  # from here on, each selection report is followed by the final texts of whatever default it chose
 lever --label attention --attention-weighting 0.5
 lever --label l2048 --max-length 2048
 NEW="$NEW --lever attention=runs/levers/attention --lever l2048=runs/levers/l2048"
 recipes run $L $NEW --role selection --context 2048 --passes-limit 52 --only attention: --only l2048:
-recipes report --role selection --context 2048
+selected
 lever --label distill --distill --on capture-top2
 lever --label nonlinear --nonlinear --on top4
 NEW="$NEW --lever distill=runs/levers/distill --lever nonlinear=runs/levers/nonlinear"
 recipes run $L $NEW --role selection --context 2048 --passes-limit 52 --only distill: --only nonlinear:
-recipes report --role selection --context 2048
+selected
+recipes run $L $NEW --role final --context 4096 --passes-limit 52
+recipes report --role final --context 4096
+# the bonus's size: 2 nats on both defaults' maps (the target's query moments are read once per direction and kept)
+lever --label top4-bonus2 --bonus 2 --on top4
+lever --label basis512-bonus2 --bonus 2 --on basis512
+NEW="$NEW --lever top4-bonus2=runs/levers/top4-bonus2 --lever basis512-bonus2=runs/levers/basis512-bonus2"
+recipes run $L $NEW --role selection --context 2048 --passes-limit 52 --only top4-bonus2: --only basis512-bonus2:
+selected
 recipes run $L $NEW --role final --context 4096 --passes-limit 52
 recipes report --role final --context 4096
