@@ -42,7 +42,6 @@ from peft_kvcache.calibration.nonlinear import fit_nonlinear_heads
 from peft_kvcache.errors import RecordError
 from peft_kvcache.lab.provenance import provenance
 from peft_kvcache.maps.config import CalibrationConfig
-from peft_kvcache.maps.records import to_json
 from peft_kvcache.maps.storage import WEIGHTS_NAME
 from peft_kvcache.lab.corpus import stdlib_texts
 
@@ -91,12 +90,15 @@ BONUS_FILES = 24  # the first calibration files the bonus reads the target's que
 
 def attention_bonus(kv_map, source, target, texts, tokenizer, progress: bool = True, **options):
     """`add_attention_bonus` as an addition, over the first `BONUS_FILES` of the map's calibration files (it reads the
-    target's queries only: ``source`` is not run); the query moments are read once per target, files and options
-    (kept in ``runs/levers/query-moments``)."""
+    target's queries only: ``source`` is not run); the query moments are read once per target, files, chunking and
+    options (kept in ``runs/levers/query-moments``): both defaults' maps of a direction share them."""
     first = dict(list(texts.items())[:BONUS_FILES])
     read = {name: options[name] for name in ("max_distance", "draws", "seed") if name in options}
-    key = json.dumps({"target": kv_map.config.target_fingerprint, "files": sorted(first),
-                      "options": to_json(kv_map.config.calibration.options), **read}, sort_keys=True)
+    calibration = kv_map.config.calibration.options  # the fields that cut the texts into the chunks the passes read
+    chunking = {name: getattr(calibration, name) for name in ("max_length", "chunks_per_text", "sink_tokens",
+                                                           "heldout_fraction")}
+    key = json.dumps({"target": kv_map.config.target_fingerprint, "files": sorted(first), **chunking, **read},
+                     sort_keys=True)
     path = LEVERS / "query-moments" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
     if path.is_file():
         moments = QueryMoments.load(path)

@@ -168,8 +168,8 @@ def test_query_moments_read_otherwise_are_refused(pair, fitted, tmp_path):
 
 
 def test_the_bonus_lever_reads_each_targets_query_moments_once(tmp_path, monkeypatch, pair, fitted):
-    """`benchmarks.lever_maps --bonus`: a second bonus size on the same maps runs no pass over the target (its
-    moments are kept), and its offset is the first's scaled."""
+    """`benchmarks.lever_maps --bonus`: a second bonus size on the same maps, or the bonus on other maps into the same
+    target, runs no pass over the target (its moments are kept), and a second size's offset is the first's scaled."""
     import peft_kvcache.calibration.bonus as bonus_module
     from benchmarks import lever_maps, siblings
 
@@ -177,8 +177,11 @@ def test_the_bonus_lever_reads_each_targets_query_moments_once(tmp_path, monkeyp
     texts = {f"f{i}.py": ids for i, ids in enumerate(random_ids(12, 48))}
     models = {"small": source, "large": target}
     reverse = KVMap.calibrate(target, source, texts, progress=False)
+    other = KVMap.calibrate(source, target, texts, top_k=2, progress=False)  # fitted otherwise, chunked alike
     for direction, kv_map in (("up", fitted), ("down", reverse)):
         kv_map.save_pretrained(tmp_path / "top4" / siblings.pair_name(direction), chart=False)
+        (other if direction == "up" else reverse).save_pretrained(tmp_path / "top1" / siblings.pair_name(direction),
+                                                                  chart=False)
     monkeypatch.setattr(lever_maps, "LEVERS", tmp_path)
     monkeypatch.setattr(siblings, "load_pair", lambda: (models, None))
     monkeypatch.setattr(lever_maps, "stdlib_texts", lambda split, files: dict(list(texts.items())[:files]))
@@ -191,6 +194,8 @@ def test_the_bonus_lever_reads_each_targets_query_moments_once(tmp_path, monkeyp
     monkeypatch.setattr(bonus_module, "forward", no_pass)
     two = lever_maps.add_to_maps("b2", "bonus", {"bonus": 2.0, "max_distance": DISTANCE}, files=12, on="top4",
                                  progress=False)
+    lever_maps.add_to_maps("o1", "bonus", {"bonus": 1.0, "max_distance": DISTANCE}, files=12, on="top1",
+                           progress=False)  # the other maps into the same targets read the same moments
     for direction, base in (("up", fitted), ("down", reverse)):
         maps = [KVMap.from_pretrained(folder / siblings.pair_name(direction)) for folder in (one, two)]
         for t in range(base.config.target_layout.num_layers):
