@@ -42,6 +42,13 @@ NEW="$B --lever joint=runs/levers/joint"
 recipes run $L $NEW --role selection --context 2048 --passes-limit 52 --only top4-bonus1: --only basis512-bonus1: \
     --only joint:
 selected  # from here on, each selection report is followed by the final texts of whatever default it chose
+# the bonus's size: 2 nats on both defaults' maps (the target's query moments are read once per direction and kept;
+# the probe on selection windows found 2 nats better than 1 going down)
+lever --label top4-bonus2 --bonus 2 --on top4
+lever --label basis512-bonus2 --bonus 2 --on basis512
+NEW="$NEW --lever top4-bonus2=runs/levers/top4-bonus2 --lever basis512-bonus2=runs/levers/basis512-bonus2"
+recipes run $L $NEW --role selection --context 2048 --passes-limit 52 --only top4-bonus2: --only basis512-bonus2:
+selected
 lever --label attention --attention-weighting 0.5
 lever --label l2048 --max-length 2048
 NEW="$NEW --lever attention=runs/levers/attention --lever l2048=runs/levers/l2048"
@@ -51,14 +58,6 @@ lever --label distill --distill --on capture-top2
 lever --label nonlinear --nonlinear --on top4
 NEW="$NEW --lever distill=runs/levers/distill --lever nonlinear=runs/levers/nonlinear"
 recipes run $L $NEW --role selection --context 2048 --passes-limit 52 --only distill: --only nonlinear:
-selected
-recipes run $L $NEW --role final --context 4096 --passes-limit 52
-recipes report --role final --context 4096
-# the bonus's size: 2 nats on both defaults' maps (the target's query moments are read once per direction and kept)
-lever --label top4-bonus2 --bonus 2 --on top4
-lever --label basis512-bonus2 --bonus 2 --on basis512
-NEW="$NEW --lever top4-bonus2=runs/levers/top4-bonus2 --lever basis512-bonus2=runs/levers/basis512-bonus2"
-recipes run $L $NEW --role selection --context 2048 --passes-limit 52 --only top4-bonus2: --only basis512-bonus2:
 selected
 recipes run $L $NEW --role final --context 4096 --passes-limit 52
 recipes report --role final --context 4096
