@@ -10,6 +10,7 @@ and options (`siblings.CONFIG`) with the lever's changes, both directions from o
     python -m benchmarks.lever_maps --label nonlinear --nonlinear --on top4     # a lever's maps with nonlinear heads
     python -m benchmarks.lever_maps --label top4-bonus1 --bonus 1 --on top4     # ... with a 1-nat attention bonus
     python -m benchmarks.lever_maps --label top4-bonus2 --bonus 2 --on top4     # no pass: top4-bonus1's query moments
+    python -m benchmarks.lever_maps --label top4-jensen --bonus jensen --on top4   # each head's own bonus
     python -m benchmarks.recipes run --maps runs/levers/capture-top2 --role selection --lever attention=runs/levers/attention
 
 Writes ``runs/levers/<label>/<pair>`` (maps named as the published ones). The statistics are checkpointed under
@@ -90,8 +91,9 @@ BONUS_FILES = 24  # the first calibration files the bonus reads the target's que
 
 def attention_bonus(kv_map, source, target, texts, tokenizer, progress: bool = True, **options):
     """`add_attention_bonus` as an addition, over the first `BONUS_FILES` of the map's calibration files (it reads the
-    target's queries only: ``source`` is not run); the query moments are read once per target, files, chunking and
-    options (kept in ``runs/levers/query-moments``): both defaults' maps of a direction share them."""
+    target's queries; ``source`` runs for ``bonus="jensen"`` only, whose residuals are the map's own); the query moments
+    are read once per target, files, chunking and options (kept in ``runs/levers/query-moments``): both defaults' maps
+    of a direction share them."""
     first = dict(list(texts.items())[:BONUS_FILES])
     read = {name: options[name] for name in ("max_distance", "draws", "seed") if name in options}
     calibration = kv_map.config.calibration.options  # the fields that cut the texts into the chunks the passes read
@@ -106,10 +108,23 @@ def attention_bonus(kv_map, source, target, texts, tokenizer, progress: bool = T
         moments = target_query_moments(kv_map, target, first, tokenizer, progress=progress, **read)
         path.parent.mkdir(parents=True, exist_ok=True)
         moments.save(path)
+    if options.get("bonus") == "jensen":
+        return add_attention_bonus(kv_map, target, first, tokenizer, moments=moments, source_model=source,
+                                   progress=progress, **options)
     return add_attention_bonus(kv_map, target, moments=moments, **options)
 
 
 ADDITIONS = {"distill": distill_map, "nonlinear": fit_nonlinear_heads, "bonus": attention_bonus}
+
+
+def bonus_size(value: str) -> float | str:
+    """``--bonus``: a number of nats, or ``jensen``."""
+    if value == "jensen":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of nats or 'jensen', got {value!r}") from None
 
 
 def add_to_maps(label: str, addition: str, options: dict, files: int, on: str, progress: bool = True) -> Path:
@@ -202,9 +217,9 @@ def main(argv: list[str] | None = None) -> None:
                              "ones")
     parser.add_argument("--nonlinear", action="store_true",
                         help="add nonlinear heads to a lever's maps (--on; peft_kvcache.calibration.nonlinear)")
-    parser.add_argument("--bonus", type=float, metavar="NATS",
-                        help="add an attention bonus of NATS to a lever's maps' keys (--on; "
-                             "peft_kvcache.calibration.bonus)")
+    parser.add_argument("--bonus", type=bonus_size, metavar="NATS",
+                        help="add an attention bonus of NATS to a lever's maps' keys, or 'jensen' (each head's own: "
+                             "half the variance of its logits' residual) (--on; peft_kvcache.calibration.bonus)")
     parser.add_argument("--bonus-distance", type=int, default=4096,
                         help="--bonus: the query-key distances its offset serves")
     parser.add_argument("--on", metavar="LABEL",

@@ -130,7 +130,10 @@ def test_maps_the_bonus_cannot_extend_are_refused_before_any_pass(pair, fitted, 
 
 def test_a_config_with_a_malformed_bonus_is_refused(with_bonus):
     data = to_json(with_bonus.config)
-    for field, value in (("bonus", 50.0), ("achieved", [[1.0]]), ("max_distance", 0), ("ridge", -1.0)):
+    per_head = [[1.0] * KV_HEADS] * LAYERS
+    for field, value in (("bonus", 50.0), ("achieved", [[1.0]]), ("max_distance", 0), ("ridge", -1.0),
+                         ("method", "median"), ("method", "jensen"), ("asked", per_head),  # the two go together
+                         ("asked", [[1.0] * KV_HEADS] * (LAYERS - 1) + [[1.0, 1.0, 25.0]])):
         broken = {**data, "attention_bonus": {**data["attention_bonus"], field: value}}
         with pytest.raises(ArtifactError, match="attention_bonus is malformed"):
             KVMapConfig.from_dict(broken)
@@ -202,6 +205,62 @@ def test_the_bonus_lever_reads_each_targets_query_moments_once(tmp_path, monkeyp
             name = f"keys.{t}.bias"
             assert torch.allclose(maps[1].tensors[name] - base.tensors[name],
                                   2 * (maps[0].tensors[name] - base.tensors[name]), atol=1e-5)
+    jensen = lever_maps.add_to_maps("j", "bonus", {"bonus": lever_maps.bonus_size("jensen"), "max_distance": DISTANCE},
+                                    files=12, on="top4", progress=False)  # the kept moments, the map's own residuals
+    assert KVMap.from_pretrained(jensen / siblings.pair_name("up")).config.attention_bonus.method == "jensen"
     with pytest.raises(AssertionError, match="read again"):  # other distances: moments of their own
         lever_maps.add_to_maps("b3", "bonus", {"bonus": 1.0, "max_distance": 2 * DISTANCE}, files=12, on="top4",
                                progress=False)
+
+
+def test_the_jensen_bonus_asks_each_head_half_its_logit_residual_on_the_mapped_keys(pair, fitted):
+    """``bonus="jensen"``: each head is asked half the mean square of its logits' residual on the mapped keys (the
+    target's own keys minus the map's, seen by its own queries), measured here on another text, and the offset gives
+    each head what it asked."""
+    source, target = pair
+    tensors = dict(fitted.tensors)  # KV head 0's keys made worse in every layer: it must ask more than head 2
+    generator = torch.Generator().manual_seed(3)
+    for t in range(LAYERS):
+        weight = tensors[f"keys.{t}.weight"].clone()
+        weight[:, :HEAD_DIM] += torch.randn(weight.shape[0], HEAD_DIM, generator=generator)
+        tensors[f"keys.{t}.weight"] = weight
+        bias = tensors[f"keys.{t}.bias"].clone()  # and KV head 1's keys off by one fixed position-free vector in a
+        bias[HEAD_DIM + 4] += 3.0  # pair the queries read: its residual turns with the key's position, theirs little
+        tensors[f"keys.{t}.bias"] = bias
+    worse = KVMap(fitted.config, tensors)
+    jensen = add_attention_bonus(worse, target, random_ids(16, 96, seed=5), bonus="jensen", max_distance=DISTANCE,
+                                 source_model=source, progress=False)
+    record = jensen.config.attention_bonus
+    asked = torch.tensor(record.asked)
+    assert record.method == "jensen" and asked.shape == (LAYERS, KV_HEADS)
+    assert record.bonus == pytest.approx(float(asked.mean()), abs=1e-3)
+    ids = random_ids(1, LENGTH, seed=9)[0][None]
+    own = run_with_cache(target, ids)
+    mapped = MappedCache.from_source(run_with_cache(source, ids), worse, target, input_ids=ids, refresh_tokens=0,
+                                     verify_models=False)
+    queries = []
+    with torch.no_grad(), recording_queries(target, lambda query, scaling: queries.append((query, scaling))):
+        forward(target, ids, None)
+    sink = fitted.config.sink_tokens
+    m, n = torch.arange(LENGTH)[:, None], torch.arange(LENGTH)[None]
+    served = (n >= sink) & (m > n) & (m - n < DISTANCE)
+    measured = torch.zeros(LAYERS, KV_HEADS)
+    for t, (query, scaling) in enumerate(queries):
+        residual = (own.keys[t] - mapped.layers[t].keys)[0]  # rotated at the keys' positions, as attention reads them
+        grouped = query[0].reshape(KV_HEADS, GROUP, LENGTH, HEAD_DIM)
+        logits = scaling * torch.einsum("hgmd,hnd->hgmn", grouped, residual)
+        measured[t] = logits[:, :, served].pow(2).mean(dim=(1, 2)) / 2
+    assert (measured[:, :2].min(dim=1).values > 3 * measured[:, 2]).all()  # the worse heads' residuals stand out
+    assert torch.allclose(asked, measured, rtol=0.35, atol=0.03), (asked, measured)
+    change, _ = logit_change(pair, worse, jensen)
+    assert ((change - asked).abs() <= 0.1 + 0.1 * asked).all(), (change, asked)  # each head got its own
+
+
+def test_the_jensen_bonus_needs_the_source_before_any_pass(pair, fitted, monkeypatch):
+    import peft_kvcache.calibration.bonus as bonus_module
+
+    monkeypatch.setattr(bonus_module, "forward", lambda *a, **k: pytest.fail("a model ran before the refusal"))
+    with pytest.raises(CalibrationError, match="pass source_model and calibration_data"):
+        add_attention_bonus(fitted, pair[1], random_ids(2, 64), bonus="jensen")
+    with pytest.raises(CalibrationError, match="or 'jensen'"):
+        add_attention_bonus(fitted, pair[1], random_ids(2, 64), bonus="median", source_model=pair[0])

@@ -16,6 +16,11 @@ joins the layer's key bias, so the mapping path, the artifact and every engine (
 it as any map's, and positions the target computes never carry it. `AttentionBonusRecord` keeps the bonus each head
 achieved on its calibration queries and how much it varies over queries and distances.
 
+How large? With a Gaussian residual the mass is restored by half the variance of the logits' residual, which differs
+by head: ``bonus="jensen"`` asks each head for its own, ``tr(E[z z^T] E[e e^T]) / 2`` with ``e`` the position-free
+residual of the mapped keys against the target's own on the calibration texts (`KeyResiduals`: the source, the map
+and the target run over them) and ``z`` the query moments below.
+
 Which ``bonus`` is measured like any lever (``benchmarks.lever_maps --bonus``), on selection texts. The passes over
 the target are the costly part and depend on the target alone: `target_query_moments` keeps them (`QueryMoments.save`)
 so that every bonus size and every map into that target solves from one set (the offset is linear in the bonus).
@@ -36,13 +41,14 @@ from tqdm.auto import tqdm
 
 from .._files import atomic_write
 from ..errors import ArtifactError, CalibrationError
-from ..maps.config import MAX_BONUS, AttentionBonusRecord, QualityRecord
+from ..maps.config import BONUS_METHODS, MAX_BONUS, AttentionBonusRecord, QualityRecord
 from ..maps.kvmap import KVMap
 from ..modeling._compat import recording_queries
-from ..modeling.capture import forward
+from ..modeling.capture import forward, run_with_cache
 from ..modeling.identity import cached_fingerprint
 from ..modeling.layout import vocab_size_of
 from ..modeling.positions import RotarySpec, apply_rotary, position_free_keys, rotary_cos_sin, rotary_spec_of
+from ..runtime.mapped import MappedCache
 from .texts import CalibrationTexts
 
 logger = logging.getLogger(__name__)
@@ -132,25 +138,91 @@ class QueryMoments:
             self.mean[layer] += z.sum(1).double()
         self.count[layer] += group * (n - self.first) * self.draws
 
-    def offsets(self, bonus: float, ridge: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per layer and KV head the offset ``delta`` (``[layers, kv_heads, head_dim]``) of least
-        ``E[(z . delta - bonus)^2] + ridge * mean(diag E[z z^T]) * |delta|^2``, the bonus it achieves on average and
-        its spread (standard deviation) over the queries and distances."""
+    def moments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``E[z z^T]`` ``[layers, kv_heads, head_dim, head_dim]`` and ``E[z]`` ``[layers, kv_heads, head_dim]``."""
         if (self.count == 0).any():
             raise CalibrationError("some target layer saw no query past the sink: pass longer calibration texts")
         count = self.count.to(torch.float64)
-        second, mean = self.second / count[:, None, None, None], self.mean / count[:, None, None]
+        return self.second / count[:, None, None, None], self.mean / count[:, None, None]
+
+    def offsets(self, bonus: float | torch.Tensor, ridge: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per layer and KV head the offset ``delta`` (``[layers, kv_heads, head_dim]``) of least
+        ``E[(z . delta - bonus)^2] + ridge * mean(diag E[z z^T]) * |delta|^2``, the bonus it achieves on average and
+        its spread (standard deviation) over the queries and distances. ``bonus``: one for every head, or
+        ``[layers, kv_heads]``."""
+        second, mean = self.moments()
         eye = torch.eye(second.shape[-1], dtype=torch.float64)
         scale = second.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None]
-        delta = torch.linalg.solve(second + ridge * scale * eye, bonus * mean[..., None])[..., 0]
+        asked = torch.as_tensor(bonus, dtype=torch.float64)
+        asked = asked[..., None] if asked.dim() else asked
+        delta = torch.linalg.solve(second + ridge * scale * eye, (asked * mean)[..., None])[..., 0]
         achieved = (mean * delta).sum(-1)
         spread = (torch.einsum("lhi,lhij,lhj->lh", delta, second, delta) - achieved**2).clamp(min=0).sqrt()
         return delta, achieved, spread
 
 
+class KeyResiduals:
+    """Per target layer and KV head, the second moment ``E[e e^T]`` of the position-free residual ``e`` of a map's keys
+    against the target's own (positions from ``first`` on: the sink is the target's own either way)."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, spec: RotarySpec, first: int):
+        self.spec, self.first = spec, first
+        self.second = torch.zeros(layers, kv_heads, head_dim, head_dim, dtype=torch.float64)
+        self.count = 0
+
+    def add(self, own_keys, mapped_keys) -> None:
+        """One text's keys per target layer, the target's own and the mapped (``[1, kv_heads, n, head_dim]``, rotated
+        at positions ``0..n - 1``)."""
+        n = own_keys[0].shape[2]
+        if n <= self.first:
+            return
+        positions = torch.arange(n)[None]
+        for t, (own, mapped) in enumerate(zip(own_keys, mapped_keys, strict=True)):
+            e = position_free_keys(own.float() - mapped.float(), self.spec, positions)[0, :, self.first:]
+            self.second[t] += (e.transpose(1, 2) @ e).double()
+        self.count += n - self.first
+
+    def jensen(self, moments: QueryMoments) -> torch.Tensor:
+        """``[layers, kv_heads]``: half the variance of each head's logit residual on the mapped keys,
+        ``tr(E[z z^T] E[e e^T]) / 2`` (queries and residuals taken as independent)."""
+        if not self.count:
+            raise CalibrationError("no mapped key past the sink: pass longer calibration texts")
+        second, _ = moments.moments()
+        return torch.einsum("lhij,lhji->lh", second, self.second / self.count) / 2
+
+
+def key_residuals(kv_map: KVMap, source_model: torch.nn.Module, target_model: torch.nn.Module, calibration_data,
+                  tokenizer=None, progress: bool = True) -> KeyResiduals:
+    """`KeyResiduals` of ``kv_map`` over ``calibration_data``'s train split (cut as `target_query_moments` cuts it):
+    per chunk the source's cache mapped as inference maps it (no refresh), against the target's own cache."""
+    kv_map.check_models(source_model, target_model)
+    layout = kv_map.config.target_layout
+    residuals = KeyResiduals(layout.num_layers, layout.kv_heads, layout.head_dim, rotary_spec_of(target_model),
+                             kv_map.config.sink_tokens)
+    for ids in tqdm(_train_chunks(kv_map, target_model, calibration_data, tokenizer), desc="key residuals",
+                    unit="chunk", disable=not progress):
+        ids = ids[None]
+        with torch.no_grad():
+            mapped = MappedCache.from_source(source_model, kv_map, target_model, input_ids=ids, refresh_tokens=0,
+                                             verify_models=False)
+            own = run_with_cache(target_model, ids)
+        residuals.add(own.keys, [layer.keys for layer in mapped.layers])
+    return residuals
+
+
+def _train_chunks(kv_map: KVMap, target_model: torch.nn.Module, calibration_data, tokenizer) -> list[torch.Tensor]:
+    """The train split of ``calibration_data`` cut by ``kv_map``'s calibration options (whole texts held out)."""
+    options = kv_map.config.calibration.options
+    chunks = CalibrationTexts.build(calibration_data, tokenizer, options, vocab_size_of(target_model)).split("train")
+    if not chunks:
+        raise CalibrationError("the calibration data left no train chunk: pass more texts")
+    return chunks
+
+
 def _check_bonus_options(bonus, max_distance: int, ridge: float, draws: int) -> None:
-    if not (isinstance(bonus, (int, float)) and math.isfinite(bonus) and 0 <= bonus <= MAX_BONUS):
-        raise CalibrationError(f"bonus must be a number of nats in 0..{MAX_BONUS}, got {bonus!r}")
+    if bonus not in BONUS_METHODS[1:] and not (isinstance(bonus, (int, float)) and math.isfinite(bonus)
+                                               and 0 <= bonus <= MAX_BONUS):
+        raise CalibrationError(f"bonus must be a number of nats in 0..{MAX_BONUS} or 'jensen', got {bonus!r}")
     if max_distance < 1 or ridge < 0 or draws < 1:
         raise CalibrationError(f"max_distance and draws must be positive and ridge >= 0, got {max_distance}, {draws}, "
                                f"{ridge}")
@@ -175,10 +247,7 @@ def target_query_moments(
     config = kv_map.config
     kv_map.check_models(None, target_model)
     options, layout = config.calibration.options, config.target_layout
-    texts = CalibrationTexts.build(calibration_data, tokenizer, options, vocab_size_of(target_model))
-    chunks = texts.split("train")
-    if not chunks:
-        raise CalibrationError("the calibration data left no train chunk: pass more texts")
+    chunks = _train_chunks(kv_map, target_model, calibration_data, tokenizer)
     spec = rotary_spec_of(target_model)
     moments = QueryMoments(layout.num_layers, layout.kv_heads, spec, max_distance, options.sink_tokens, draws, seed)
     moments.target, moments.texts = cached_fingerprint(target_model), len(chunks)
@@ -195,12 +264,13 @@ def add_attention_bonus(
     calibration_data=None,
     tokenizer=None,
     *,
-    bonus: float = 1.0,
+    bonus: float | str = 1.0,
     max_distance: int = 4096,
     ridge: float = 1e-3,
     draws: int = 1,
     seed: int = 0,
     moments: QueryMoments | None = None,
+    source_model: torch.nn.Module | None = None,
     progress: bool = True,
 ) -> KVMap:
     """A new `KVMap`: ``kv_map`` whose mapped keys carry ``bonus`` nats more logit with every query of the target
@@ -213,13 +283,16 @@ def add_attention_bonus(
         target_model: the map's target (checked by fingerprint before any pass).
         calibration_data: texts, ``{name: text}`` or token ids, as `KVMap.calibrate` takes them (none with
             ``moments``).
-        bonus: the logit added to every mapped key, in nats (0 .. `MAX_BONUS`).
+        bonus: the logit added to every mapped key, in nats (0 .. `MAX_BONUS`), or ``"jensen"``: each head's own,
+            half the variance of its logits' residual on the mapped keys (`KeyResiduals`; needs ``source_model`` and
+            ``calibration_data``, over which the source, the map and the target run).
         max_distance: distances between a query and a mapped key the offset serves (drawn uniformly below it):
             RoPE turns the offset's dims apart over longer ones, so its bonus drifts past it.
         ridge: the offset's ridge, relative to the mean query energy per dim.
         draws: random distances per query.
         moments: `target_query_moments` of this target read with the same ``max_distance``, ``draws``, ``seed`` and
-            sink: no pass runs.
+            sink: no pass over the target's queries runs.
+        source_model: the map's source, for ``bonus="jensen"``.
 
     Example:
         >>> bonus_map = add_attention_bonus(kv_map, target, texts, tokenizer, bonus=1.0)   # doctest: +SKIP
@@ -234,7 +307,11 @@ def add_attention_bonus(
     if config.mlp_layers("keys"):  # the heads read the linear keys: an offset before them is not an offset after
         raise CalibrationError("this map has nonlinear key heads, which read the linear output the offset would move: "
                                "add the bonus to a map without them")
-    if (moments is None) == (calibration_data is None):
+    jensen = bonus == "jensen"
+    if jensen and (source_model is None or calibration_data is None):
+        raise CalibrationError("bonus='jensen' measures the mapped keys' residual: pass source_model and "
+                               "calibration_data")
+    if not jensen and (moments is None) == (calibration_data is None):
         raise CalibrationError("pass calibration_data (the target's queries are read over it) or moments (read "
                                "already), one of them")
     if moments is None:
@@ -242,7 +319,12 @@ def add_attention_bonus(
                                        draws=draws, seed=seed, progress=progress)
     else:
         _check_moments(moments, kv_map, target_model, max_distance=max_distance, draws=draws, seed=seed)
-    delta, achieved, spread = moments.offsets(float(bonus), ridge)
+    asked = float(bonus) if not jensen else key_residuals(kv_map, source_model, target_model, calibration_data,
+                                                          tokenizer, progress).jensen(moments)
+    if jensen and not bool(((asked >= 0) & (asked <= MAX_BONUS)).all()):
+        raise CalibrationError(f"the Jensen bonus of some head is {float(asked.max()):.3g} nats, past {MAX_BONUS}: "
+                               "the map's keys are too far from the target's for a bonus to help")
+    delta, achieved, spread = moments.offsets(asked, ridge)
     layout = config.target_layout
     tensors = dict(kv_map.tensors)
     for t in range(layout.num_layers):
@@ -251,12 +333,18 @@ def add_attention_bonus(
     config = copy.deepcopy(config)
     config.quality = QualityRecord()  # the gate and figures measured the keys before the offset
     config.attention_bonus = AttentionBonusRecord(
-        bonus=float(bonus), max_distance=max_distance, ridge=ridge, texts=moments.texts,
-        queries=int(moments.count[0]) // draws, achieved=[[round(float(a), 4) for a in row] for row in achieved],
-        spread=[[round(float(s), 4) for s in row] for row in spread])
-    logger.info("attention bonus %.2f nats: achieved %.3f on average (%.3f..%.3f), spread %.3f", bonus,
-                float(achieved.mean()), float(achieved.min()), float(achieved.max()), float(spread.mean()))
+        bonus=float(torch.as_tensor(asked).mean()), method="jensen" if jensen else "constant",
+        asked=_rounded(asked) if jensen else [], max_distance=max_distance, ridge=ridge, texts=moments.texts,
+        queries=int(moments.count[0]) // draws, achieved=_rounded(achieved), spread=_rounded(spread))
+    logger.info("attention bonus %.2f nats (%s): achieved %.3f on average (%.3f..%.3f), spread %.3f",
+                config.attention_bonus.bonus, config.attention_bonus.method, float(achieved.mean()),
+                float(achieved.min()), float(achieved.max()), float(spread.mean()))
     return KVMap(config, tensors)
+
+
+def _rounded(rows: torch.Tensor) -> list[list[float]]:
+    """A ``[layers, kv_heads]`` tensor as the record keeps it."""
+    return [[round(float(x), 4) for x in row] for row in rows]
 
 
 def _check_moments(moments: QueryMoments, kv_map: KVMap, target_model: torch.nn.Module, **asked) -> None:
@@ -275,4 +363,4 @@ def _check_moments(moments: QueryMoments, kv_map: KVMap, target_model: torch.nn.
                                "or compute them again")
 
 
-__all__ = ["QueryMoments", "add_attention_bonus", "target_query_moments"]
+__all__ = ["KeyResiduals", "QueryMoments", "add_attention_bonus", "key_residuals", "target_query_moments"]

@@ -41,6 +41,7 @@ PAIR_KINDS = ("same_shape", "cross_shape")
 # Refuse configs describing absurd models before allocating anything for them.
 MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 1024, 1024, 4096
 MAX_BONUS = 20.0  # nats: an attention bonus past it would drown every exact position
+BONUS_METHODS = ("constant", "jensen")  # one bonus for every head, or each head's own (`calibration.bonus`)
 
 
 @dataclass
@@ -194,10 +195,14 @@ class KVMapConfig:
         if bonus is not None and not (math.isfinite(bonus.bonus) and 0 <= bonus.bonus <= MAX_BONUS
                                       and bonus.max_distance > 0 and bonus.ridge >= 0
                                       and all(len(rows) in (0, targets) and all(len(row) == heads for row in rows)
-                                              for rows in (bonus.achieved, bonus.spread))):
+                                              for rows in (bonus.achieved, bonus.spread, bonus.asked))
+                                      and all(0 <= b <= MAX_BONUS for row in bonus.asked for b in row)
+                                      and bonus.method in BONUS_METHODS
+                                      and (len(bonus.asked) > 0) == (bonus.method == "jensen")):
             raise RecordError(f"{where}.attention_bonus is malformed: a bonus in 0..{MAX_BONUS} nats, a positive "
-                              f"max_distance, a ridge >= 0 and achieved / spread lists of {heads} numbers for each of "
-                              f"{targets} target layers (or none)")
+                              f"max_distance, a ridge >= 0, achieved / spread lists of {heads} numbers for each of "
+                              f"{targets} target layers (or none), a method of {BONUS_METHODS} and, for 'jensen' "
+                              f"only, the asked bonus per layer and head in 0..{MAX_BONUS}")
         self.calibration.options.validate(f"{where}.calibration.options")
         if self.basis_rank and (any(g != self.key_layers[0] for g in self.key_layers + self.value_layers)
                                 or self.nonlinear is not None):

@@ -162,9 +162,13 @@ class NonlinearRecord:
 class AttentionBonusRecord:
     """The mapped keys' attention bonus (`peft_kvcache.calibration.bonus`), folded into the key biases: the logit
     ``bonus`` (nats) asked of every mapped key, and per target layer and KV head the bonus the offset gives the
-    target's calibration queries on average (``achieved``) and its spread over queries and distances (``spread``)."""
+    target's calibration queries on average (``achieved``) and its spread over queries and distances (``spread``).
+    ``method`` ``"jensen"``: each head was asked its own bonus (``asked``, per target layer and KV head: half the
+    variance of its logits' residual on the mapped keys), ``bonus`` their mean."""
 
     bonus: float = 1.0
+    method: str = "constant"
+    asked: list[list[float]] = field(default_factory=list)
     max_distance: int = 2048
     ridge: float = 1e-3
     texts: int = 0
