@@ -285,7 +285,8 @@ def add_attention_bonus(
             ``moments``).
         bonus: the logit added to every mapped key, in nats (0 .. `MAX_BONUS`), or ``"jensen"``: each head's own,
             half the variance of its logits' residual on the mapped keys (`KeyResiduals`; needs ``source_model`` and
-            ``calibration_data``, over which the source, the map and the target run).
+            ``calibration_data``, over which the source, the map and the target run: on texts the map was fitted on
+            its residual is smaller than elsewhere, so texts it never saw ask a truer bonus).
         max_distance: distances between a query and a mapped key the offset serves (drawn uniformly below it):
             RoPE turns the offset's dims apart over longer ones, so its bonus drifts past it.
         ridge: the offset's ridge, relative to the mean query energy per dim.
