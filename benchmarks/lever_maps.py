@@ -92,26 +92,31 @@ BONUS_FILES = 24  # the first calibration files the bonus reads the target's que
 def attention_bonus(kv_map, source, target, texts, tokenizer, progress: bool = True, **options):
     """`add_attention_bonus` as an addition, over the first `BONUS_FILES` of the map's calibration files (it reads the
     target's queries; ``source`` runs for ``bonus="jensen"`` only, whose residuals are the map's own); the query moments
-    are read once per target, files, chunking and options (kept in ``runs/levers/query-moments``): both defaults' maps
-    of a direction share them."""
+    are kept (`kept_query_moments`)."""
     first = dict(list(texts.items())[:BONUS_FILES])
     read = {name: options[name] for name in ("max_distance", "draws", "seed") if name in options}
-    calibration = kv_map.config.calibration.options  # the fields that cut the texts into the chunks the passes read
-    chunking = {name: getattr(calibration, name) for name in ("max_length", "chunks_per_text", "sink_tokens",
-                                                           "heldout_fraction")}
-    key = json.dumps({"target": kv_map.config.target_fingerprint, "files": sorted(first), **chunking, **read},
-                     sort_keys=True)
-    path = LEVERS / "query-moments" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
-    if path.is_file():
-        moments = QueryMoments.load(path)
-    else:
-        moments = target_query_moments(kv_map, target, first, tokenizer, progress=progress, **read)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        moments.save(path)
+    moments = kept_query_moments(kv_map, target, first, tokenizer, progress, **read)
     if options.get("bonus") == "jensen":
         return add_attention_bonus(kv_map, target, first, tokenizer, moments=moments, source_model=source,
                                    progress=progress, **options)
     return add_attention_bonus(kv_map, target, moments=moments, **options)
+
+
+def kept_query_moments(kv_map, target, texts: dict, tokenizer, progress: bool = True, **read) -> QueryMoments:
+    """`target_query_moments` over ``texts``, read once per target, files, chunking and ``read`` options (kept in
+    ``runs/levers/query-moments``): both defaults' maps of a direction share them."""
+    calibration = kv_map.config.calibration.options  # the fields that cut the texts into the chunks the passes read
+    chunking = {name: getattr(calibration, name) for name in ("max_length", "chunks_per_text", "sink_tokens",
+                                                           "heldout_fraction")}
+    key = json.dumps({"target": kv_map.config.target_fingerprint, "files": sorted(texts), **chunking, **read},
+                     sort_keys=True)
+    path = LEVERS / "query-moments" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+    if path.is_file():
+        return QueryMoments.load(path)
+    moments = target_query_moments(kv_map, target, texts, tokenizer, progress=progress, **read)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    moments.save(path)
+    return moments
 
 
 ADDITIONS = {"distill": distill_map, "nonlinear": fit_nonlinear_heads, "bonus": attention_bonus}

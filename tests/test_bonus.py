@@ -264,3 +264,11 @@ def test_the_jensen_bonus_needs_the_source_before_any_pass(pair, fitted, monkeyp
         add_attention_bonus(fitted, pair[1], random_ids(2, 64), bonus="jensen")
     with pytest.raises(CalibrationError, match="or 'jensen'"):
         add_attention_bonus(fitted, pair[1], random_ids(2, 64), bonus="median", source_model=pair[0])
+
+
+def test_a_jensen_bonus_past_the_limit_is_refused_with_its_spread(pair, fitted):
+    tensors = dict(fitted.tensors)  # every key far off: half the residual logit's variance is past 20 nats
+    tensors.update({f"keys.{t}.bias": tensors[f"keys.{t}.bias"] + 50.0 for t in range(LAYERS)})
+    with pytest.raises(CalibrationError, match=r"of \d+ of 12 heads is past 20.0 nats \(largest .*, median"):
+        add_attention_bonus(KVMap(fitted.config, tensors), pair[1], random_ids(4, 64), bonus="jensen",
+                            max_distance=DISTANCE, source_model=pair[0], progress=False)

@@ -323,8 +323,10 @@ def add_attention_bonus(
     asked = float(bonus) if not jensen else key_residuals(kv_map, source_model, target_model, calibration_data,
                                                           tokenizer, progress).jensen(moments)
     if jensen and not bool(((asked >= 0) & (asked <= MAX_BONUS)).all()):
-        raise CalibrationError(f"the Jensen bonus of some head is {float(asked.max()):.3g} nats, past {MAX_BONUS}: "
-                               "the map's keys are too far from the target's for a bonus to help")
+        past = int((asked > MAX_BONUS).sum())
+        raise CalibrationError(f"the Jensen bonus of {past} of {asked.numel()} heads is past {MAX_BONUS} nats (largest "
+                               f"{float(asked.max()):.3g}, median {float(asked.median()):.3g}): those heads' mapped keys "
+                               "are too far from the target's for a bonus to help; use a constant bonus")
     delta, achieved, spread = moments.offsets(asked, ridge)
     layout = config.target_layout
     tensors = dict(kv_map.tensors)
