@@ -49,12 +49,6 @@ lever --label basis512-bonus2 --bonus 2 --on basis512
 NEW="$NEW --lever top4-bonus2=runs/levers/top4-bonus2 --lever basis512-bonus2=runs/levers/basis512-bonus2"
 recipes run $L $NEW --role selection --context 2048 --passes-limit 52 --only top4-bonus2: --only basis512-bonus2:
 selected
-# each head's own bonus: half the variance of its logits' residual on the mapped keys (the same kept moments)
-lever --label top4-jensen --bonus jensen --on top4
-lever --label basis512-jensen --bonus jensen --on basis512
-NEW="$NEW --lever top4-jensen=runs/levers/top4-jensen --lever basis512-jensen=runs/levers/basis512-jensen"
-recipes run $L $NEW --role selection --context 2048 --passes-limit 52 --only top4-jensen: --only basis512-jensen:
-selected
 lever --label attention --attention-weighting 0.5
 lever --label l2048 --max-length 2048
 NEW="$NEW --lever attention=runs/levers/attention --lever l2048=runs/levers/l2048"
