@@ -9,7 +9,7 @@ and options (`siblings.CONFIG`) with the lever's changes, both directions from o
     python -m benchmarks.lever_maps --label basis512-distill --distill --on basis512   # a lever's maps, distilled
     python -m benchmarks.lever_maps --label nonlinear --nonlinear --on top4     # a lever's maps with nonlinear heads
     python -m benchmarks.lever_maps --label top4-bonus1 --bonus 1 --on top4     # ... with a 1-nat attention bonus
-    python -m benchmarks.lever_maps --label top4-bonus2 --bonus 2 --on top4     # no pass: top4-bonus1's query moments
+    python -m benchmarks.lever_maps --label top4-bonus2 --bonus 2 --on top4     # the kept query moments: no pass
     python -m benchmarks.lever_maps --label top4-jensen --bonus jensen --on top4   # each head's own bonus
     python -m benchmarks.recipes run --maps runs/levers/capture-top2 --role selection --lever attention=runs/levers/attention
 
