@@ -53,6 +53,22 @@ def with_bonus(pair, fitted):
                                progress=False)
 
 
+def served_logits(target, ids: torch.Tensor, keys: list[torch.Tensor], sink: int) -> list[torch.Tensor]:
+    """Per target layer, the logits the target's own queries over ``ids`` give ``keys`` (per layer ``[1, kv_heads, n,
+    head_dim]``, rotated at their positions, as attention reads them) on the pairs the bonus serves: keys past the
+    sink, queries after them within DISTANCE -> ``[kv_heads, group, pairs]``."""
+    queries = []
+    with torch.no_grad(), recording_queries(target, lambda query, scaling: queries.append((query, scaling))):
+        forward(target, ids, None)
+    m, n = torch.arange(LENGTH)[:, None], torch.arange(LENGTH)[None]
+    served = (n >= sink) & (m > n) & (m - n < DISTANCE)
+    logits = []
+    for (query, scaling), layer_keys in zip(queries, keys, strict=True):
+        grouped = query[0].reshape(KV_HEADS, GROUP, LENGTH, HEAD_DIM)  # query heads j*GROUP.. read KV head j
+        logits.append((scaling * torch.einsum("hgmd,hnd->hgmn", grouped, layer_keys[0]))[:, :, served])
+    return logits
+
+
 def logit_change(pair, plain: KVMap, bonus: KVMap) -> tuple[torch.Tensor, list]:
     """Per target layer and KV head, the mean change of the target's logits on the mapped keys (queries after them
     within DISTANCE), and the caches' keys of both maps."""
@@ -61,19 +77,11 @@ def logit_change(pair, plain: KVMap, bonus: KVMap) -> tuple[torch.Tensor, list]:
     source_kv = run_with_cache(source, ids)
     caches = [MappedCache.from_source(source_kv, m, target, input_ids=ids, refresh_tokens=0, verify_models=False)
               for m in (plain, bonus)]
-    queries = []
-    with torch.no_grad(), recording_queries(target, lambda query, scaling: queries.append((query, scaling))):
-        forward(target, ids, None)
-    sink = plain.config.sink_tokens
-    m, n = torch.arange(LENGTH)[:, None], torch.arange(LENGTH)[None]
-    served = (n >= sink) & (m > n) & (m - n < DISTANCE)
-    change = torch.zeros(len(queries), KV_HEADS)
-    for t, (query, scaling) in enumerate(queries):
-        moved = (caches[1].layers[t].keys - caches[0].layers[t].keys)[0]  # [kv_heads, n, head_dim]
-        grouped = query[0].reshape(KV_HEADS, GROUP, LENGTH, HEAD_DIM)  # query heads j*GROUP.. read KV head j
-        logits = scaling * torch.einsum("hgmd,hnd->hgmn", grouped, moved)
-        change[t] = logits[:, :, served].mean(dim=(1, 2))
-    return change, [[(c.layers[t].keys) for c in caches] for t in range(len(queries))]
+    moved = [bonus_layer.keys - plain_layer.keys
+             for plain_layer, bonus_layer in zip(*(c.layers for c in caches), strict=True)]
+    change = torch.stack([logits.mean(dim=(1, 2)) for logits in served_logits(target, ids, moved,
+                                                                             plain.config.sink_tokens)])
+    return change, [[(c.layers[t].keys) for c in caches] for t in range(len(moved))]
 
 
 def test_mapped_keys_gain_the_recorded_bonus_with_the_targets_own_queries_and_rope(pair, fitted, with_bonus):
@@ -238,18 +246,9 @@ def test_the_jensen_bonus_asks_each_head_half_its_logit_residual_on_the_mapped_k
     own = run_with_cache(target, ids)
     mapped = MappedCache.from_source(run_with_cache(source, ids), worse, target, input_ids=ids, refresh_tokens=0,
                                      verify_models=False)
-    queries = []
-    with torch.no_grad(), recording_queries(target, lambda query, scaling: queries.append((query, scaling))):
-        forward(target, ids, None)
-    sink = fitted.config.sink_tokens
-    m, n = torch.arange(LENGTH)[:, None], torch.arange(LENGTH)[None]
-    served = (n >= sink) & (m > n) & (m - n < DISTANCE)
-    measured = torch.zeros(LAYERS, KV_HEADS)
-    for t, (query, scaling) in enumerate(queries):
-        residual = (own.keys[t] - mapped.layers[t].keys)[0]  # rotated at the keys' positions, as attention reads them
-        grouped = query[0].reshape(KV_HEADS, GROUP, LENGTH, HEAD_DIM)
-        logits = scaling * torch.einsum("hgmd,hnd->hgmn", grouped, residual)
-        measured[t] = logits[:, :, served].pow(2).mean(dim=(1, 2)) / 2
+    residuals = [own_keys - layer.keys for own_keys, layer in zip(own.keys, mapped.layers, strict=True)]
+    measured = torch.stack([logits.pow(2).mean(dim=(1, 2)) / 2
+                            for logits in served_logits(target, ids, residuals, fitted.config.sink_tokens)])
     assert (measured[:, :2].min(dim=1).values > 3 * measured[:, 2]).all()  # the worse heads' residuals stand out
     assert torch.allclose(asked, measured, rtol=0.35, atol=0.03), (asked, measured)
     change, _ = logit_change(pair, worse, jensen)

@@ -219,13 +219,19 @@ def _train_chunks(kv_map: KVMap, target_model: torch.nn.Module, calibration_data
     return chunks
 
 
+def _check_reading(max_distance: int, draws: int) -> None:
+    """Refuse distances or draws the query moments cannot be read with."""
+    if max_distance < 1 or draws < 1:
+        raise CalibrationError(f"max_distance and draws must be positive, got {max_distance}, {draws}")
+
+
 def _check_bonus_options(bonus, max_distance: int, ridge: float, draws: int) -> None:
     if bonus not in BONUS_METHODS[1:] and not (isinstance(bonus, (int, float)) and math.isfinite(bonus)
                                                and 0 <= bonus <= MAX_BONUS):
         raise CalibrationError(f"bonus must be a number of nats in 0..{MAX_BONUS} or 'jensen', got {bonus!r}")
-    if max_distance < 1 or ridge < 0 or draws < 1:
-        raise CalibrationError(f"max_distance and draws must be positive and ridge >= 0, got {max_distance}, {draws}, "
-                               f"{ridge}")
+    _check_reading(max_distance, draws)
+    if ridge < 0:
+        raise CalibrationError(f"ridge must be >= 0, got {ridge}")
 
 
 def target_query_moments(
@@ -243,7 +249,7 @@ def target_query_moments(
     by ``kv_map``'s calibration options (checked against ``kv_map``'s target by fingerprint before any pass). Save
     them (`QueryMoments.save`) and hand them to `add_attention_bonus` (``moments=``) to try several bonus sizes, or
     maps into the same target calibrated alike, for one set of passes."""
-    _check_bonus_options(0.0, max_distance, 0.0, draws)
+    _check_reading(max_distance, draws)
     config = kv_map.config
     kv_map.check_models(None, target_model)
     options, layout = config.calibration.options, config.target_layout
