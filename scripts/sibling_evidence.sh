@@ -7,8 +7,8 @@
 # Needs the sibling fixtures (python -m peft_kvcache.modeling.fixtures gguf:qwen2.5-coder-0.5b-instruct
 # gguf:qwen2.5-coder-1.5b-instruct). Lever maps live in runs/levers (not in git): fitted again where missing, to the
 # same bytes on the same CPU arithmetic (records keep their rows). Records append to benchmarks/results/sibling-recipes
-# and must be committed before a session ends. The final runs pass the levers whose maps hold today's defaults; where a
-# selection report chooses a default on another lever, add it to them (the run refuses without it and says so).
+# and must be committed before a session ends. Every run is passed every lever fitted so far (`levers`): a final run
+# needs the maps of whatever default the selection records chose, a lever fitted later included.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 base=runs/levers/capture-top2
@@ -20,44 +20,52 @@ for pair in qwen2.5-coder-0.5b-to-1.5b-top2 qwen2.5-coder-1.5b-to-0.5b-top2; do 
 done
 lever() { python -m benchmarks.lever_maps "$@"; }
 recipes() { python -m benchmarks.recipes "$@"; }
+# every lever's maps fitted so far (both pairs' weights): a final run needs whichever maps the selection records
+# chose, including levers fitted after the step that runs it (a step is run again in every later session)
+levers() {
+    for folder in runs/levers/*/; do
+        folder=${folder%/}
+        [ "$folder" != "$base" ] && [ -f "$folder/qwen2.5-coder-0.5b-to-1.5b-top2/model.safetensors" ] \
+            && [ -f "$folder/qwen2.5-coder-1.5b-to-0.5b-top2/model.safetensors" ] \
+            && printf -- '--lever %s=%s ' "$(basename "$folder")" "$folder"
+    done
+}
 # a selection report, then the final 2k texts of the default it chose (only that default's rows are missing there)
 selected() {
     recipes report --role selection --context 2048
-    recipes run $L $NEW --role final --context 2048 --passes-limit 52
+    recipes run --maps $base $(levers) --role final --context 2048 --passes-limit 52
     recipes report --role final --context 2048
 }
 lever --label top4 --top-k 4
 lever --label basis512 --top-k 28 --basis-rank 512
-L="--maps $base --lever basis512=runs/levers/basis512 --lever top4=runs/levers/top4"
-recipes run $L --role selection --context 2048 --passes-limit 52 --only basis512: --only top4:  # a refit's own rows
-recipes report --role selection --context 2048
-recipes run $L --role final --context 2048 --passes-limit 52
-recipes report --role final --context 2048
+recipes run --maps $base $(levers) --role selection --context 2048 --passes-limit 52 --only basis512: --only top4:
+selected  # each selection report is followed by the final 2k texts of whatever default it chose
 lever --label joint --joint-kinds
 # the attention bonus (peft_kvcache.calibration.bonus) on both defaults' maps: 1 nat, from a probe on selection texts
 lever --label top4-bonus1 --bonus 1 --on top4
 lever --label basis512-bonus1 --bonus 1 --on basis512
-B="--lever top4-bonus1=runs/levers/top4-bonus1 --lever basis512-bonus1=runs/levers/basis512-bonus1"
-NEW="$B --lever joint=runs/levers/joint"
-recipes run $L $NEW --role selection --context 2048 --passes-limit 52 --only top4-bonus1: --only basis512-bonus1: \
-    --only joint:
-selected  # from here on, each selection report is followed by the final texts of whatever default it chose
+recipes run --maps $base $(levers) --role selection --context 2048 --passes-limit 52 --only top4-bonus1: \
+    --only basis512-bonus1: --only joint:
+selected
 # the bonus's size: 2 nats on both defaults' maps (the target's query moments are read once per direction and kept;
 # the probe on selection windows found 2 nats better than 1 going down)
 lever --label top4-bonus2 --bonus 2 --on top4
 lever --label basis512-bonus2 --bonus 2 --on basis512
-NEW="$NEW --lever top4-bonus2=runs/levers/top4-bonus2 --lever basis512-bonus2=runs/levers/basis512-bonus2"
-recipes run $L $NEW --role selection --context 2048 --passes-limit 52 --only top4-bonus2: --only basis512-bonus2:
+recipes run --maps $base $(levers) --role selection --context 2048 --passes-limit 52 --only top4-bonus2: \
+    --only basis512-bonus2:
 selected
+# the final 4k texts of the defaults chosen so far, before the levers that need captures of their own (hours each):
+# a default a later lever wins adds only its own rows here
+recipes run --maps $base $(levers) --role final --context 4096 --passes-limit 52
+recipes report --role final --context 4096
 lever --label attention --attention-weighting 0.5
 lever --label l2048 --max-length 2048
-NEW="$NEW --lever attention=runs/levers/attention --lever l2048=runs/levers/l2048"
-recipes run $L $NEW --role selection --context 2048 --passes-limit 52 --only attention: --only l2048:
+recipes run --maps $base $(levers) --role selection --context 2048 --passes-limit 52 --only attention: --only l2048:
 selected
 lever --label distill --distill --on capture-top2
 lever --label nonlinear --nonlinear --on top4
-NEW="$NEW --lever distill=runs/levers/distill --lever nonlinear=runs/levers/nonlinear"
-recipes run $L $NEW --role selection --context 2048 --passes-limit 52 --only distill: --only nonlinear:
+recipes run --maps $base $(levers) --role selection --context 2048 --passes-limit 52 --only distill: \
+    --only nonlinear:
 selected
-recipes run $L $NEW --role final --context 4096 --passes-limit 52
+recipes run --maps $base $(levers) --role final --context 4096 --passes-limit 52
 recipes report --role final --context 4096
