@@ -148,9 +148,11 @@ def variants_for(budget: int, levers: tuple[str, ...] = (), final: bool = False,
     oracle swaps, and on selection texts the trade-off between a recent window and picked positions at B (middle
     mapped and dropped) and the curve as the budget grows (B/2, 2B); on ``final`` texts only what reports the
     default: the hybrid, today's refresh and ``chosen`` (the default the selection texts chose, if any) at B. Then
-    each lever's map set on the hybrid, today's refresh and ``chosen`` at B."""
+    each lever's map set on the hybrid, today's refresh and ``chosen`` at B: on final texts only the chosen default's
+    maps (the selection texts compare the levers; every lever on the final texts would multiply their cost)."""
     out = [Variant("full"), Variant("no_context"), Variant("plain")]
     if final:
+        levers = tuple(label for label in levers if chosen is not None and label == Variant.recipe(chosen).maps)
         out += [Variant("window", budget), Variant("hybrid", budget), Variant("refresh", budget, budget - 2 * PROBE)]
         out += [Variant.recipe(chosen)] if chosen is not None else []
     else:

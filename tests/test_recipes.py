@@ -93,8 +93,10 @@ def test_final_texts_measure_the_chosen_default_beside_its_controls(tmp_path, mo
     names = [v.name for v in recipes.variants_for(160, final=True, chosen="index@160/p40")]
     assert names == ["full", "no_context", "plain", "window@160", "hybrid@160", "refresh@160/p128", "index@160/p40",
                      "hybrid@160+true-keys", "hybrid@160+true-values"]
-    with_lever = [v.name for v in recipes.variants_for(160, ("attn",), final=True, chosen="index@160/p40")]
-    assert with_lever[len(names):] == ["attn:hybrid@160", "attn:refresh@160/p128", "attn:index@160/p40"]
+    with_lever = [v.name for v in recipes.variants_for(160, ("attn", "l2048"), final=True, chosen="attn:index@160/p40")]
+    assert with_lever == names[:6] + ["attn:index@160/p40"] + names[7:] + ["attn:hybrid@160", "attn:refresh@160/p128"]
+    assert recipes.variants_for(160, ("attn",), final=True, chosen="index@160/p40") == \
+        recipes.variants_for(160, final=True, chosen="index@160/p40")  # a lever holding no default: none of its rows
     assert len(recipes.variants_for(160)) > 2 * len(names)  # selection texts: the whole grid
     assert len(recipes.variants_for(160, final=True)) == len(names) - 1  # no default chosen: the controls still run
     monkeypatch.setattr(recipes, "RESULTS", tmp_path)
