@@ -30,8 +30,11 @@ levers() {
             && printf -- '--lever %s=%s ' "$(basename "$folder")" "$folder"
     done
 }
-# a selection report, then the final 2k texts of the default it chose (only that default's rows are missing there)
+# a selection report, then the final 2k texts of the default it chose (only that default's rows are missing there);
+# first the selection rows of every lever fitted so far: the report waits (refuses) while any lever is scored on fewer
+# examples than planned, a lever fitted by a later step included
 selected() {
+    recipes run --maps $base $(levers) --role selection --context 2048 --passes-limit 52
     recipes report --role selection --context 2048
     recipes run --maps $base $(levers) --role final --context 2048 --passes-limit 52
     recipes report --role final --context 2048
