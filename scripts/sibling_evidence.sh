@@ -12,7 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 base=runs/levers/capture-top2
-for pair in qwen2.5-coder-0.5b-to-1.5b-top2 qwen2.5-coder-1.5b-to-0.5b-top2; do  # the capture's top-2 fit, in git
+pairs="qwen2.5-coder-0.5b-to-1.5b-top2 qwen2.5-coder-1.5b-to-0.5b-top2"
+for pair in $pairs; do  # the capture's top-2 fit, in git
     if [ ! -f "$base/$pair/model.safetensors" ]; then
         mkdir -p "$base/$pair"
         for f in config.json model.safetensors; do git show "009d39d:hub_cards/$pair/$f" > "$base/$pair/$f"; done
@@ -25,14 +26,14 @@ recipes() { python -m benchmarks.recipes "$@"; }
 levers() {
     for folder in runs/levers/*/; do
         folder=${folder%/}
-        [ "$folder" != "$base" ] && [ -f "$folder/qwen2.5-coder-0.5b-to-1.5b-top2/model.safetensors" ] \
-            && [ -f "$folder/qwen2.5-coder-1.5b-to-0.5b-top2/model.safetensors" ] \
-            && printf -- '--lever %s=%s ' "$(basename "$folder")" "$folder"
+        [ "$folder" != "$base" ] || continue
+        for pair in $pairs; do [ -f "$folder/$pair/model.safetensors" ] || continue 2; done
+        printf -- '--lever %s=%s ' "$(basename "$folder")" "$folder"
     done
 }
-# a selection report, then the final 2k texts of the default it chose (only that default's rows are missing there);
-# first the selection rows of every lever fitted so far: the report waits (refuses) while any lever is scored on fewer
-# examples than planned, a lever fitted by a later step included
+# the selection rows of every lever fitted so far (the report waits, refusing, while any lever is scored on fewer
+# examples than planned, a lever fitted by a later step included), the selection report, then the final 2k texts of
+# the default it chose (only that default's rows are missing there)
 selected() {
     recipes run --maps $base $(levers) --role selection --context 2048 --passes-limit 52
     recipes report --role selection --context 2048
@@ -41,21 +42,16 @@ selected() {
 }
 lever --label top4 --top-k 4
 lever --label basis512 --top-k 28 --basis-rank 512
-recipes run --maps $base $(levers) --role selection --context 2048 --passes-limit 52 --only basis512: --only top4:
 selected  # each selection report is followed by the final 2k texts of whatever default it chose
 lever --label joint --joint-kinds
 # the attention bonus (peft_kvcache.calibration.bonus) on both defaults' maps: 1 nat, from a probe on selection texts
 lever --label top4-bonus1 --bonus 1 --on top4
 lever --label basis512-bonus1 --bonus 1 --on basis512
-recipes run --maps $base $(levers) --role selection --context 2048 --passes-limit 52 --only top4-bonus1: \
-    --only basis512-bonus1: --only joint:
 selected
 # the bonus's size: 2 nats on both defaults' maps (the target's query moments are read once per direction and kept;
 # the probe on selection windows found 2 nats better than 1 going down)
 lever --label top4-bonus2 --bonus 2 --on top4
 lever --label basis512-bonus2 --bonus 2 --on basis512
-recipes run --maps $base $(levers) --role selection --context 2048 --passes-limit 52 --only top4-bonus2: \
-    --only basis512-bonus2:
 selected
 # the final 4k texts of the defaults chosen so far, before the levers that need captures of their own (hours each):
 # a default a later lever wins adds only its own rows here
@@ -63,12 +59,9 @@ recipes run --maps $base $(levers) --role final --context 4096 --passes-limit 52
 recipes report --role final --context 4096
 lever --label attention --attention-weighting 0.5
 lever --label l2048 --max-length 2048
-recipes run --maps $base $(levers) --role selection --context 2048 --passes-limit 52 --only attention: --only l2048:
 selected
 lever --label distill --distill --on capture-top2
 lever --label nonlinear --nonlinear --on top4
-recipes run --maps $base $(levers) --role selection --context 2048 --passes-limit 52 --only distill: \
-    --only nonlinear:
 selected
 recipes run --maps $base $(levers) --role final --context 4096 --passes-limit 52
 recipes report --role final --context 4096
