@@ -6,14 +6,16 @@ a CPU. A lever or a recipe added later needs the same passes again, so they are 
 holding the continuation's logits over the vocabulary and the cache, read back bit for bit, and read only for the same
 checkpoint name and config, sampled weights, dtype, device, torch and transformers versions, text and continuation
 (the file name is their digest, `PassStore.key`). A file that cannot be read is computed again and replaced. The
-store stops keeping passes at its size limit (the first ones kept stay: a later run goes through the examples in
-the same order, so it reads a prefix of them instead of evicting each before it is read again).
+store stops keeping passes at its size limit, or where keeping one would leave its disk less than ``min_free_bytes``
+(the lever fits after it write captures to the same disk; the first passes kept stay: a later run goes through the
+examples in the same order, so it reads a prefix of them instead of evicting each before it is read again).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
 from pathlib import Path
 
 import torch
@@ -39,10 +41,10 @@ def full_pass(model, ids: torch.Tensor, continuation: int) -> tuple[torch.Tensor
 
 class PassStore:
     """`full_pass`, read from ``folder`` where an earlier run computed it (``folder=None``: always computed); a new
-    pass is kept while the folder, with it, holds at most ``limit_bytes``."""
+    pass is kept while the folder, with it, holds at most ``limit_bytes`` and its disk keeps ``min_free_bytes``."""
 
-    def __init__(self, folder: Path | None, limit_bytes: int = 30 * 2**30):
-        self.folder, self.limit_bytes, self._full = folder, limit_bytes, False
+    def __init__(self, folder: Path | None, limit_bytes: int = 30 * 2**30, min_free_bytes: int = 2**30):
+        self.folder, self.limit_bytes, self.min_free_bytes, self._full = folder, limit_bytes, min_free_bytes, False
 
     def key(self, model, ids: torch.Tensor, continuation: int) -> str:
         """The digest a pass is filed under: the model (its checkpoint's name, config, sampled weights
@@ -73,10 +75,13 @@ class PassStore:
         logits, kv = _unpack(tensors)  # contiguous, as a kept pass reads back: every run multiplies the same layout
         self.folder.mkdir(parents=True, exist_ok=True)
         held = sum(f.stat().st_size for f in self.folder.glob("*.safetensors"))
-        if held + sum(t.numel() * t.element_size() for t in tensors.values()) > self.limit_bytes:
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        free = shutil.disk_usage(self.folder).free
+        if held + size > self.limit_bytes or free - size < self.min_free_bytes:
             if not self._full:
-                logger.warning("%s holds %.1f GiB, its limit: further passes are computed, not kept", self.folder,
-                               held / 2**30)
+                logger.warning("%s holds %.1f GiB (limit %.1f), its disk %.1f GiB free (kept free: %.1f): further "
+                               "passes are computed, not kept", self.folder, held / 2**30, self.limit_bytes / 2**30,
+                               free / 2**30, self.min_free_bytes / 2**30)
             self._full = True
             return logits, kv
         atomic_write(path, lambda tmp: save_file(tensors, tmp))

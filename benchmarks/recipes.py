@@ -474,6 +474,8 @@ def main(argv: list[str] | None = None) -> None:
                          "and caches per example: hundreds of MB each at 2,048 tokens; benchmarks.pass_store)")
     go.add_argument("--passes-limit", type=float, default=30, metavar="GIB",
                     help="keep passes while the folder holds less than this")
+    go.add_argument("--passes-free", type=float, default=16, metavar="GIB",
+                    help="keep passes only while their disk keeps this much free (the lever fits write captures)")
     go.add_argument("--no-passes", action="store_true", help="compute every pass, keep none")
     go.add_argument("--threads", type=int, default=2)
     gone = sub.add_parser("supersede", help="move a task's records aside after a fix to how its examples are built")
@@ -504,7 +506,8 @@ def main(argv: list[str] | None = None) -> None:
     models, tokenizer = siblings.load_pair()
     run(models, tokenizer, map_sets, args.role, args.context, args.windows, args.per_file, args.recall_cases,
         tuple(args.directions), tuple(args.only), budgets=budgets,
-        passes=PassStore(None if args.no_passes else args.passes, int(args.passes_limit * 2**30)))
+        passes=PassStore(None if args.no_passes else args.passes, int(args.passes_limit * 2**30),
+                         int(args.passes_free * 2**30)))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 from collections import defaultdict
 from dataclasses import replace
 
@@ -202,6 +203,9 @@ def test_a_kept_pass_is_read_back_bit_for_bit_and_never_for_other_weights_or_tex
     assert torch.equal(torn, logits) and files[0].stat().st_size > 100
     full = PassStore(tmp_path, limit_bytes=sum(f.stat().st_size for f in tmp_path.glob("*.safetensors")))
     kept, _ = full.full_pass(target, ids[1], CONTINUATION - 1)  # at its limit: computed, not kept
+    assert len(list(tmp_path.glob("*.safetensors"))) == 4 and kept.shape[0] == CONTINUATION - 1
+    crowded = PassStore(tmp_path, min_free_bytes=shutil.disk_usage(tmp_path).free)  # any pass would cross the floor
+    kept, _ = crowded.full_pass(target, ids[1], CONTINUATION - 1)
     assert len(list(tmp_path.glob("*.safetensors"))) == 4 and kept.shape[0] == CONTINUATION - 1
 
 
