@@ -60,15 +60,21 @@ def markdown(results: list[dict]) -> str:
     rows = []
     for entry in (e for e in results if "skipped" not in e):
         kept = entry["nonlinear"]
+        tried = kept.get("candidates", [])
+        gains = [c["r2_mlp"] - c["r2_linear"] for c in tried]
+        trials = f"{len(tried)}" + (f" (largest R^2 gain {max(gains):+.4f})" if gains else "")
         for task, report in entry["tasks"].items():
             for d in report["nonlinear_minus_linear"]:
                 unit = "" if d["metric"] == "normalized" else " (KL)"
-                rows.append([entry["map"], f"{len(kept['keys'])} / {len(kept['values'])}", task,
+                rows.append([entry["map"], trials, f"{len(kept['keys'])} / {len(kept['values'])}", task,
                              f"{d['a'].removeprefix('nonlinear')or 'plain switch'}{unit}",
                              f"{d['difference']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]"])
     notes = "".join(f"\n\n{e['map']}: not measured here; {e['skipped']}." for e in results if "skipped" in e)
-    return ("# Nonlinear heads minus the linear map, same calibration data (paired 95% intervals; for KL below zero "
-            "is better)\n\n" + table(["map", "MLP layers keys / values", "task", "variant", "nonlinear - linear"], rows)
+    return ("# Nonlinear heads minus the linear map, same calibration data\n\nPaired 95% intervals; for KL below zero "
+            "is better. Layers tried: those whose linear held-out R^2 is under the threshold; a head is kept where it "
+            "raises that R^2 by the minimum gain (both in `options`).\n\n"
+            + table(["map", "layers tried", "MLP layers kept keys / values", "task", "variant", "nonlinear - linear"],
+                    rows)
             + notes)
 
 

@@ -255,8 +255,8 @@ class Publisher:
         levers.run(models, tokenizer, maps, policy, FINAL_CONTEXT, LEVER_FILES, LEVER_RECALL, self.progress)
 
     def nonlinear(self) -> None:
-        """Nonlinear heads against the linear maps they extend, trained on the maps' own calibration texts
-        (`benchmarks.nonlinear`): both sibling maps (selection texts) and the base -> adapter maps."""
+        """Nonlinear heads against the linear sibling maps they extend, trained on the maps' own calibration texts
+        and scored on selection texts (`benchmarks.nonlinear`)."""
         results = []
         models, tokenizer = self.sibling_models()
         task_sets = siblings.tasks(tokenizer, FINAL_CONTEXT, "selection", LEVER_FILES, NONLINEAR_RECALL)
@@ -266,18 +266,25 @@ class Publisher:
             results.append(nonlinear.skipped(name, kv_map) or nonlinear.compare(
                 name, source, target, kv_map, stdlib_texts("calibration", NONLINEAR_FILES), tokenizer, task_sets,
                 FINAL_CONTEXT, plain_refresh(kv_map.config.refresh), self.progress))
+        save("nonlinear", {"options": nonlinear.NONLINEAR, "results": results}, nonlinear.markdown(results))
+
+    def adapter_nonlinear(self) -> None:
+        """Nonlinear heads against the linear base -> adapter maps they extend (`benchmarks.nonlinear`): MLPs
+        trained on the maps' own calibration texts, both scored on held-out continuations. Its own stage: it loads
+        only the small model, where the sibling stage needs both Qwen models."""
         model, tokenizer = self.adapter_model()
         base, _ = load_model(SMOLLM)
         held = stdlib_texts("calibration", 16, ADAPTER_FILES + BLEND_FILES + gates.FILES)
         examples, names = continuation_examples(tokenizer, held, 512, 64, 16)
         adapter_tasks = {"continuation": (examples, 64, names)}
         texts = {n: token_ids(tokenizer, t, 512) for n, t in stdlib_texts("calibration", NONLINEAR_FILES).items()}
+        results = []
         for adapter, reverse, kv_map in self.adapter_maps().all():
             if not reverse:
                 model.set_adapter(adapter)
                 results.append(nonlinear.compare(folder_name(PREFIX, adapter, False), base, model, kv_map, texts,
                                                  tokenizer, adapter_tasks, 512, None, self.progress))
-        save("nonlinear", {"options": nonlinear.NONLINEAR, "results": results}, nonlinear.markdown(results))
+        save("adapter-nonlinear", {"options": nonlinear.NONLINEAR, "results": results}, nonlinear.markdown(results))
 
     def evaluate(self) -> None:
         """The goal table of the published maps (with their recipe) on the "final" held-out texts."""
@@ -578,7 +585,8 @@ STAGES = (
     Stage("siblings", "levers", QWEN, CHOSEN, ("sibling-levers",)),
     Stage("siblings", "evaluate", QWEN, RECIPE, ("siblings",)),
     Stage("siblings", "ttft", QWEN, RECIPE, SIBLING_TTFT),
-    Stage("nonlinear", "nonlinear", QWEN + SMOL, (*RECIPE, "adapter maps"), ("nonlinear",)),
+    Stage("nonlinear", "nonlinear", QWEN, RECIPE, ("nonlinear",)),
+    Stage("nonlinear", "adapter_nonlinear", SMOL, ("adapter maps",), ("adapter-nonlinear",)),
     Stage("adapters", "calibrate_adapters", SMOL, makes=("adapter maps",)),
     Stage("adapters", "adapter_gate", SMOL, ("adapter maps",), ("adapter-gates",)),
     Stage("adapters", "adapter_evaluate", SMOL, ("adapter maps",), (adapters.results_stem(False),)),

@@ -167,7 +167,10 @@ def test_the_comparison_says_which_maps_heads_cannot_extend_and_measures_the_oth
     entry = nonlinear.skipped("basis", with_basis)
     assert "shared basis (basis_rank 4)" in entry["skipped"]
     difference = {"metric": "normalized", "a": "nonlinear", "difference": 0.01, "low": -0.01, "high": 0.03}
-    measured = {"map": "top4", "nonlinear": {"keys": [1], "values": []},
+    tried = [{"kind": "keys", "layer": 1, "r2_linear": 0.8, "r2_mlp": 0.85}, {"kind": "values", "layer": 2,
+                                                                            "r2_linear": 0.7, "r2_mlp": 0.69}]
+    measured = {"map": "top4", "nonlinear": {"keys": [1], "values": [], "candidates": tried},
                 "tasks": {"continuation": {"nonlinear_minus_linear": [difference]}}}
     text = nonlinear.markdown([entry, measured])
-    assert "| top4 | 1 / 0 | continuation |" in text and "basis: not measured here; its layers read a shared" in text
+    assert "| top4 | 2 (largest R^2 gain +0.0500) | 1 / 0 | continuation |" in text
+    assert "basis: not measured here; its layers read a shared" in text
