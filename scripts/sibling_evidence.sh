@@ -57,10 +57,18 @@ selected
 # a default a later lever wins adds only its own rows here
 recipes run --maps $base $(levers) --role final --context 4096 --passes-limit 52
 recipes report --role final --context 4096
+# attention weighting (CacheBridge): alone on the capture's top-2 choice, and on each direction's default maps from the
+# same statistics (the top-k and the shared basis are fitted from them; the bonus from the kept query moments)
 lever --label attention --attention-weighting 0.5
+lever --label attention-basis512 --attention-weighting 0.5 --top-k 28 --basis-rank 512
+lever --label attention-top4 --attention-weighting 0.5 --top-k 4
+lever --label attention-top4-bonus1 --bonus 1 --on attention-top4
+selected
+# distillation alone, on the capture's fit (hours: the target's backward passes); on the defaults' maps only if it pays
+lever --label distill --distill --on capture-top2
+selected
 lever --label l2048 --max-length 2048
 selected
-lever --label distill --distill --on capture-top2
 lever --label nonlinear --nonlinear --on top4
 selected
 recipes run --maps $base $(levers) --role final --context 4096 --passes-limit 52
