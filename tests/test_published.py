@@ -185,3 +185,13 @@ def test_a_gate_on_texts_a_map_was_fitted_on_is_refused():
         disjoint({fitted[0]: "", "elsewhere.py": ""}, kv_map, "base -> shout")
     # the files the publish run gates the adapter maps on
     disjoint(stdlib_texts("calibration", FILES, ADAPTER_FILES + BLEND_FILES), kv_map, "base -> shout")
+
+
+def test_every_publish_stage_is_a_step_with_its_own_products():
+    """A stage the table names runs the `Publisher` method of its name, and no two stages make the same results file
+    or artifact (which run wrote a file would otherwise depend on the stages chosen)."""
+    from scripts.publish import STAGES, Publisher
+
+    assert [s.name for s in STAGES if not callable(getattr(Publisher, s.name, None))] == []
+    made = [item for stage in STAGES for item in stage.makes]
+    assert len(made) == len(set(made))
