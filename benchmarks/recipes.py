@@ -9,7 +9,8 @@ map's fingerprint, dtype, commit and run), so a run stops anywhere and the next 
 however many sessions it takes. ``report`` makes the tables from whatever is there: normalized retention and paired
 differences with 95% intervals from a bootstrap that resamples whole files (windows of one file move together).
 The models' full passes over each example, most of its time, are kept under ``runs/passes`` (`benchmarks.pass_store`),
-so a lever or variant added later computes only itself.
+so a lever or variant added later computes only itself; kept while the folder holds under ``--passes-limit`` and the
+disk keeps ``--passes-free`` (the lever fits write their captures to the same disk).
 
 Target compute counts the context tokens the target runs (the probe pass counted once, the sink not counted: every
 variant has the target's own sink, but ``no_context``, the floor, which is the last context token alone). At a
